@@ -1,0 +1,113 @@
+"""Engine configuration: small dataclasses, validated on construction."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+LOAD_FORMATS = ("auto", "dummy", "safetensors", "pt")
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str, config_dtype: Any = None) -> torch.dtype:
+    """`auto`: float32 on CPU; on CUDA the checkpoint's half type, bfloat16 for float32 ones."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if not device.startswith("cuda"):
+            return torch.float32
+        if isinstance(config_dtype, str):
+            config_dtype = _DTYPES.get(config_dtype)
+        return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: unsupported {dtype!r}; choose auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class WeightTransferConfig:
+    """`--weight-transfer-config '{"backend": "nccl"}'`."""
+
+    backend: str = "nccl"  # nccl | gloo | ipc
+    timeout_s: float = 120.0  # every collective gives up after this long
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> "WeightTransferConfig | None":
+        if value is None:
+            return None
+        data = json.loads(value) if isinstance(value, str) else dict(value)
+        unknown = set(data) - {"backend", "timeout_s", "timeout"}
+        if unknown:
+            raise ValueError(f"weight-transfer-config: unknown keys {sorted(unknown)}; "
+                             "known: backend, timeout_s")
+        if "timeout" in data:
+            data["timeout_s"] = data.pop("timeout")
+        cfg = cls(**data)
+        if cfg.backend not in ("nccl", "gloo", "ipc"):
+            raise ValueError(f"weight-transfer-config: backend must be nccl, gloo or ipc, "
+                             f"got {cfg.backend!r}")
+        if not cfg.timeout_s > 0:
+            raise ValueError("weight-transfer-config: timeout_s must be > 0")
+        return cfg
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    device: str = "auto"
+    dtype: str | torch.dtype = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    # Cache
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # explicit budget; CPU default 1 GiB
+    num_kv_blocks: int | None = None  # overrides both budgets (tests use it to force preemption)
+    # Scheduler
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    # Execution
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    weight_transfer: WeightTransferConfig | None = None
+    trust_remote_code: bool = False
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = default_device()
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: unknown {self.load_format!r}; "
+                             f"choose one of {', '.join(LOAD_FORMATS)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError("block_size: must be one of 8, 16, 32, 64, 128")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs: must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens: must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size: must be at least 1")
+        if isinstance(self.weight_transfer, (str, dict)):
+            self.weight_transfer = WeightTransferConfig.parse(self.weight_transfer)
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model

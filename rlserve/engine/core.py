@@ -1,0 +1,308 @@
+"""The engine core: the step loop (schedule -> execute -> update), request admission,
+pause modes, and applying new weights between steps.
+
+Not thread-safe: exactly one thread drives it (the offline LLM, or the async engine's loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from rlserve.config import EngineConfig
+from rlserve.engine.detokenizer import IncrementalDetokenizer
+from rlserve.engine.kv_cache import KVCacheManager
+from rlserve.engine.request import (EngineOutput, FinishReason, InvalidRequestError, Request,
+                                    RequestStatus, SamplingParams)
+from rlserve.engine.scheduler import Scheduler
+from rlserve.model.loader import load_hf_config, resolve_model_path
+from rlserve.worker.executor import UniProcExecutor
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    kv_cache_capacity_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    aborted_total: int
+    preemptions_total: int
+    prefix_cache_hit_tokens: int
+    weight_version: int
+    paused: bool
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_ids(hf_config, tokenizer, path: str) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    try:  # generation_config.json often lists extra end-of-turn tokens
+        from transformers import GenerationConfig
+        gen = GenerationConfig.from_pretrained(path)
+        eos = gen.eos_token_id
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    except Exception:
+        pass
+    return frozenset(ids)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        t0 = time.perf_counter()
+        self.model_path = resolve_model_path(config.model)
+        hf_config = load_hf_config(self.model_path)
+        for key, value in config.hf_overrides.items():
+            setattr(hf_config, key, value)
+        self.hf_config = hf_config
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        self.max_model_len = config.max_model_len or limit
+        self.vocab_size = hf_config.vocab_size
+        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, self.model_path)
+
+        self.executor = UniProcExecutor(config, hf_config, self.model_path)
+        num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
+        self.executor.collective_rpc("init_kv_cache", num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.weight_version = 0
+        self.paused = False
+        self.pause_mode: str | None = None
+        self.held: list[Request] = []  # arrived while paused: admitted on resume
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.aborted_total = 0
+        self.load_seconds = time.perf_counter() - t0
+        logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks = %d tokens",
+                    config.model, type(self.executor.driver.model).__name__,
+                    self.executor.driver.dtype, self.load_seconds, num_blocks,
+                    self.kv.capacity_tokens)
+
+    @property
+    def world_size(self) -> int:
+        return self.executor.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.executor.driver.device
+
+    # -- requests ----------------------------------------------------------------------
+    def make_requests(self, prompt_token_ids: list[int], params: SamplingParams,
+                      request_id: str) -> list[Request]:
+        """Validate one prompt and expand it into its n sample requests."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt: must contain at least one token", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt: {n} tokens, but max_model_len is {self.max_model_len} (the prompt "
+                "and at least one generated token must fit)", "prompt")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens: the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len ({self.max_model_len})", "max_tokens")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        for t in params.stop_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})",
+                    "stop_token_ids")
+        if params.n == 1:
+            return [Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len)]
+        return [Request(f"{request_id}-{i}", prompt_token_ids, params, self.eos_token_ids,
+                        self.max_model_len, group_id=request_id, sample_index=i)
+                for i in range(params.n)]
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.scheduler.requests or any(r.request_id == req.request_id for r in self.held):
+            raise InvalidRequestError(f"request_id: {req.request_id!r} is already running", "request_id")
+        p = req.sampling_params
+        if p.detokenize:
+            self.detokenizers[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
+                p.skip_special_tokens)
+        if self.paused:
+            self.held.append(req)
+        else:
+            self.scheduler.add(req)
+
+    def abort(self, request_ids: Iterable[str]) -> list[EngineOutput]:
+        outputs = []
+        for rid in request_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                held = [r for r in self.held if r.request_id == rid]
+                if not held:
+                    continue
+                req = held[0]
+                self.held.remove(req)
+            outputs.append(self._finish(req, FinishReason.ABORT))
+            self.aborted_total += 1
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def has_work(self) -> bool:
+        return self.has_unfinished() and not self.scheduler.frozen
+
+    # -- the step ----------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        tables = [self.kv.block_table(item.request) for item in sched.scheduled]
+        result = self.executor.execute_model(sched, tables)
+
+        outputs: list[EngineOutput] = []
+        for item in sched.scheduled:
+            req = item.request
+            start = req.num_computed_tokens
+            req.num_computed_tokens += item.num_new_tokens
+            if start < req.num_prompt_tokens:
+                self.prompt_tokens_total += min(req.num_computed_tokens, req.num_prompt_tokens) - start
+            self.kv.cache_computed_blocks(req)
+            if req.request_id in result.prompt_logprobs:
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs = [None]
+                if len(req.prompt_logprobs) == start + 1:  # skip recomputed chunks
+                    req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
+
+        for s in result.sampled:
+            req = self.scheduler.requests[s.request_id]
+            outputs.append(self._append_token(req, s.token_id, s.logprob))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprob) -> EngineOutput:
+        first = req.num_output_tokens == 0
+        req.token_ids.append(token)
+        req.token_versions.append(self.weight_version)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        self.generation_tokens_total += 1
+        p = req.sampling_params
+        n_out = req.num_output_tokens
+        finish, stop_reason = None, None
+        if not p.ignore_eos and token in req.eos_token_ids and n_out >= p.min_tokens:
+            finish = FinishReason.STOP
+        elif token in p.stop_token_ids and n_out >= p.min_tokens:
+            finish, stop_reason = FinishReason.STOP, token
+        detok = self.detokenizers.get(req.request_id)
+        if detok is not None and finish is None:
+            match = detok.add(token)
+            if match is not None and n_out >= p.min_tokens:
+                finish, stop_reason = FinishReason.STOP, match.stop
+        if finish is None and n_out >= req.max_output_tokens:
+            finish = FinishReason.LENGTH
+        text = detok.take(final=finish is not None) if detok is not None else ""
+        out = EngineOutput(req.request_id, [token], [logprob] if logprob is not None else None,
+                           text, self.weight_version,
+                           prompt_logprobs=req.prompt_logprobs if first and p.prompt_logprobs is not None else None,
+                           num_cached_tokens=req.num_cached_tokens)
+        if finish is not None:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason, req.stop_reason = finish, stop_reason
+            out.finish_reason, out.stop_reason = finish, stop_reason
+            self.scheduler.finish(req)
+            self.detokenizers.pop(req.request_id, None)
+        return out
+
+    def _finish(self, req: Request, reason: FinishReason) -> EngineOutput:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.scheduler.finish(req)
+        detok = self.detokenizers.pop(req.request_id, None)
+        text = detok.take(final=True) if detok is not None else ""
+        return EngineOutput(req.request_id, [], None, text, self.weight_version,
+                            finish_reason=reason, num_cached_tokens=req.num_cached_tokens)
+
+    # -- pause / resume ----------------------------------------------------------------
+    def pause(self, mode: str = "abort", clear_cache: bool = False) -> list[EngineOutput]:
+        """Stop producing tokens. `abort` ends in-flight requests now; `keep` freezes them
+        with their KV cache; `wait` lets them run on (the caller waits for `drained`)."""
+        if mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
+        self.paused = True
+        self.pause_mode = mode
+        outputs: list[EngineOutput] = []
+        if mode == "abort":
+            outputs = self.abort(list(self.scheduler.requests))
+        elif mode == "keep":
+            self.scheduler.frozen = True
+            if clear_cache:
+                for req in list(self.scheduler.running):
+                    self.scheduler.drop_kv(req)
+                self.kv.reset_prefix_cache()
+        return outputs
+
+    @property
+    def drained(self) -> bool:
+        """For `wait` pauses: every request that was in flight has finished."""
+        return not self.has_unfinished() or self.pause_mode == "keep"
+
+    def resume(self) -> None:
+        self.paused = False
+        self.pause_mode = None
+        self.scheduler.frozen = False
+        for req in self.held:
+            self.scheduler.add(req)
+        self.held.clear()
+
+    # -- weights -----------------------------------------------------------------------
+    def apply_weights(self, weights: list[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+        """Copy already-received, already-validated tensors into the model, between steps.
+
+        Runs in the engine thread, so no step ever sees a half-updated model.
+        """
+        self.executor.collective_rpc("load_weights", weights)
+        self.weight_version = self.weight_version + 1 if version is None else version
+        self.kv.reset_prefix_cache()
+        return self.weight_version
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
+
+    # -- stats -------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self.held),
+            kv_cache_usage=self.kv.usage,
+            kv_cache_capacity_tokens=self.kv.capacity_tokens,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            aborted_total=self.aborted_total,
+            preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_hit_tokens=self.kv.prefix_hits,
+            weight_version=self.weight_version,
+            paused=self.paused)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

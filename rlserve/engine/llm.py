@@ -1,0 +1,80 @@
+"""The offline API, in the shape users know from vLLM:
+
+    from rlserve import LLM, SamplingParams
+    llm = LLM("path/or/hub-id", device="cpu", dtype="float32")
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from rlserve.config import EngineConfig
+from rlserve.engine.core import EngineCore
+from rlserve.engine.output_processor import RequestState
+from rlserve.engine.request import RequestOutput, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        if model is None:
+            from rlserve.model.demo_model import demo_model_path
+            model = demo_model_path()
+        self.engine = EngineCore(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists), returned in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params: one per prompt, or a single one for all")
+
+        states: dict[str, RequestState] = {}
+        order: list[str] = []
+        # Validate everything before admitting anything, so a bad prompt leaves no work behind.
+        pending = []
+        for prompt, p in zip(prompts, params_list):
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = str(next(self._ids))
+            reqs = self.engine.make_requests(ids, p, rid)
+            states[rid] = RequestState(rid, text, ids, p.n, p.logprobs is not None)
+            for child in reqs:
+                pending.append((rid, child))
+            order.append(rid)
+        child_to_parent = {}
+        for rid, child in pending:
+            child_to_parent[child.request_id] = rid
+            self.engine.add_request(child)
+
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                states[child_to_parent[out.request_id]].add(out)
+        return [states[rid].snapshot() for rid in order]
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, chat_template) for c in convs]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, messages, chat_template: str | None = None) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, chat_template=chat_template)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer versions
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()

@@ -1,0 +1,147 @@
+"""Continuous batching with one token budget per step.
+
+Each step, running requests go first (a decode is one token, an unfinished prefill takes
+the next chunk), then waiting requests are admitted while budget, sequence slots and KV
+blocks last. When blocks run out, the most recently admitted running request is preempted:
+its blocks are freed and it is recomputed later from its prompt and the tokens it had.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rlserve.engine.kv_cache import KVCacheManager
+from rlserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's tokens: a token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        # Requests held in place by a `keep` pause: they keep their KV but are not stepped.
+        self.frozen = False
+
+    # -- queue management -------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished request and free its blocks (its status is already set)."""
+        self.requests.pop(req.request_id, None)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+
+    def drop_kv(self, req: Request) -> None:
+        """Forget a request's KV so it is recomputed (keep-mode pause with clear_cache)."""
+        self._preempt(req, count=False)
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- the step ----------------------------------------------------------------------
+    def _preempt(self, req: Request, count: bool = True) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        if count:
+            req.num_preemptions += 1
+            self.num_preemptions += 1
+
+    def _waiting_on_sibling(self, req: Request) -> bool:
+        """n > 1: samples after the first wait until it has computed the shared prompt, then
+        take its blocks from the prefix cache instead of computing them again."""
+        if req.group_id is None or req.sample_index == 0 or req.num_computed_tokens:
+            return False
+        if not self.kv.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return False
+        leader = self.requests.get(f"{req.group_id}-0")
+        return leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.frozen:
+            return out
+        budget = self.max_num_batched_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                self.waiting.appendleft(victim)
+                out.preempted.append(victim.request_id)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+                i += 1
+
+        # Admitting new work right after a preemption would only thrash.
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if self._waiting_on_sibling(req):
+                skipped.append(self.waiting.popleft())
+                continue
+            cached: list[int] = []
+            if req.num_computed_tokens == 0:
+                cached = self.kv.find_cached_prefix(req)
+            num_computed = len(cached) * self.kv.block_size
+            n = min(req.num_tokens - num_computed, budget)
+            if not self.kv.allocate(req, n, cached):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_computed
+            if req.num_cached_tokens == 0:
+                req.num_cached_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out

@@ -1,0 +1,120 @@
+"""Building blocks shared by the architectures: norms, rotary embedding, paged attention."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlserve.ops import backend as ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged cache (see rlserve/ops/attention.py)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With `residual`: returns (norm(x + residual), x + residual), fused on GPU."""
+        if residual is not None:
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    # Llama 3.1 long-context scaling: low frequencies divided by `factor`, high ones kept,
+    # a smooth ramp between.
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with a precomputed cos/sin table (float32)."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 scaling: dict | None = None):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type not in ("default", None):
+            raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r} "
+                             "(supported: default, llama3)")
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # Not parameters: never touched by weight loading, rebuilt on the model's device.
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class PagedAttention(nn.Module):
+    """Stores this step's keys/values in the paged cache, then attends over it.
+
+    The model runner binds `k_cache`/`v_cache` (views into one pool) before the first step.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = ops.paged_attention(q, self.k_cache, self.v_cache, meta)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+
+def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return ops.silu_and_mul(x)
+    half = x.shape[-1] // 2
+    if act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return nn.functional.gelu(x[..., :half], approximate="tanh") * x[..., half:]
+    if act == "gelu":
+        return nn.functional.gelu(x[..., :half]) * x[..., half:]
+    raise ValueError(f"hidden_act: unsupported {act!r} (supported: silu, gelu, gelu_pytorch_tanh)")

@@ -1,0 +1,135 @@
+"""Llama-family decoders: Llama 2/3 (SmolLM2, Mistral), Qwen2 (qkv bias), Qwen3 (q/k norm)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlserve.model.base import CausalLM
+from rlserve.model.layers import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, act_and_mul
+
+
+def _rope(config) -> tuple[float, dict | None]:
+    # transformers 5 keeps theta inside rope_parameters; 4.x had rope_theta + rope_scaling.
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = getattr(config, "rope_scaling", None) or (params if params else None)
+    return theta, scaling
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        theta, scaling = _rope(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, positions, hidden, meta: AttentionMetadata):
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = config.hidden_act
+
+    def forward(self, x):
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(CausalLM):
+    qkv_bias: bool | None = None  # None: from config.attention_bias
+    o_bias: bool | None = None
+    qk_norm = False
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = attention_bias if self.o_bias is None else self.o_bias
+        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        attn = self.model.layers[0].self_attn
+        self.packed_modules = {
+            "qkv_proj": [("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size)],
+            "gate_up_proj": [("gate_proj", config.intermediate_size),
+                             ("up_proj", config.intermediate_size)],
+        }
+
+    def forward(self, input_ids, positions, meta):
+        return self.model(input_ids, positions, meta)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+    o_bias = False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,92 @@
+"""Model construction and checkpoint loading: an HF directory, a hub id, or dummy weights."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from typing import Iterator
+
+import torch
+
+from rlserve.model.base import CausalLM
+from rlserve.model.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory as is; otherwise a hub id, fetched once (needs network)."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover
+        raise ValueError(f"model: {model!r} is not a directory and huggingface_hub is missing") from e
+    try:
+        return snapshot_download(model, allow_patterns=[
+            "*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"])
+    except Exception as e:
+        raise ValueError(f"model: {model!r} is not a local directory and could not be fetched "
+                         f"from the hub ({type(e).__name__}: {e})") from e
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
+
+
+def iterate_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        from safetensors import safe_open
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):  # only the shards the index names (skips stray files)
+            with open(index) as f:
+                names = set(json.load(f)["weight_map"].values())
+            files = [f for f in files if os.path.basename(f) in names]
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    bins = sorted(glob.glob(os.path.join(path, "*.bin")))
+    if not bins:
+        raise ValueError(f"model: no *.safetensors or *.bin weights in {path}")
+    for file in bins:
+        # weights_only: a checkpoint cannot run code while it loads.
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        yield from state.items()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Small uniform random weights, the same for the same seed and device type."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for _, p in model.named_parameters():
+        # Generated in float32 so bf16/fp32 runs of one seed see the same values, rounded.
+        buf = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        buf.uniform_(-1e-3, 1e-3, generator=gen)
+        p.data.copy_(buf)
+
+
+def build_model(hf_config, dtype: torch.dtype, device: str, load_format: str, path: str,
+                seed: int = 0) -> CausalLM:
+    cls = model_class(hf_config)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(hf_config)
+    finally:
+        torch.set_default_dtype(old)
+    model.eval().requires_grad_(False)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        return model
+    loaded = model.load_weights(iterate_checkpoint(path))
+    missing = sorted(n for n, e in model.expected_weights().items() if e.required and n not in loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} weights: {missing[:10]}")
+    return model

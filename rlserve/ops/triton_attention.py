@@ -1,0 +1,356 @@
+"""Triton kernels for the paged KV cache: same contract as rlserve.ops.attention.
+
+Importing this module imports triton; callers import it lazily, only on CUDA.
+
+Nothing here reads GPU tensors on the host: launch grids come from shapes and from the
+optional host-side hints `max_query_len` / `max_seq_len`, so the decode path can be
+captured in a CUDA graph. Without the hints, safe upper bounds are used (programs with
+nothing to do exit at once).
+
+Attention kernel: one program per (query tile, sequence, kv head[, kv split]). A query tile
+packs BLOCK_Q tokens x all query heads sharing the kv head into the rows of one matrix, so
+each K/V tile is loaded once per kv head (GQA packing) and fed to tensor-core dots. Keys are
+gathered through the block table in tiles of BLOCK_N positions independent of the cache's
+block size. Softmax is online, in fp32, base 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------- store
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    t64 = t.to(tl.int64)
+    k = tl.load(key_ptr + t64 * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t64 * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d,
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into their cache slots (-1: skip)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_last_dim(key, value, k_cache, v_cache)
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim), "cache/key shape mismatch"
+    assert slot_mapping.shape[0] >= num_tokens
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
+    )
+
+
+# ------------------------------------------------------------------------- attention
+
+
+@triton.jit
+def _attn_tiles(
+    acc, l_i, m_i, q, q_pos, lo, hi, kv_end,
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    scale_log2,
+    MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            j_ok = j < kv_end
+            phys = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        else:
+            j_ok = j >= 0  # all in range; keeps one code path for the loads
+            phys = tl.load(bt_row_ptr + j // BLOCK_SIZE).to(tl.int64)
+        off = j % BLOCK_SIZE
+        ld_mask = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + phys[:, None] * stride_kb + off[:, None] * stride_ks
+                    + kvh * stride_kh + d[None, :], mask=ld_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if MASKED:
+            visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + phys[:, None] * stride_vb + off[:, None] * stride_vs
+                    + kvh * stride_vh + d[None, :], mask=ld_mask, other=0.0)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, num_heads,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    # Last query tiles (the longest causal rows) first, for better tail balance.
+    num_tiles = tl.num_programs(0) // NUM_SPLITS
+    tile = num_tiles - 1 - pid // NUM_SPLITS
+    split = pid % NUM_SPLITS
+
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    t0 = tile * BLOCK_Q
+    if t0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = t0 + rows // GROUP_PAD
+    hq = rows % GROUP_PAD
+    row_ok = (tok < q_len) & (hq < GROUP)
+    head = kvh * GROUP + hq
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    tok_g = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    q_pos = ctx + tok
+
+    # Keys this tile can see end at the last row's position; keys below the first row's
+    # position (rounded down to a tile) are visible to every row and need no mask.
+    kv_end = ctx + tl.minimum(t0 + BLOCK_Q, q_len)
+    full_end = ((ctx + t0 + 2) // BLOCK_N) * BLOCK_N
+    if NUM_SPLITS == 1:
+        unmasked_lo = 0
+        unmasked_hi = full_end
+        masked_lo = full_end
+        hi = kv_end
+    else:
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_end)
+        unmasked_lo = lo
+        unmasked_hi = tl.minimum(hi, full_end)
+        masked_lo = tl.maximum(lo, full_end)
+
+    # Finite start so rows that see nothing in this split stay NaN-free.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
+    acc, l_i, m_i = _attn_tiles(
+        acc, l_i, m_i, q, q_pos, unmasked_lo, unmasked_hi, kv_end,
+        k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+        False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32)
+    acc, l_i, m_i = _attn_tiles(
+        acc, l_i, m_i, q, q_pos, masked_lo, hi, kv_end,
+        k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+        True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + tok_g[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Partials: [tokens, heads, splits, head_dim] fp32 and log2-sum-exp [tokens, heads, splits].
+        part = (tok_g * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    base = (t * num_heads + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)
+    w = tl.where(s_ok, w, 0.0)
+    o = tl.load(part_out_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
+                mask=s_ok[:, None], other=0.0)
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16  # interpreter runs: any small number
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _pick_config(max_query_len: int, group_pad: int, head_dim: int) -> dict:
+    """Tile shape from host-side sizes only (no device reads)."""
+    rows = max_query_len * group_pad
+    if rows <= 16:  # decode (and tiny chunks): memory bound, small M
+        block_m = max(16, group_pad)
+        return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
+    if rows <= 64:
+        return dict(BLOCK_M=max(64, group_pad), BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=max(128, group_pad), BLOCK_N=64,
+                num_warps=8 if head_dim > 64 else 4, num_stages=2)
+
+
+def _pick_splits(num_seqs: int, num_kv_heads: int, q_tiles: int, max_ctx: int,
+                 device: torch.device) -> int:
+    """Flash-decoding: split the keys when too few programs would fill the GPU."""
+    if q_tiles != 1 or max_ctx <= 1024:
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 2 * _sm_count(device)
+    if programs >= target:
+        return 1
+    splits = min(triton.cdiv(target, programs), triton.cdiv(max_ctx, 512), 16)
+    return max(1, splits)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, scale: float, *,
+                    max_query_len: int | None = None, max_seq_len: int | None = None,
+                    out: torch.Tensor | None = None, num_kv_splits: int | None = None,
+                    _config: dict | None = None) -> torch.Tensor:
+    """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache.
+
+    max_query_len / max_seq_len: host-side upper bounds for the batch (defaults: the number
+    of tokens, and the block table's capacity). out: optional preallocated output, which may
+    be a strided view. num_kv_splits: force the split-KV decode path (1 disables it).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
+    assert kv_dim == head_dim and num_heads % num_kv_heads == 0
+    assert k_cache.dtype in _SUPPORTED and v_cache.dtype == k_cache.dtype
+    assert block_size & (block_size - 1) == 0, "block size must be a power of two"
+    _check_last_dim(query, k_cache, v_cache)
+    if out is None:
+        out = torch.empty_like(query)
+    else:
+        assert out.shape == query.shape and out.stride(-1) == 1
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if max_query_len is None:
+        max_query_len = num_tokens
+    max_query_len = max(1, min(int(max_query_len), num_tokens))
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    cfg = dict(_config) if _config else _pick_config(max_query_len, group_pad, head_dim)
+    block_m = cfg.pop("BLOCK_M")
+    block_n = cfg.pop("BLOCK_N")
+    block_q = max(1, block_m // group_pad)
+    block_m = block_q * group_pad
+    q_tiles = triton.cdiv(max_query_len, block_q)
+    if num_kv_splits is None:
+        num_kv_splits = _pick_splits(num_seqs, num_kv_heads, q_tiles, int(max_seq_len),
+                                     query.device)
+    num_kv_splits = max(1, int(num_kv_splits))
+    block_d = triton.next_power_of_2(head_dim)
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    # Triton's CPU interpreter mis-evaluates bf16 dots; it gets fp32 operands instead.
+    dot_f32 = query.device.type == "cpu" and k_cache.dtype == torch.bfloat16
+
+    if num_kv_splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, num_kv_splits, block_d),
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((num_tokens, num_heads, num_kv_splits),
+                               dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused
+
+    grid = (q_tiles * num_kv_splits, num_seqs, num_kv_heads)
+    _paged_attn_kernel[grid](
+        query, k_cache, v_cache, out, part_out, part_lse,
+        query_start_loc, seq_lens, block_tables,
+        scale * math.log2(math.e),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), num_heads,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        NUM_SPLITS=num_kv_splits, PRECISION=precision, DOT_F32=dot_f32, **cfg,
+    )
+    if num_kv_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
+            NUM_SPLITS=num_kv_splits, SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def _check_last_dim(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        assert t.stride(-1) == 1, "the head_dim axis must be contiguous"

@@ -1,0 +1,115 @@
+"""Small fused Triton kernels: RMSNorm (optionally with the residual add) and SiLU-and-mul.
+
+Arithmetic and rounding points match rlserve.ops.fused_ref (transformers' Llama/Qwen
+modules), so outputs agree with the torch path up to float32 summation order.
+Importing this module imports triton; callers import it lazily, only on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # The sum is rounded to the activation dtype before the norm reads it, as in torch.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, 0) / n_cols
+    h = (h * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = w.to(tl.float32) * h.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm_launch(x, residual, weight, eps, out, res_out):
+    n_cols = x.shape[-1]
+    block = triton.next_power_of_2(n_cols)
+    num_warps = min(16, max(1, block // 256))
+    rows = x.shape[0]
+    if rows == 0:
+        return
+    _rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out,
+        res_out if res_out is not None else out,
+        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        res_out.stride(0) if res_out is not None else 0, n_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+    )
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    shape = x.shape
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
+                      device=x.device)
+    _norm_launch(x2, None, weight.contiguous(), eps, out, None)
+    return out.view(shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float, *, inplace: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual).
+
+    inplace=True writes the normed value into x and the sum into residual (both must be
+    contiguous) and returns them, saving two allocations.
+    """
+    assert x.shape == residual.shape
+    shape = x.shape
+    x2, r2 = _rows(x), _rows(residual)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if inplace:
+        assert x.is_contiguous() and residual.is_contiguous() and out_dtype == x.dtype
+        out, res_out = x2, r2
+    else:
+        out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+        res_out = torch.empty_like(x2)
+    _norm_launch(x2, r2, weight.contiguous(), eps, out, res_out)
+    return out.view(shape), res_out.view(shape)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    # silu is rounded to the input dtype before the multiply, as F.silu(a) * b does.
+    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    y = a.to(tl.float32) * u.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2 * I] -> silu(x[..., :I]) * x[..., I:]."""
+    n = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0] and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block,
+            num_warps=4 if block >= 512 else 2,
+        )
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,5 @@
+"""The OpenAI-compatible HTTP server."""
+
+from rlserve.server.app import create_app
+
+__all__ = ["create_app"]

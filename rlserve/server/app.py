@@ -1,0 +1,153 @@
+"""The FastAPI application: routes, OpenAI-shaped errors, health and metrics."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from rlserve import __version__
+from rlserve.config import EngineConfig
+from rlserve.engine.request import InvalidRequestError
+from rlserve.server import routes_openai
+from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from rlserve.server.protocol import APIError, VersionResponse
+from rlserve.server.routes_openai import OpenAIServing
+
+if TYPE_CHECKING:
+    from rlserve.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                 409: "conflict_error", 413: "invalid_request_error", 503: "service_unavailable"}
+
+
+def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | None = None,
+               admin_key: str | None = None, url: str | None = None) -> FastAPI:
+    """Build the app around a started engine; the app shuts the engine down on exit."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if url:
+            logger.info("serving %r at %s (OpenAI base URL %s/v1)", engine.model_name, url, url)
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="rlserve", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible rollout server for RL post-training.")
+    metrics = ServerMetrics(engine)
+    app.state.engine = engine
+    app.state.config = config
+    app.state.api_key = api_key
+    app.state.admin_key = admin_key
+    app.state.metrics = metrics
+    app.state.serving = OpenAIServing(engine, config, metrics)
+
+    _add_error_handlers(app)
+    _add_service_routes(app)
+    app.include_router(routes_openai.router)
+    if config.weight_transfer is not None:
+        # The control plane exists only when a weight-transfer backend is configured.
+        from rlserve.server.routes_control import add_control_routes
+        add_control_routes(app, engine, config)
+    _limit_max_tokens_in_schema(app, engine.max_model_len)
+    return app
+
+
+def _add_service_routes(app: FastAPI) -> None:
+    @app.get("/health", tags=["service"])
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version", tags=["service"], response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    @app.get("/metrics", tags=["service"], response_class=Response)
+    async def metrics() -> Response:
+        return Response(app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _error(status: int, message: str, param: str | None = None, type: str | None = None,
+           code: int | str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    err = APIError(status, message, type=type or _STATUS_TYPES.get(status, "error"),
+                   param=param, code=code)
+    return JSONResponse(err.body.model_dump(), status_code=status, headers=headers)
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Pydantic errors -> ("field.path: what is wrong; ...", top-level field name)."""
+    parts, param = [], None
+    for e in errors[:3]:
+        loc = [str(x) for x in e.get("loc", ())]
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        if e.get("type") == "json_invalid":
+            return f"body: invalid JSON ({e.get('msg', '')})", None
+        if loc and param is None:
+            param = loc[0]
+        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}")
+    if len(errors) > 3:
+        parts.append(f"and {len(errors) - 3} more")
+    return "; ".join(parts), param
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body.model_dump(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return _error(400, str(exc), param=exc.param)
+
+    # FastAPI answers 422 by default; OpenAI clients expect 400 naming the field.
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(list(exc.errors()))
+        return _error(400, message, param=param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}", type="server_error")
+
+
+# ---------------------------------------------------------------- schema
+
+
+def _limit_max_tokens_in_schema(app: FastAPI, max_model_len: int) -> None:
+    """Publish the server's real bound on max_tokens (it depends on the model served)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version,
+                                 description=app.description, routes=app.routes)
+            for model in schema.get("components", {}).get("schemas", {}).values():
+                for name, prop in model.get("properties", {}).items():
+                    if name in ("max_tokens", "max_completion_tokens"):
+                        for branch in prop.get("anyOf", [prop]):
+                            if branch.get("type") == "integer":
+                                branch["maximum"] = max_model_len
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,33 @@
+"""Live weight transfer from a trainer (rank 0) to the server's workers (ranks 1..N).
+
+Trainer side, as in the seed script::
+
+    from rlserve.weight_transfer import NCCLWeightTransferEngine, get_ip, get_open_port
+    group = NCCLWeightTransferEngine.trainer_init(dict(master_address=..., master_port=..., world_size=...))
+    NCCLWeightTransferEngine.trainer_send_weights(iterator=model.named_parameters(), group=group, packed=True)
+
+Server side: `receiver_init` per worker, then `receive_weights` per update.
+"""
+
+from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
+from .gloo import GlooWeightTransferEngine
+from .group import DEFAULT_TIMEOUT_S, TransferGroup, get_ip, get_open_port
+from .nccl import NCCLWeightTransferEngine
+from .packing import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    Bucket,
+    Slot,
+    TensorMeta,
+    plan_buckets,
+    plan_digest,
+)
+from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, receiver_init, refuse
+
+__all__ = [
+    "DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "DEFAULT_TIMEOUT_S",
+    "Bucket", "ExpectedParam", "GlooWeightTransferEngine", "InitInfo", "InvalidUpdateError",
+    "NCCLWeightTransferEngine", "Slot", "TensorMeta", "TransferGroup", "UpdateInfo",
+    "UpdateRefusedError", "WeightTransferError", "get_ip", "get_open_port", "plan_buckets",
+    "plan_digest", "receive_weights", "receiver_init", "refuse",
+]

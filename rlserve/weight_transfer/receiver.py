@@ -1,0 +1,290 @@
+"""Server side: join the trainer's group, vet an update, receive it into staging tensors.
+
+`receive_weights` never touches model parameters: it returns fresh tensors and
+the engine applies them between steps, so a refused or failed update leaves the
+previous weights serving. See trainer.py for the handshake.
+
+Dtypes: any floating dtype is accepted and cast on copy to the staging dtype
+(`ExpectedParam.dtype`, else `target_dtype`, else the sent dtype); integer and
+bool tensors are refused, since a model's weights are floating point.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import InvalidUpdateError
+from .group import DEFAULT_TIMEOUT_S, TransferGroup, broadcast_buckets
+from .packing import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    DTYPES,
+    TensorMeta,
+    as_bytes,
+    plan_buckets,
+    plan_digest,
+    plan_json,
+    ring_buffer_bytes,
+)
+from .trainer import update_key
+
+MAX_NUM_BUFFERS = 8
+_LIST_CAP = 10
+
+
+def _listing(items: Sequence[str]) -> str:
+    """At most _LIST_CAP items, then how many more: messages stay readable for big models."""
+    shown = ", ".join(items[:_LIST_CAP])
+    return shown + (f" (and {len(items) - _LIST_CAP} more)" if len(items) > _LIST_CAP else "")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class InitInfo:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any], num_workers: int = 1) -> "InitInfo":
+        """Validate the seed's init_info for a server with `num_workers` receiving ranks."""
+        if not isinstance(data, Mapping):
+            raise InvalidUpdateError("init_info must be a JSON object")
+        fields = ("master_address", "master_port", "rank_offset", "world_size")
+        problems = [f"missing {k}" for k in fields if k not in data]
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            problems.append(f"unknown field(s) {', '.join(unknown)} (known: {', '.join(fields)})")
+        if problems:
+            raise InvalidUpdateError("init_info: " + "; ".join(problems))
+        addr, port, offset, world = (data[k] for k in fields)
+        if not (isinstance(addr, str) and addr):
+            problems.append(f"master_address must be a non-empty string, got {addr!r}")
+        if not (_is_int(port) and 0 < port < 65536):
+            problems.append(f"master_port must be an integer in 1..65535, got {port!r}")
+        if not (_is_int(offset) and offset >= 1):
+            problems.append(f"rank_offset must be an integer >= 1 (rank 0 is the trainer), got {offset!r}")
+        if not _is_int(world):
+            problems.append(f"world_size must be an integer, got {world!r}")
+        elif _is_int(offset) and offset + num_workers > world:
+            problems.append(f"world_size {world} is too small: this server has {num_workers} worker(s) "
+                            f"at ranks {offset}..{offset + num_workers - 1}")
+        if problems:
+            raise InvalidUpdateError("init_info: " + "; ".join(problems))
+        return cls(addr, port, offset, world)
+
+
+@dataclass(frozen=True)
+class ExpectedParam:
+    """What the server's model accepts under one name."""
+
+    shape: tuple[int, ...]
+    required: bool = True  # a required name missing from an update refuses it
+    dtype: torch.dtype | None = None  # staging dtype for this name; None: receive_weights' target_dtype
+
+
+@dataclass(frozen=True)
+class UpdateInfo:
+    names: tuple[str, ...]
+    dtype_names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    weight_version: int | str | None = None
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> "UpdateInfo":
+        """Validate the seed's update_info JSON; every problem found is reported at once."""
+        if not isinstance(data, Mapping):
+            raise InvalidUpdateError("update_info must be a JSON object")
+        known = ("names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes",
+                 "packed_num_buffers", "weight_version")
+        problems = [f"{k} is required" for k in known[:3] if k not in data]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            problems.append(f"unknown field(s) {', '.join(unknown)} (known: {', '.join(known)})")
+        if problems:
+            raise InvalidUpdateError("update_info: " + "; ".join(problems))
+
+        names, dtypes, shapes = data["names"], data["dtype_names"], data["shapes"]
+        for key, value in (("names", names), ("dtype_names", dtypes), ("shapes", shapes)):
+            if not isinstance(value, list):
+                problems.append(f"{key} must be a list, got {type(value).__name__}")
+        if problems:
+            raise InvalidUpdateError("update_info: " + "; ".join(problems))
+        if not len(names) == len(dtypes) == len(shapes):
+            raise InvalidUpdateError(f"update_info: names, dtype_names and shapes must have the same length, "
+                                     f"got {len(names)}, {len(dtypes)} and {len(shapes)}")
+        bad_names = [f"[{i}] {n!r}" for i, n in enumerate(names) if not (isinstance(n, str) and n)]
+        if bad_names:
+            problems.append(f"names must be non-empty strings: {_listing(bad_names)}")
+        label = [n if isinstance(n, str) else f"[{i}]" for i, n in enumerate(names)]
+        bad_dtypes = [f"{label[i]} ({d!r})" for i, d in enumerate(dtypes) if d not in DTYPES]
+        if bad_dtypes:
+            problems.append(f"dtype_names: unknown dtype for {_listing(bad_dtypes)} "
+                            f"(known: {', '.join(DTYPES)})")
+        bad_shapes = [f"{label[i]} ({s!r})" for i, s in enumerate(shapes)
+                      if not (isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s))]
+        if bad_shapes:
+            problems.append(f"shapes must be lists of non-negative integers: {_listing(bad_shapes)}")
+        seen: set[str] = set()
+        dups = sorted({n for n in label if n in seen or seen.add(n)})
+        if dups:
+            problems.append(f"names: duplicates {_listing(dups)}")
+
+        packed = data.get("packed", False)
+        size = data.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
+        nbuf = data.get("packed_num_buffers", DEFAULT_PACKED_NUM_BUFFERS)
+        version = data.get("weight_version")
+        if not isinstance(packed, bool):
+            problems.append(f"packed must be true or false, got {packed!r}")
+        if not (_is_int(size) and size > 0):
+            problems.append(f"packed_buffer_size_bytes must be a positive integer, got {size!r}")
+        if not (_is_int(nbuf) and 1 <= nbuf <= MAX_NUM_BUFFERS):
+            problems.append(f"packed_num_buffers must be an integer in 1..{MAX_NUM_BUFFERS}, got {nbuf!r}")
+        if not (version is None or _is_int(version) or isinstance(version, str)):
+            problems.append(f"weight_version must be an integer, a string or null, got {version!r}")
+        if problems:
+            raise InvalidUpdateError("update_info: " + "; ".join(problems))
+        return cls(tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes), packed, size, nbuf, version)
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
+
+
+def check_against_model(metas: Sequence[TensorMeta], expected: Mapping[str, ExpectedParam]) -> None:
+    """Refuse names, shapes or dtypes the model cannot take, listing the offenders."""
+    unknown = [m.name for m in metas if m.name not in expected]
+    wrong_shape = [f"{m.name} (got {list(m.shape)}, expected {list(expected[m.name].shape)})"
+                   for m in metas if m.name in expected and tuple(expected[m.name].shape) != m.shape]
+    not_float = [f"{m.name} ({m.dtype_name})" for m in metas if not m.dtype.is_floating_point]
+    sent = {m.name for m in metas}
+    missing = [n for n, p in expected.items() if p.required and n not in sent]
+    problems = []
+    if unknown:
+        problems.append(f"unknown parameter names: {_listing(unknown)}")
+    if wrong_shape:
+        problems.append(f"wrong shapes: {_listing(wrong_shape)}")
+    if not_float:
+        problems.append(f"non-floating dtypes (weights must be floating point): {_listing(not_float)}")
+    if missing:
+        problems.append(f"missing required parameters: {_listing(missing)}")
+    if problems:
+        raise InvalidUpdateError("update_info refused: " + "; ".join(problems))
+
+
+def _check_plan(info: UpdateInfo, metas: Sequence[TensorMeta], trainer: Mapping[str, Any]) -> None:
+    """Refuse when the trainer is about to send something other than update_info describes."""
+    if trainer.get("digest") == plan_digest(metas, info.packed, info.packed_buffer_size_bytes):
+        return
+    mine = plan_json(metas, info.packed, info.packed_buffer_size_bytes)
+    theirs = trainer.get("plan") or {}
+    why = "different plan layout versions"
+    if theirs.get("packed") != mine["packed"] or theirs.get("bucket_size_bytes") != mine["bucket_size_bytes"]:
+        why = (f"the trainer sends packed={theirs.get('packed')} with buffer size "
+               f"{theirs.get('bucket_size_bytes')}, update_info says packed={mine['packed']} with "
+               f"buffer size {mine['bucket_size_bytes']}")
+    else:
+        a, b = theirs.get("tensors") or [], mine["tensors"]
+        diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if diff is not None:
+            why = f"tensor #{diff}: the trainer sends {a[diff]}, update_info says {b[diff]}"
+        elif len(a) != len(b):
+            why = f"the trainer sends {len(a)} tensors, update_info lists {len(b)}"
+    raise InvalidUpdateError(f"update_info does not match what the trainer sends: {why}")
+
+
+def receiver_init(backend: str, init_info: Mapping[str, Any] | InitInfo, worker_rank: int = 0,
+                  device: torch.device | str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TransferGroup:
+    """Join the trainer's group at rank `rank_offset + worker_rank`; blocks until every rank is in."""
+    info = init_info if isinstance(init_info, InitInfo) else InitInfo.parse(init_info, worker_rank + 1)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    return TransferGroup(backend, info.master_address, info.master_port, info.rank_offset + worker_rank,
+                         info.world_size, device, timeout_s)
+
+
+def refuse(group: TransferGroup, message: str) -> None:
+    """Take this update's turn and refuse it, so the trainer fails fast too.
+
+    For callers that rejected update_info themselves; `receive_weights` does it
+    for every refusal it finds.
+    """
+    seq = group.next_seq()
+    group.set(update_key(seq, f"verdict/{group.rank}"), json.dumps({"ok": False, "error": message}))
+
+
+def receive_weights(
+    group: TransferGroup,
+    update_info: UpdateInfo | Mapping[str, Any],
+    expected: Mapping[str, ExpectedParam],
+    device: torch.device | str | None = None,
+    target_dtype: torch.dtype | None = None,
+) -> list[tuple[str, torch.Tensor]]:
+    """Vet the update, then receive every tensor into fresh staging tensors on `device`.
+
+    Raises InvalidUpdateError (HTTP 400; the trainer raises the same message) on a
+    refusal, WeightTransferError (group now unusable) if the transfer fails.
+    """
+    seq = group.next_seq()
+    verdict_key = update_key(seq, f"verdict/{group.rank}")
+    try:
+        info = update_info if isinstance(update_info, UpdateInfo) else UpdateInfo.parse(update_info)
+        metas = info.metas()
+        check_against_model(metas, expected)
+        trainer_plan = json.loads(group.get(update_key(seq, "plan"), "the trainer's plan "
+                                            "(is trainer_send_weights running?)"))
+        _check_plan(info, metas, trainer_plan)
+    except InvalidUpdateError as e:
+        group.set(verdict_key, json.dumps({"ok": False, "error": str(e)}))
+        raise
+    group.set(verdict_key, json.dumps({"ok": True}))
+    go = json.loads(group.get(update_key(seq, "go"), "the trainer's go-ahead"))
+    if not go.get("ok"):
+        raise InvalidUpdateError(go.get("error") or "refused by another receiving rank")
+
+    device = group.device if device is None else torch.device(device)
+    staging = [expected[m.name].dtype or target_dtype or m.dtype for m in metas]
+    out: list[torch.Tensor | None] = [None] * len(metas)
+    buckets = plan_buckets(metas, info.packed, info.packed_buffer_size_bytes)
+    depth = info.packed_num_buffers
+    n_ring = min(depth, sum(1 for b in buckets if not b.direct and b.nbytes))
+    ring = [torch.empty(ring_buffer_bytes(buckets), dtype=torch.uint8, device=group.device)
+            for _ in range(n_ring)]
+    used = 0
+    direct: dict[int, torch.Tensor] = {}
+
+    def get_buffer(i: int, bucket) -> torch.Tensor:
+        nonlocal used
+        if bucket.direct:
+            m = metas[bucket.slots[0].index]
+            direct[i] = torch.empty(m.shape, dtype=m.dtype, device=group.device)
+            return as_bytes(direct[i])
+        buf = ring[used % n_ring][: bucket.nbytes]
+        used += 1
+        return buf
+
+    def on_done(i: int, bucket, buf: torch.Tensor) -> None:
+        if bucket.direct:
+            k = bucket.slots[0].index
+            out[k] = direct.pop(i).to(device=device, dtype=staging[k])  # no copy when it already fits
+            return
+        for s in bucket.slots:
+            m = metas[s.index]
+            src = buf[s.offset : s.offset + s.nbytes].view(m.dtype).view(m.shape)
+            out[s.index] = torch.empty(m.shape, dtype=staging[s.index], device=device).copy_(src)
+
+    broadcast_buckets(group, buckets, depth, get_buffer, on_done)
+    # Zero-byte tensors never travel.
+    return [(m.name, t if t is not None else torch.empty(m.shape, dtype=staging[k], device=device))
+            for k, (m, t) in enumerate(zip(metas, out))]

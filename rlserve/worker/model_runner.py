@@ -1,0 +1,204 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged cache, samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rlserve.engine.request import TokenLogprob
+from rlserve.engine.scheduler import SchedulerOutput
+from rlserve.model.base import CausalLM
+from rlserve.model.layers import AttentionMetadata, PagedAttention
+from rlserve.worker import sampler as S
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: list[SampledToken]
+    # request id -> logprobs of the prompt tokens this step covered, in order
+    prompt_logprobs: dict[str, list[TokenLogprob]]
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states that need logits
+    sample_rows: list[int]  # index into logits_indices of each sampling request
+    sample_requests: list  # ScheduledRequest that sample, aligned with sample_rows
+    prompt_rows: dict[str, tuple[int, list[int]]]  # req id -> (first logits row, target ids)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, block_size: int):
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        self.kv_cache: torch.Tensor | None = None
+        self.num_blocks = 0
+
+    # -- KV cache --------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        a = self.attn_layers[0]
+        per_layer = 2 * self.block_size * a.num_kv_heads * a.head_dim
+        return per_layer * len(self.attn_layers) * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        a = self.attn_layers[0]
+        self.kv_cache = torch.empty(
+            (len(self.attn_layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
+            dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.num_blocks = num_blocks
+
+    def free_kv_cache(self) -> None:
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = None
+        self.kv_cache = None
+
+    # -- inputs ------------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> BatchInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sample_rows: list[int] = []
+        sample_requests = []
+        prompt_rows: dict[str, tuple[int, list[int]]] = {}
+        for item, table in zip(sched.scheduled, block_tables):
+            req, n = item.request, item.num_new_tokens
+            start = req.num_computed_tokens
+            end = start + n
+            input_ids.extend(req.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            flat_start = qsl[-1]
+            qsl.append(flat_start + n)
+            seq_lens.append(end)
+            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                # Position p predicts token p + 1; the prompt's first token has no logprob.
+                last = min(end, req.num_prompt_tokens - 1)
+                if last > start:
+                    prompt_rows[req.request_id] = (len(logits_indices), req.token_ids[start + 1:last + 1])
+                    logits_indices.extend(range(flat_start, flat_start + last - start))
+            if item.samples:
+                sample_rows.append(len(logits_indices))
+                sample_requests.append(item)
+                logits_indices.append(flat_start + n - 1)
+        max_blocks = max(len(t) for t in block_tables)
+        tables = torch.zeros((len(block_tables), max_blocks), dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            max_query_len=max(item.num_new_tokens for item in sched.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        return BatchInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev, non_blocking=True),
+            sample_rows=sample_rows, sample_requests=sample_requests, prompt_rows=prompt_rows)
+
+    def _sampling_batch(self, items) -> S.SamplingBatch:
+        temps, top_p, top_k, min_p, seeds, banned = [], [], [], [], [], []
+        max_lp = -1
+        for item in items:
+            req = item.request
+            p = req.sampling_params
+            temps.append(p.temperature)
+            top_p.append(p.top_p)
+            top_k.append(max(p.top_k, 0))
+            min_p.append(p.min_p)
+            seeds.append(None if p.seed is None else
+                         S.mix_seed(p.seed, req.sample_index, req.num_output_tokens))
+            ban: list[int] = []
+            if req.num_output_tokens < p.min_tokens:
+                ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
+            banned.append(ban)
+            if p.logprobs is not None:
+                max_lp = max(max_lp, p.logprobs)
+        dev = self.device
+        t = torch.tensor(temps, dtype=torch.float32)
+        return S.SamplingBatch(
+            temperature=t.to(dev), top_p=torch.tensor(top_p, dtype=torch.float32).to(dev),
+            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev),
+            min_p=torch.tensor(min_p, dtype=torch.float32).to(dev), seeds=seeds, banned=banned,
+            all_greedy=bool((t == 0).all()), need_top_k=any(k > 0 for k in top_k),
+            need_top_p=any(p < 1 for p in top_p), need_min_p=any(m > 0 for m in min_p),
+            max_logprobs=max_lp)
+
+    # -- the step ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelRunnerOutput:
+        batch = self.prepare(sched, block_tables)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        if batch.logits_indices.numel() == 0:
+            return ModelRunnerOutput([], {})
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+
+        sampled: list[SampledToken] = []
+        if batch.sample_rows:
+            rows = torch.tensor(batch.sample_rows, device=logits.device)
+            sb = self._sampling_batch(batch.sample_requests)
+            out = S.sample(logits[rows], sb)
+            token_ids = out.token_ids.tolist()  # the one sync of the step
+            lps = self._to_logprobs(out, [it.request.sampling_params.logprobs for it in batch.sample_requests])
+            for item, tok, lp in zip(batch.sample_requests, token_ids, lps):
+                sampled.append(SampledToken(item.request.request_id, tok, lp))
+
+        prompt_lps: dict[str, list[TokenLogprob]] = {}
+        for item in sched.scheduled:
+            rid = item.request.request_id
+            if rid not in batch.prompt_rows:
+                continue
+            first, targets = batch.prompt_rows[rid]
+            lp = S.raw_logprobs(logits[first:first + len(targets)])
+            k = item.request.sampling_params.prompt_logprobs
+            tgt = torch.tensor(targets, device=lp.device)
+            chosen, ranks, top_ids, top_lp = S.logprob_stats(lp, tgt, k)
+            prompt_lps[rid] = self._pack_logprobs(targets, chosen, ranks, top_ids, top_lp, [k] * len(targets))
+        return ModelRunnerOutput(sampled, prompt_lps)
+
+    def _to_logprobs(self, out: S.SamplerOutput, ks: list[int | None]) -> list[TokenLogprob | None]:
+        if out.logprobs is None:
+            return [None] * len(ks)
+        return self._pack_logprobs(out.token_ids.tolist(), out.logprobs, out.ranks, out.top_ids,
+                                   out.top_logprobs, ks)
+
+    @staticmethod
+    def _pack_logprobs(tokens, chosen, ranks, top_ids, top_lp, ks) -> list[TokenLogprob | None]:
+        chosen, ranks = chosen.tolist(), ranks.tolist()
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        top_lp = top_lp.tolist() if top_lp is not None else None
+        result: list[TokenLogprob | None] = []
+        for i, (tok, k) in enumerate(zip(tokens, ks)):
+            if k is None:
+                result.append(None)
+                continue
+            top = tuple(zip(top_ids[i][:k], top_lp[i][:k])) if k and top_ids is not None else ()
+            result.append(TokenLogprob(tok, chosen[i], ranks[i], top))
+        return result

@@ -1,0 +1,73 @@
+"""One model worker (one tensor-parallel rank): device, model, KV cache, weight loading."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from rlserve.config import EngineConfig, resolve_dtype
+from rlserve.engine.scheduler import SchedulerOutput
+from rlserve.model.loader import build_model
+from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_DEFAULT_BYTES = 1 << 30
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, hf_config, model_path: str, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = resolve_dtype(config.dtype, config.device, getattr(hf_config, "torch_dtype", None))
+        t0 = time.perf_counter()
+        torch.manual_seed(config.seed)
+        self.model = build_model(hf_config, self.dtype, str(self.device), config.load_format,
+                                 model_path, seed=config.seed)
+        self.load_seconds = time.perf_counter() - t0
+        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size)
+
+    # -- KV cache sizing ---------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = self.runner.kv_bytes_per_block()
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            # Room for activations of the largest step; the rest of the share is KV cache.
+            hf = self.model.config
+            width = max(hf.hidden_size * 4, getattr(hf, "intermediate_size", 0) * 2)
+            activations = cfg.max_num_batched_tokens * width * self.dtype.itemsize * 4
+            logits = cfg.max_num_seqs * hf.vocab_size * 4 * 4
+            budget = int(total * cfg.gpu_memory_utilization) - used - activations - logits - (1 << 30)
+        else:
+            budget = _CPU_KV_DEFAULT_BYTES
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, "
+                             f"{per_block} bytes per block): raise gpu_memory_utilization or "
+                             "kv_cache_memory_bytes, or use a smaller model")
+        return int(num_blocks)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    # -- execution ---------------------------------------------------------------------
+    def execute_model(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelRunnerOutput:
+        return self.runner.execute(sched, block_tables)
+
+    # -- weights -----------------------------------------------------------------------
+    def expected_weights(self):
+        return self.model.expected_weights()
+
+    def load_weights(self, weights) -> set[str]:
+        return self.model.load_weights(weights)

@@ -1,0 +1,312 @@
+"""Triton kernels against the torch reference ops.
+
+Needs CUDA and triton; skipped otherwise. With RLSERVE_TRITON_INTERPRET=1 the kernels run
+on CPU tensors through Triton's interpreter instead (slow, so shapes stay small).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from rlserve.ops import attention as ref
+from rlserve.ops import fused_ref
+
+INTERPRET = os.environ.get("RLSERVE_TRITON_INTERPRET") == "1"
+if INTERPRET:
+    # Must be set before triton.jit decorates the kernels.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"),
+    pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                       reason="needs CUDA (or RLSERVE_TRITON_INTERPRET=1)"),
+]
+
+TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+# The residual sum is bit-exact on GPU; the interpreter truncates fp32 -> bf16 instead of
+# rounding to nearest, which costs up to one bf16 ulp.
+EXACT = dict(rtol=2 ** -7, atol=0) if INTERPRET else dict(rtol=0, atol=0)
+
+
+def _ops():
+    from rlserve.ops import triton_attention
+    return triton_attention
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def _make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, gen,
+                extra_blocks=7):
+    """seqs: list of (cached_prefix_len, query_len).
+
+    Builds a cache whose prefix tokens are already stored, the new keys/values to store this
+    step, a shuffled block table padded with ids of NaN-filled blocks, and unused slots
+    filled with NaN so any out-of-range read shows up in the output.
+    """
+    seq_lens = [p + q for p, q in seqs]
+    blocks_per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
+    max_blocks = max(blocks_per_seq) + 2
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    used, spare = perm[:sum(blocks_per_seq)], perm[sum(blocks_per_seq):]
+    block_tables = torch.empty((len(seqs), max_blocks), dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(blocks_per_seq):
+        block_tables[b, :n] = used[i:i + n].to(torch.int32)
+        pad = spare[torch.randint(len(spare), (max_blocks - n,), generator=gen)]
+        block_tables[b, n:] = pad.to(torch.int32)
+        i += n
+
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+
+    def slots(b, positions):
+        pos = torch.as_tensor(positions, dtype=torch.int64)
+        return block_tables[b].long()[pos // block_size] * block_size + pos % block_size
+
+    new_slots, q_start = [], [0]
+    for b, (p, q) in enumerate(seqs):
+        if p:
+            k = torch.randn(p, num_kv_heads, head_dim, generator=gen).to(dtype)
+            v = torch.randn(p, num_kv_heads, head_dim, generator=gen).to(dtype)
+            ref.store_kv_cache(k, v, k_cache, v_cache, slots(b, range(p)))
+        new_slots.append(slots(b, range(p, p + q)))
+        q_start.append(q_start[-1] + q)
+    num_tokens = q_start[-1]
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    dev = DEVICE
+    return dict(
+        query=query.to(dev), key=key.to(dev), value=value.to(dev),
+        k_cache=k_cache.to(dev), v_cache=v_cache.to(dev),
+        slot_mapping=torch.cat(new_slots).to(dev),
+        query_start_loc=torch.tensor(q_start, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        block_tables=block_tables.to(dev),
+        max_query_len=max(q for _, q in seqs), max_seq_len=max(seq_lens),
+    )
+
+
+def _reference(batch, scale):
+    """fp32 reference over a copy of the cache with the new keys stored."""
+    kc, vc = batch["k_cache"].float().clone(), batch["v_cache"].float().clone()
+    ref.store_kv_cache(batch["key"].float(), batch["value"].float(), kc, vc,
+                       batch["slot_mapping"])
+    return ref.paged_attention(batch["query"].float(), kc, vc, batch["query_start_loc"],
+                               batch["seq_lens"], batch["block_tables"], scale)
+
+
+# Mixed batch: fresh prefill, decode, chunked prefill over a prefix, decode with a long
+# prefix, a prefill chunk crossing many blocks, a decode at the very first position, and
+# chunks starting just before a 64-key tile boundary (off-by-one in causal masking).
+MIXED = [(0, 37), (45, 1), (19, 20), (70, 1), (33, 50), (0, 1), (62, 9), (127, 2)]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_store_and_paged_attention_mixed(group, head_dim, block_size):
+    ops = _ops()
+    dtype = torch.bfloat16
+    num_kv_heads = 2
+    gen = torch.Generator().manual_seed(1000 * group + head_dim + block_size)
+    batch = _make_batch(MIXED, num_kv_heads * group, num_kv_heads, head_dim, block_size,
+                        dtype, gen)
+    scale = head_dim ** -0.5
+    expected = _reference(batch, scale)
+
+    # Store kernel: bit-exact against the reference store.
+    kc_ref, vc_ref = batch["k_cache"].clone(), batch["v_cache"].clone()
+    ref.store_kv_cache(batch["key"], batch["value"], kc_ref, vc_ref, batch["slot_mapping"])
+    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                       batch["slot_mapping"])
+    assert torch.equal(batch["k_cache"].nan_to_num(7.0), kc_ref.nan_to_num(7.0))
+    assert torch.equal(batch["v_cache"].nan_to_num(7.0), vc_ref.nan_to_num(7.0))
+
+    out = torch.full_like(batch["query"], float("nan"))
+    res = ops.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
+                              batch["query_start_loc"], batch["seq_lens"],
+                              batch["block_tables"], scale,
+                              max_query_len=batch["max_query_len"],
+                              max_seq_len=batch["max_seq_len"], out=out)
+    assert res is out
+    assert not out.isnan().any(), "some output elements were not written"
+    assert _rel_err(out, expected) < TOL[dtype]
+    # Also against the reference run in the cache dtype.
+    same_dtype = ref.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
+                                     batch["query_start_loc"], batch["seq_lens"],
+                                     batch["block_tables"], scale)
+    assert _rel_err(out, same_dtype) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_paged_attention_dtypes_no_hints(dtype):
+    """No max_query_len / max_seq_len hints: the upper-bound grid must give the same result."""
+    ops = _ops()
+    gen = torch.Generator().manual_seed(7)
+    batch = _make_batch(MIXED, 8, 2, 64, 16, dtype, gen)
+    scale = 0.125
+    expected = _reference(batch, scale)
+    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                       batch["slot_mapping"])
+    out = ops.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
+                              batch["query_start_loc"], batch["seq_lens"],
+                              batch["block_tables"], scale)
+    assert not out.isnan().any()
+    assert _rel_err(out, expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("seqs", [[(150, 1), (3, 1), (0, 1), (97, 1)], MIXED],
+                         ids=["decode", "mixed"])
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_paged_attention_split_kv(seqs, splits):
+    ops = _ops()
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(splits)
+    batch = _make_batch(seqs, 8, 2, 128, 16, dtype, gen)
+    scale = 128 ** -0.5
+    expected = _reference(batch, scale)
+    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                       batch["slot_mapping"])
+    # A strided output view, as when attention writes into a wider buffer.
+    wide = torch.full((batch["query"].shape[0], 8, 256), float("nan"), dtype=dtype,
+                      device=DEVICE)
+    out = wide[:, :, :128]
+    ops.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
+                        batch["query_start_loc"], batch["seq_lens"], batch["block_tables"],
+                        scale, max_query_len=batch["max_query_len"],
+                        max_seq_len=batch["max_seq_len"], out=out, num_kv_splits=splits)
+    assert not out.isnan().any()
+    assert wide[:, :, 128:].isnan().all()
+    assert _rel_err(out, expected) < TOL[dtype]
+
+
+def test_paged_attention_block64_strided_query():
+    """Block size 64 and query/key/value as views of one fused qkv projection."""
+    ops = _ops()
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(64)
+    h, kvh, d = 4, 1, 64
+    batch = _make_batch([(5, 9), (130, 1), (64, 64)], h, kvh, d, 64, dtype, gen)
+    n = batch["query"].shape[0]
+    qkv = torch.cat([batch["query"].reshape(n, -1), batch["key"].reshape(n, -1),
+                     batch["value"].reshape(n, -1)], dim=1)
+    q = qkv[:, :h * d].view(n, h, d)
+    k = qkv[:, h * d:(h + kvh) * d].view(n, kvh, d)
+    v = qkv[:, (h + kvh) * d:].view(n, kvh, d)
+    assert not q.is_contiguous()
+    expected = _reference(batch, 0.1)
+    ops.store_kv_cache(k, v, batch["k_cache"], batch["v_cache"], batch["slot_mapping"])
+    out = ops.paged_attention(q, batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
+                              batch["seq_lens"], batch["block_tables"], 0.1,
+                              max_query_len=64)
+    assert _rel_err(out, expected) < TOL[dtype]
+
+
+def test_store_kv_cache_skips_negative_slots():
+    ops = _ops()
+    gen = torch.Generator().manual_seed(3)
+    key = torch.randn(6, 2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    value = torch.randn(6, 2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    slots = torch.tensor([5, -1, 17, 0, -1, 63], dtype=torch.int64, device=DEVICE)
+    kc = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    kr, vr = kc.clone(), vc.clone()
+    ops.store_kv_cache(key, value, kc, vc, slots)
+    ref.store_kv_cache(key, value, kr, vr, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("splits", [None, 4])
+def test_decode_cuda_graph_replay(splits):
+    """The decode path launches without host syncs, so it can be captured and replayed."""
+    ops = _ops()
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(11)
+    seqs = [(200, 1), (31, 1), (90, 1), (0, 1)]
+    batch = _make_batch(seqs, 16, 8, 128, 16, dtype, gen, extra_blocks=40)
+    scale = 128 ** -0.5
+    q, out = batch["query"].clone(), torch.empty_like(batch["query"])
+    qsl, sl, bt = (batch["query_start_loc"].clone(), batch["seq_lens"].clone(),
+                   batch["block_tables"].clone())
+    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                       batch["slot_mapping"])
+
+    def step():
+        ops.paged_attention(q, batch["k_cache"], batch["v_cache"], qsl, sl, bt, scale,
+                            max_query_len=1, max_seq_len=512, out=out, num_kv_splits=splits)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(2):
+        # New inputs in place: shorter contexts and fresh queries.
+        sl.copy_(batch["seq_lens"] - trial * torch.tensor([150, 20, 60, 0], dtype=torch.int32,
+                                                          device=DEVICE))
+        q.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = ref.paged_attention(q.float(), batch["k_cache"].float(),
+                                       batch["v_cache"].float(), qsl, sl, bt, scale)
+        assert _rel_err(out, expected) < TOL[dtype]
+
+
+# ----------------------------------------------------------------------------- fused ops
+
+
+@pytest.mark.parametrize("hidden", [64, 200, 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_add_rms_norm(hidden, dtype):
+    from rlserve.ops import triton_fused
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(5, 3, hidden, generator=gen).to(dtype).to(DEVICE)
+    res = torch.randn(5, 3, hidden, generator=gen).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
+    normed, new_res = triton_fused.fused_add_rms_norm(x, res, w, 1e-6)
+    exp_normed, exp_res = fused_ref.fused_add_rms_norm(x, res, w, 1e-6)
+    assert new_res.shape == x.shape and normed.dtype == exp_normed.dtype
+    torch.testing.assert_close(new_res, exp_res, **EXACT)
+    torch.testing.assert_close(normed, exp_normed, rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(triton_fused.rms_norm(x, w, 1e-6), fused_ref.rms_norm(x, w, 1e-6),
+                               rtol=TOL[dtype], atol=TOL[dtype])
+    # In place: outputs land in the inputs' storage.
+    x2, r2 = x.clone(), res.clone()
+    a, b = triton_fused.fused_add_rms_norm(x2, r2, w, 1e-6, inplace=True)
+    assert a.data_ptr() == x2.data_ptr() and b.data_ptr() == r2.data_ptr()
+    torch.testing.assert_close(b, exp_res, **EXACT)
+    torch.testing.assert_close(a, exp_normed, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("inter", [96, 3072])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_silu_and_mul(inter, dtype):
+    from rlserve.ops import triton_fused
+    gen = torch.Generator().manual_seed(inter)
+    x = (3 * torch.randn(4, 3, 2 * inter, generator=gen)).to(dtype).to(DEVICE)
+    out = triton_fused.silu_and_mul(x)
+    expected = fused_ref.silu_and_mul(x)
+    assert out.shape == (4, 3, inter)
+    torch.testing.assert_close(out, expected, rtol=TOL[dtype], atol=TOL[dtype])
+    # A non-contiguous input (every other row).
+    xs = x[::2]
+    torch.testing.assert_close(triton_fused.silu_and_mul(xs), fused_ref.silu_and_mul(xs),
+                               rtol=TOL[dtype], atol=TOL[dtype])
