@@ -1,13 +1,15 @@
 """Weight transfer over gloo on CPU: bucket plans, handshake refusals, failures, re-init.
 
-The trainer runs in a spawned process (a real peer that can die); the receiver
-runs in the test process. Every wait is bounded by a few seconds.
+Transfers run the trainer in a spawned process (a real peer that can die) and
+the receiver in the test process; timeout and multi-rank cases use threads.
+Every wait is bounded by a few seconds.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import socket
 import threading
 import time
 
@@ -365,10 +367,10 @@ def test_both_sides_time_out_when_the_peer_never_calls():
     params = make_params()
     started = time.monotonic()
     # Receiver waits for a trainer that never sends; trainer-side is a separate check below.
-    got = _in_threads(2, [lambda g: receive_weights(g, update_info(params), expected_params())], 1.5,
-                      lambda g: time.sleep(2.5))
+    got = _in_threads(2, [lambda g: receive_weights(g, update_info(params), expected_params())], 1.0,
+                      lambda g: time.sleep(1.5))
     assert got[1][0] == "WeightTransferError" and "the trainer's plan" in got[1][1]
-    got = _in_threads(2, [lambda g: time.sleep(2.5)], 1.5,
+    got = _in_threads(2, [lambda g: time.sleep(1.5)], 1.0,
                       lambda g: GlooWeightTransferEngine.trainer_send_weights(iterator=params.items(), group=g))
     assert got[0][0] == "WeightTransferError" and "verdict of receiver rank 1" in got[0][1]
     assert time.monotonic() - started < 12
@@ -389,3 +391,21 @@ def test_one_rank_refusing_stops_every_rank():
     assert got[2] == ("InvalidUpdateError", message)
     assert got[1] == ("InvalidUpdateError", message)  # voted ok, stopped by the go key
     assert got[0] == ("UpdateRefusedError", message)
+
+
+def test_init_fails_fast_and_clearly():
+    port = get_open_port()
+    started = time.monotonic()
+    with pytest.raises(WeightTransferError, match="nothing accepts connections"):  # no trainer
+        receiver_init("gloo", dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2),
+                      timeout_s=1.0)
+    with pytest.raises(WeightTransferError, match="did every server worker join"):  # no receiver
+        GlooWeightTransferEngine.trainer_init(
+            dict(master_address="127.0.0.1", master_port=port, world_size=2, timeout_s=1.0))
+    assert time.monotonic() - started < 5
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        with pytest.raises(WeightTransferError, match="init failed"):  # port taken
+            GlooWeightTransferEngine.trainer_init(
+                dict(master_address="127.0.0.1", master_port=port, world_size=2, timeout_s=1.0))

@@ -47,6 +47,20 @@ def _local_ip_towards(address: str) -> str:
         return "127.0.0.1"
 
 
+def _wait_listening(address: str, port: int, deadline: float) -> None:
+    """Poll until the master accepts connections: TCPStore's own connect retries
+    can overrun their timeout severalfold when nobody listens yet."""
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise WeightTransferError(f"nothing accepts connections at {address}:{port} "
+                                          f"(is the trainer's trainer_init running?): {e}") from e
+            time.sleep(0.1)
+
+
 class TransferGroup:
     """One rank's handle on the group: store, process group, update counter."""
 
@@ -69,6 +83,8 @@ class TransferGroup:
         self.pg = self._store = None
         started = time.monotonic()
         try:
+            if rank != 0:
+                _wait_listening(master_address, int(master_port), started + self.timeout_s)
             base = dist.TCPStore(master_address, int(master_port), None, rank == 0, self.timeout,
                                  wait_for_workers=False)
             # A fresh session id per trainer_init keeps keys of distinct inits apart.
@@ -78,21 +94,20 @@ class TransferGroup:
             else:
                 base.wait([_SESSION_KEY], self.timeout)
                 self.session = base.get(_SESSION_KEY).decode()
-            self._store = dist.PrefixStore(f"rlserve/{self.session}/ctl/", base)
-            pg_store = dist.PrefixStore(f"rlserve/{self.session}/pg/", base)
+            self._store = dist.PrefixStore(f"rlserve/{self.session}/ctl", base)
+            pg_store = dist.PrefixStore(f"rlserve/{self.session}/pg", base)
             self.pg = self._make_pg(pg_store, master_address)
             # One tiny broadcast proves every rank is connected (and makes NCCL
             # build its communicator now instead of inside the first update).
             probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
             self.wait(self.broadcast(probe), "the connectivity probe")
-        except WeightTransferError:
-            self.close()
-            raise
         except Exception as e:  # store/pg constructors raise assorted RuntimeErrors
             self.close()
+            hint = ("did every server worker join via /init_weight_transfer_engine?" if rank == 0
+                    else "is the trainer's trainer_init running with the same world_size?")
             raise WeightTransferError(
                 f"{backend} transfer group init failed at {self.master} (rank {rank}/{world_size}) "
-                f"after {time.monotonic() - started:.1f}s (timeout {self.timeout_s:g}s): {e}") from e
+                f"after {time.monotonic() - started:.1f}s (timeout {self.timeout_s:g}s; {hint}): {e}") from e
 
     @property
     def timeout(self) -> timedelta:

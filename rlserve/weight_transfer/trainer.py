@@ -63,10 +63,13 @@ def send_weights(
     The iterator is materialised first (references only, no copies) because the
     plan needs every name, dtype and shape before the first byte moves.
     """
-    seq = group.next_seq()
+    group.check_usable()
     items = list(iterator)
     tensors = [(post_iter_func(item) if post_iter_func else item[1]).detach() for item in items]
     metas = [TensorMeta.of(name, t) for (name, _), t in zip(items, tensors)]
+    # Take the turn only now: if the iterator raised, the receiver's pending
+    # call still pairs with this trainer's next attempt.
+    seq = group.next_seq()
 
     group.set(update_key(seq, "plan"), json.dumps({
         "digest": plan_digest(metas, packed, packed_buffer_size_bytes),

@@ -1,0 +1,242 @@
+"""Engine core against transformers on the same weights, and the scheduler's invariants."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from rlserve import LLM, SamplingParams
+from rlserve.engine.request import InvalidRequestError
+from rlserve.model.demo_model import demo_model_path
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Hello, my name is",
+    "List three primary colors:",
+    "The future of AI is",
+    "1, 2, 3, 4,",
+    "Translate to French: good morning",
+    "Once upon a time, in a small village,",
+]
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return demo_model_path()
+
+
+@pytest.fixture(scope="module")
+def llm(model_path) -> LLM:
+    return LLM(model_path, device="cpu", dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int):
+    """transformers' own forward with its KV cache, greedy, ignoring end-of-sequence tokens."""
+    tokens, logprobs = [], []
+    ids, past = torch.tensor([prompt_ids]), None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = hf_model(ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+            tok = int(lp.argmax())
+            tokens.append(tok)
+            logprobs.append(lp[tok].item())
+            ids = torch.tensor([[tok]])
+    return tokens, logprobs
+
+
+def test_smollm2_greedy_matches_transformers(llm, hf_model):
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
+    outs = llm.generate(PROMPTS, params)
+    assert len(outs) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = llm.tokenizer.encode(prompt)
+        assert out.prompt_token_ids == ids
+        ref_tokens, ref_lps = hf_greedy(hf_model, ids, 32)
+        sample = out.outputs[0]
+        assert sample.token_ids == ref_tokens, prompt
+        ours = [lp.logprob for lp in sample.logprobs]
+        assert max(abs(a - b) for a, b in zip(ours, ref_lps)) < 1e-4
+        assert sample.text == llm.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        assert sample.finish_reason == "length"
+        assert all(lp.rank == 1 for lp in sample.logprobs)  # greedy picks the top token
+        assert all(len(lp.top) == 1 for lp in sample.logprobs)
+
+
+def test_prompt_logprobs_match_transformers(llm, hf_model):
+    ids = llm.tokenizer.encode(PROMPTS[-1])
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)
+    assert out.prompt_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        lp = out.prompt_logprobs[pos]
+        assert lp.token_id == ids[pos]
+        assert abs(lp.logprob - ref[pos - 1, ids[pos]].item()) < 1e-4
+        assert len(lp.top) == 2
+
+
+def _tiny_checkpoint(tmp_path, model_path, config):
+    """Random weights for `config` saved as an HF directory, with the demo tokenizer."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # larger than the default init, so the logits are far from ties
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    hf.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{model_path}/{f}", tmp_path)
+    return hf
+
+
+def _tiny_configs():
+    from transformers import OPTConfig, Qwen2Config, Qwen3Config
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=256)
+    return {
+        "qwen3": Qwen3Config(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, **common),
+        "qwen2": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
+        "opt": OPTConfig(vocab_size=49152, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64),
+        "opt-project": OPTConfig(vocab_size=49152, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                 num_attention_heads=4, max_position_embeddings=256,
+                                 word_embed_proj_dim=32),
+    }
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "opt", "opt-project"])
+def test_small_architectures_match_transformers(arch, tmp_path, model_path):
+    config = _tiny_configs()[arch]
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    hf = _tiny_checkpoint(tmp_path, model_path, config)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32")
+    prompts = [[5, 17, 300, 42, 9, 11], [1000, 2000, 3000], list(range(100, 140))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        ref, _ = hf_greedy(hf, ids, 16)
+        assert out.outputs[0].token_ids == ref, arch
+
+
+def test_prefix_cache_hit_gives_same_tokens(llm):
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    long_prompt = PROMPTS[7] * 6  # several full blocks
+    llm.reset_prefix_cache()
+    first = llm.generate([long_prompt], params)[0]
+    assert first.num_cached_tokens == 0
+    second = llm.generate([long_prompt], params)[0]
+    assert second.num_cached_tokens >= 16
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_preempted_requests_recompute_to_same_tokens(model_path, llm):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params)]
+    # 12 blocks of 16 tokens cannot hold six sequences of ~50 tokens: preemption is forced.
+    small = LLM(model_path, device="cpu", dtype="float32", num_kv_blocks=12, max_model_len=512)
+    outs = small.generate(PROMPTS[:6], params)
+    assert small.engine.stats().preemptions_total > 0
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS[:2]]
+    assert alone == plain[:2]
+
+
+def test_chunked_prefill_gives_same_tokens(model_path, llm):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = " ".join(PROMPTS)
+    plain = llm.generate([prompt], params)[0].outputs[0].token_ids
+    chunked = LLM(model_path, device="cpu", dtype="float32", max_num_batched_tokens=16,
+                  enable_prefix_caching=False, max_model_len=512)
+    assert chunked.generate([prompt], params)[0].outputs[0].token_ids == plain
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(n=4, temperature=1.0, top_p=0.95, top_k=50, seed=1234, max_tokens=12,
+                            ignore_eos=True, logprobs=0)
+    alone = llm.generate([PROMPTS[0]], params)[0]
+    again = llm.generate([PROMPTS[0]], params)[0]
+    crowded = llm.generate(PROMPTS[:5], [params] + [SamplingParams(temperature=0.7, max_tokens=20)] * 4)[0]
+    samples = [o.token_ids for o in alone.outputs]
+    assert len(samples) == 4
+    assert samples == [o.token_ids for o in again.outputs]
+    assert samples == [o.token_ids for o in crowded.outputs]
+    assert len({tuple(s) for s in samples}) > 1  # the four samples differ
+    # The raw-distribution logprob of each sampled token is a real log-probability.
+    assert all(lp.logprob <= 0 for o in alone.outputs for lp in o.logprobs)
+
+
+def test_stop_strings_and_stop_tokens(llm):
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=32, temperature=0, stop=["return"]))[0]
+    sample = out.outputs[0]
+    assert sample.finish_reason == "stop" and sample.stop_reason == "return"
+    assert "return" not in sample.text
+    free = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=32, temperature=0))[0].outputs[0]
+    stop_tok = free.token_ids[3]
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=32, temperature=0,
+                                                    stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == free.token_ids[:4] and out.stop_reason == stop_tok
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=32, temperature=0, min_tokens=8,
+                                                    stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert len(out.token_ids) >= 8
+
+
+def test_chat_uses_the_template(llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=16, temperature=0))[0]
+    assert "Paris" in out.outputs[0].text
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(n=0), "n"),
+    (dict(logprobs=50), "logprobs"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError, match=field) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == field
+
+
+def test_prompt_longer_than_max_model_len_is_refused(llm):
+    with pytest.raises(InvalidRequestError, match="max_model_len is 512"):
+        llm.generate([[1] * 600], SamplingParams(max_tokens=4))
+    # Nothing was left behind: the engine still serves.
+    assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path, model_path):
+    import json
+    shutil.copytree(model_path, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    cfg["model_type"] = "gpt_neox"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture GPTNeoXForCausalLM; supported: .*LlamaForCausalLM"):
+        LLM(str(tmp_path / "m"), device="cpu", load_format="dummy")
+
+
+def test_unknown_load_format_is_refused(model_path):
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(model_path, device="cpu", load_format="gguf-magic")
+
+
+def test_dummy_weights_are_deterministic(model_path):
+    a = LLM(model_path, device="cpu", load_format="dummy", seed=3, max_model_len=128)
+    b = LLM(model_path, device="cpu", load_format="dummy", seed=3, max_model_len=128)
+    pa = dict(a.engine.executor.driver.model.named_parameters())
+    for name, p in b.engine.executor.driver.model.named_parameters():
+        assert torch.equal(p, pa[name]), name
