@@ -12,15 +12,25 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from rlserve.config import EngineConfig
 from rlserve.engine.core import EngineCore, EngineStats
 from rlserve.engine.output_processor import RequestState
-from rlserve.engine.request import EngineOutput, RequestOutput, SamplingParams
+from rlserve.engine.request import EngineOutput, InvalidRequestError, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WeightUpdateResult:
+    weight_version: int
+    num_bytes: int
+    receive_seconds: float
+    apply_seconds: float
 
 
 class EngineDeadError(RuntimeError):
@@ -40,6 +50,7 @@ class AsyncEngine:
         self._children: dict[str, list[str]] = {}  # request id -> its sample ids
         self._ids = itertools.count()
         self._stop = False
+        self._update_lock = asyncio.Lock()
         self.dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rlserve-engine", daemon=True)
         self._thread.start()
@@ -145,6 +156,65 @@ class AsyncEngine:
             return outs
 
         await self.run(do)
+
+    # -- control plane -----------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.core.world_size
+
+    @property
+    def is_paused(self) -> bool:
+        return self.core.paused
+
+    async def pause(self, mode: str = "abort", clear_cache: bool = False) -> None:
+        """Stop producing tokens; for `wait`, return once in-flight requests have finished."""
+        def do(core: EngineCore) -> None:
+            self._deliver(core.pause(mode, clear_cache))
+
+        await self.run(do)
+        if mode == "wait":
+            while not await self.run(lambda core: core.drained):
+                await asyncio.sleep(0.01)
+
+    async def resume(self) -> None:
+        await self.run(lambda core: core.resume())
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the trainer's group; blocks (off the event loop) until the group forms."""
+        from rlserve.weight_transfer import InitInfo
+        cfg = self.config.weight_transfer
+        if cfg is None:
+            raise InvalidRequestError("no weight-transfer backend is configured", "init_info")
+        InitInfo.parse(init_info, num_workers=self.world_size)  # a 400 before anything blocks
+        async with self._update_lock:
+            await asyncio.to_thread(self.core.executor.collective_rpc, "init_weight_transfer",
+                                    cfg.backend, init_info, cfg.timeout_s)
+
+    async def update_weights(self, update_info: dict) -> WeightUpdateResult:
+        """Receive a whole update into staging, then swap it in between two steps.
+
+        Generation goes on while the bytes arrive (unless paused); a failed or refused
+        transfer leaves the previous weights serving.
+        """
+        version = update_info.get("weight_version") if isinstance(update_info, dict) else None
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise InvalidRequestError(f"update_info.weight_version: must be an integer, got {version!r}",
+                                      "weight_version")
+        async with self._update_lock:
+            t0 = time.perf_counter()
+            try:
+                sizes = await asyncio.to_thread(self.core.executor.collective_rpc,
+                                                "receive_weights", update_info)
+            except BaseException:
+                self.core.executor.collective_rpc("drop_staged_weights")
+                raise
+            t1 = time.perf_counter()
+            new_version = await self.run(lambda core: core.apply_staged_weights(version))
+            t2 = time.perf_counter()
+        result = WeightUpdateResult(new_version, sizes[0], t1 - t0, t2 - t1)
+        logger.info("weights updated to version %d: %.1f MB received in %.3fs, applied in %.3fs",
+                    new_version, result.num_bytes / 1e6, result.receive_seconds, result.apply_seconds)
+        return result
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -277,12 +277,21 @@ class EngineCore:
 
     # -- weights -----------------------------------------------------------------------
     def apply_weights(self, weights: list[tuple[str, torch.Tensor]], version: int | None = None) -> int:
-        """Copy already-received, already-validated tensors into the model, between steps.
+        """Copy tensors into the model now (offline use; the caller owns the engine thread)."""
+        self.executor.collective_rpc("load_weights", weights)
+        return self._new_version(version)
+
+    def apply_staged_weights(self, version: int | None = None) -> int:
+        """Copy the workers' received, validated tensors into the model, between steps.
 
         Runs in the engine thread, so no step ever sees a half-updated model.
         """
-        self.executor.collective_rpc("load_weights", weights)
-        self.weight_version = self.weight_version + 1 if version is None else version
+        self.executor.collective_rpc("apply_staged_weights")
+        return self._new_version(version)
+
+    def _new_version(self, version: int | None) -> int:
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
+        # KV computed under the old weights must not be reused by new requests.
         self.kv.reset_prefix_cache()
         return self.weight_version
 

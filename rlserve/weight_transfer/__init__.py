@@ -22,6 +22,7 @@ from .packing import (
     plan_buckets,
     plan_digest,
 )
+from .client import PushResult, WeightSyncClient
 from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, receiver_init, refuse
 
 __all__ = [
@@ -29,5 +30,5 @@ __all__ = [
     "Bucket", "ExpectedParam", "GlooWeightTransferEngine", "InitInfo", "InvalidUpdateError",
     "NCCLWeightTransferEngine", "Slot", "TensorMeta", "TransferGroup", "UpdateInfo",
     "UpdateRefusedError", "WeightTransferError", "get_ip", "get_open_port", "plan_buckets",
-    "plan_digest", "receive_weights", "receiver_init", "refuse",
+    "plan_digest", "receive_weights", "receiver_init", "refuse", "PushResult", "WeightSyncClient",
 ]

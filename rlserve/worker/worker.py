@@ -71,3 +71,40 @@ class Worker:
 
     def load_weights(self, weights) -> set[str]:
         return self.model.load_weights(weights)
+
+    def init_weight_transfer(self, backend: str, init_info: dict, timeout_s: float) -> None:
+        """Join the trainer's group at rank rank_offset + this worker's rank."""
+        from rlserve.weight_transfer import receiver_init
+        self.close_weight_transfer()
+        self.transfer_group = receiver_init(backend, init_info, worker_rank=self.rank,
+                                            device=self.device, timeout_s=timeout_s)
+
+    def close_weight_transfer(self) -> None:
+        group = getattr(self, "transfer_group", None)
+        self.transfer_group = None
+        if group is not None:
+            group.close()
+
+    def receive_weights(self, update_info: dict) -> int:
+        """Receive a whole update into staging tensors; the model is untouched until
+        `apply_staged_weights`. Returns the number of bytes received."""
+        from rlserve.weight_transfer import ExpectedParam, InvalidUpdateError, receive_weights
+        group = getattr(self, "transfer_group", None)
+        if group is None or group.broken:
+            why = "was broken by a failed transfer" if group is not None else "is not initialized"
+            raise InvalidUpdateError(f"the weight-transfer group {why}: call "
+                                     "/init_weight_transfer_engine first")
+        expected = {name: ExpectedParam(e.shape, e.required)
+                    for name, e in self.model.expected_weights().items()}
+        self.staged = receive_weights(group, update_info, expected, device=self.device,
+                                      target_dtype=self.dtype)
+        return sum(t.numel() * t.element_size() for _, t in self.staged)
+
+    def apply_staged_weights(self) -> None:
+        staged, self.staged = getattr(self, "staged", None), None
+        if staged is None:
+            raise RuntimeError("no staged weights to apply")
+        self.model.load_weights(staged)
+
+    def drop_staged_weights(self) -> None:
+        self.staged = None

@@ -1,0 +1,127 @@
+"""The weight-update control plane, wire-compatible with the seed script:
+
+    GET  /get_world_size                -> {"world_size": N}
+    POST /init_weight_transfer_engine   {"init_info": {...}}     blocks until the group forms
+    POST /update_weights                {"update_info": {...}}   blocks until loaded
+    POST /pause?mode=abort|wait|keep&clear_cache=false
+    POST /resume
+    GET  /is_paused, GET /weight_version, POST /reset_prefix_cache
+
+These routes exist only when a weight-transfer backend is configured; `--admin-key`
+guards them with a bearer token.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlserve.config import EngineConfig
+from rlserve.server.protocol import APIError
+
+
+class InitWeightTransferRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    init_info: dict[str, Any] = Field(description="master_address, master_port, rank_offset, world_size")
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    update_info: dict[str, Any] = Field(
+        description="names, dtype_names, shapes, packed, packed_buffer_size_bytes, "
+                    "packed_num_buffers, weight_version (optional)")
+
+
+def _require_admin(request: Request) -> None:
+    key = request.app.state.admin_key
+    if not key:
+        return
+    auth = request.headers.get("authorization", "")
+    token = auth[7:] if auth.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(token.encode(), key.encode()):
+        raise APIError(401, "control endpoints need the admin key: Authorization: Bearer <admin-key>",
+                       type="authentication_error")
+
+
+router = APIRouter(tags=["weight updates"], dependencies=[Depends(_require_admin)])
+
+
+def _engine(request: Request):
+    return request.app.state.engine
+
+
+def _transfer_error(e: Exception) -> APIError:
+    from rlserve.weight_transfer import InvalidUpdateError, WeightTransferError
+    if isinstance(e, InvalidUpdateError):
+        return APIError(400, str(e), param="update_info")
+    if isinstance(e, WeightTransferError):
+        # The trainer side failed or vanished: not the caller's input, not a server bug.
+        return APIError(502, f"weight transfer failed, previous weights still serving: {e}",
+                        type="weight_transfer_error")
+    raise e
+
+
+@router.get("/get_world_size")
+async def get_world_size(request: Request) -> dict:
+    return {"world_size": _engine(request).world_size}
+
+
+@router.post("/init_weight_transfer_engine")
+async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: Request) -> dict:
+    try:
+        await _engine(request).init_weight_transfer(body.init_info)
+    except Exception as e:
+        raise _transfer_error(e) from e
+    return {"status": "ok"}
+
+
+@router.post("/update_weights")
+async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
+    try:
+        result = await _engine(request).update_weights(body.update_info)
+    except Exception as e:
+        raise _transfer_error(e) from e
+    gbps = result.num_bytes / max(result.receive_seconds, 1e-9) / 1e9
+    return {"status": "ok", "weight_version": result.weight_version, "bytes": result.num_bytes,
+            "receive_seconds": result.receive_seconds, "apply_seconds": result.apply_seconds,
+            "gb_per_second": gbps}
+
+
+@router.post("/pause")
+async def pause(request: Request,
+                mode: str = Query("abort", pattern="^(abort|wait|keep)$",
+                                  description="abort: end in-flight requests; wait: let them "
+                                              "finish; keep: freeze them with their KV cache"),
+                clear_cache: bool = Query(False, description="keep mode: drop frozen requests' "
+                                                             "KV so they re-prefill on resume")) -> dict:
+    await _engine(request).pause(mode, clear_cache)
+    return {"status": "paused", "mode": mode}
+
+
+@router.post("/resume")
+async def resume(request: Request) -> dict:
+    await _engine(request).resume()
+    return {"status": "resumed"}
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> dict:
+    return {"is_paused": _engine(request).is_paused}
+
+
+@router.get("/weight_version")
+async def weight_version(request: Request) -> dict:
+    return {"weight_version": _engine(request).weight_version}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict:
+    await _engine(request).reset_prefix_cache()
+    return {"status": "ok"}
+
+
+def add_control_routes(app: FastAPI, engine, config: EngineConfig) -> None:
+    app.include_router(router)

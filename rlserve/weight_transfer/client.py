@@ -1,0 +1,171 @@
+"""One-call weight sync for trainers: pause, transfer, load, resume.
+
+    client = WeightSyncClient("http://localhost:8000", backend="gloo")
+    client.init()
+    result = client.push(model.named_parameters())   # PushResult(bytes, seconds, gb_per_s, ...)
+
+It performs the seed script's choreography (HTTP calls in threads while this process
+broadcasts) for one server or several replicas, which then share one transfer group.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import requests
+import torch
+
+from rlserve.weight_transfer.errors import WeightTransferError
+from rlserve.weight_transfer.group import get_ip, get_open_port
+from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
+
+
+@dataclass
+class PushResult:
+    num_bytes: int
+    seconds: float  # pause to resume, as the trainer sees it
+    transfer_seconds: float
+    weight_versions: list[int]  # one per server
+
+    @property
+    def gb_per_second(self) -> float:
+        return self.num_bytes / max(self.transfer_seconds, 1e-9) / 1e9
+
+
+def _engine_for(backend: str):
+    from rlserve.weight_transfer import GlooWeightTransferEngine, NCCLWeightTransferEngine
+    engines = {"nccl": NCCLWeightTransferEngine, "gloo": GlooWeightTransferEngine}
+    if backend not in engines:
+        raise ValueError(f"backend: must be one of {', '.join(engines)}, got {backend!r}")
+    return engines[backend]
+
+
+class _Call(threading.Thread):
+    """An HTTP call that blocks until the matching collective completes."""
+
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args = fn, args
+        self.response: requests.Response | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.response = self.fn(*self.args)
+        except BaseException as e:  # reported by result()
+            self.error = e
+
+    def result(self) -> dict:
+        self.join()
+        if self.error is not None:
+            raise WeightTransferError(f"request failed: {self.error}") from self.error
+        r = self.response
+        if r.status_code >= 400:
+            try:
+                message = r.json()["error"]["message"]
+            except Exception:
+                message = r.text
+            raise WeightTransferError(f"{r.request.url} answered {r.status_code}: {message}")
+        return r.json()
+
+
+class WeightSyncClient:
+    def __init__(self, base_urls: str | list[str], backend: str = "nccl", *,
+                 admin_key: str | None = None, timeout_s: float = 300.0,
+                 master_address: str | None = None, master_port: int | None = None):
+        self.urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        self.urls = [u.rstrip("/") for u in self.urls]
+        self.backend = backend
+        self.engine = _engine_for(backend)
+        self.timeout_s = timeout_s
+        self.master_address = master_address
+        self.master_port = master_port
+        self.session = requests.Session()
+        if admin_key:
+            self.session.headers["Authorization"] = f"Bearer {admin_key}"
+        self.group = None
+
+    def _post(self, url: str, path: str, json: dict | None = None, params: dict | None = None):
+        return self.session.post(f"{url}{path}", json=json, params=params, timeout=self.timeout_s)
+
+    def _check(self, r: requests.Response) -> dict:
+        if r.status_code >= 400:
+            raise WeightTransferError(f"{r.request.url} answered {r.status_code}: {r.text}")
+        return r.json()
+
+    def init(self) -> None:
+        """Form one transfer group: this trainer at rank 0, each server's workers after it."""
+        sizes = [self._check(self.session.get(f"{u}/get_world_size", timeout=30))["world_size"]
+                 for u in self.urls]
+        world_size = 1 + sum(sizes)
+        address = self.master_address or get_ip()
+        port = self.master_port or get_open_port()
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        calls = [_Call(self._post, u, "/init_weight_transfer_engine",
+                       {"init_info": dict(master_address=address, master_port=port,
+                                          rank_offset=off, world_size=world_size)})
+                 for u, off in zip(self.urls, offsets)]
+        try:
+            self.group = self.engine.trainer_init(dict(master_address=address, master_port=port,
+                                                       world_size=world_size, timeout_s=self.timeout_s))
+        finally:
+            errors = []
+            for c in calls:
+                try:
+                    c.result()
+                except WeightTransferError as e:
+                    errors.append(str(e))
+        if errors:
+            raise WeightTransferError("; ".join(errors))
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
+             pause_mode: str = "keep", packed: bool = True,
+             packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+             packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> PushResult:
+        """Pause every server, send the tensors, load them, resume. All or nothing per server:
+        a failure leaves that server on its previous weights and raises here."""
+        if self.group is None:
+            raise WeightTransferError("call init() before push()")
+        tensors = [(n, t.detach()) for n, t in named_tensors]
+        update_info = dict(names=[n for n, _ in tensors],
+                           dtype_names=[str(t.dtype).split(".")[-1] for _, t in tensors],
+                           shapes=[list(t.shape) for _, t in tensors], packed=packed,
+                           packed_buffer_size_bytes=packed_buffer_size_bytes,
+                           packed_num_buffers=packed_num_buffers)
+        if version is not None:
+            update_info["weight_version"] = version
+        num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
+        t0 = time.perf_counter()
+        paused = []
+        try:
+            for u in self.urls:
+                self._check(self._post(u, "/pause", params={"mode": pause_mode}))
+                paused.append(u)
+            t1 = time.perf_counter()
+            calls = [_Call(self._post, u, "/update_weights", {"update_info": update_info})
+                     for u in self.urls]
+            send_error = None
+            try:
+                self.engine.trainer_send_weights(iterator=iter(tensors), group=self.group, packed=packed,
+                                                 packed_buffer_size_bytes=packed_buffer_size_bytes,
+                                                 packed_num_buffers=packed_num_buffers)
+            except Exception as e:
+                send_error = e
+            results, errors = [], []
+            for c in calls:
+                try:
+                    results.append(c.result())
+                except WeightTransferError as e:
+                    errors.append(str(e))
+            if errors or send_error is not None:
+                raise WeightTransferError("; ".join(errors) or str(send_error)) from send_error
+            t2 = time.perf_counter()
+        finally:
+            for u in paused:
+                self._check(self._post(u, "/resume"))
+        return PushResult(num_bytes, time.perf_counter() - t0, t2 - t1,
+                          [r["weight_version"] for r in results])
