@@ -87,6 +87,7 @@ class EngineConfig:
     chat_template: str | None = None
     weight_transfer: WeightTransferConfig | None = None
     trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -49,7 +49,7 @@ def load_tokenizer(path: str):
 
 def _eos_ids(hf_config, tokenizer, path: str) -> frozenset[int]:
     ids: set[int] = set()
-    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, (list, tuple)):
@@ -73,7 +73,9 @@ class EngineCore:
         for key, value in config.hf_overrides.items():
             setattr(hf_config, key, value)
         self.hf_config = hf_config
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        # Benchmarks on bare configs run without a tokenizer (token ids in, token ids out).
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
+            config.tokenizer or self.model_path)
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
@@ -85,6 +87,10 @@ class EngineCore:
         self.executor = UniProcExecutor(config, hf_config, self.model_path)
         num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
         self.executor.collective_rpc("init_kv_cache", num_blocks)
+        if not config.enforce_eager:
+            t1 = time.perf_counter()
+            self.executor.collective_rpc("capture_cuda_graphs", config.max_num_seqs, self.max_model_len)
+            logger.info("captured CUDA graphs in %.1fs", time.perf_counter() - t1)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
@@ -144,7 +150,7 @@ class EngineCore:
         if req.request_id in self.scheduler.requests or any(r.request_id == req.request_id for r in self.held):
             raise InvalidRequestError(f"request_id: {req.request_id!r} is already running", "request_id")
         p = req.sampling_params
-        if p.detokenize:
+        if p.detokenize and self.tokenizer is not None:
             self.detokenizers[req.request_id] = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
                 p.skip_special_tokens)

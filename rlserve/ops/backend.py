@@ -27,6 +27,10 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_enabled()
 
 
+def uses_triton(device: torch.device) -> bool:
+    return device.type == "cuda" and _triton_enabled()
+
+
 def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     if _use_triton(key):
         from rlserve.ops import triton_attention

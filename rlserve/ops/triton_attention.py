@@ -79,6 +79,15 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 @triton.jit
+def _dim_mask(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    # A constant-true mask when head_dim needs no padding keeps the loads vectorized.
+    if HEAD_DIM == BLOCK_D:
+        return tl.full([BLOCK_D], 1, dtype=tl.int1)
+    else:
+        return tl.arange(0, BLOCK_D) < HEAD_DIM
+
+
+@triton.jit
 def _attn_tiles(
     acc, l_i, m_i, q, q_pos, lo, hi, kv_end,
     k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh,
@@ -89,17 +98,17 @@ def _attn_tiles(
     DOT_F32: tl.constexpr,
 ):
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
+    d_ok = _dim_mask(HEAD_DIM, BLOCK_D)
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         if MASKED:
             j_ok = j < kv_end
             phys = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+            ld_mask = j_ok[:, None] & d_ok[None, :]
         else:
-            j_ok = j >= 0  # all in range; keeps one code path for the loads
             phys = tl.load(bt_row_ptr + j // BLOCK_SIZE).to(tl.int64)
+            ld_mask = d_ok[None, :]
         off = j % BLOCK_SIZE
-        ld_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + phys[:, None] * stride_kb + off[:, None] * stride_ks
                     + kvh * stride_kh + d[None, :], mask=ld_mask, other=0.0)
         if DOT_F32:
@@ -158,7 +167,7 @@ def _paged_attn_kernel(
     row_ok = (tok < q_len) & (hq < GROUP)
     head = kvh * GROUP + hq
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
+    d_ok = _dim_mask(HEAD_DIM, BLOCK_D)
     tok_g = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -170,7 +179,7 @@ def _paged_attn_kernel(
     # Keys this tile can see end at the last row's position; keys below the first row's
     # position (rounded down to a tile) are visible to every row and need no mask.
     kv_end = ctx + tl.minimum(t0 + BLOCK_Q, q_len)
-    full_end = ((ctx + t0 + 2) // BLOCK_N) * BLOCK_N
+    full_end = ((ctx + t0 + 1) // BLOCK_N) * BLOCK_N
     if NUM_SPLITS == 1:
         unmasked_lo = 0
         unmasked_hi = full_end
@@ -249,15 +258,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _pick_config(max_query_len: int, group_pad: int, head_dim: int) -> dict:
-    """Tile shape from host-side sizes only (no device reads)."""
-    rows = max_query_len * group_pad
-    if rows <= 16:  # decode (and tiny chunks): memory bound, small M
-        block_m = max(16, group_pad)
-        return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
-    if rows <= 64:
-        return dict(BLOCK_M=max(64, group_pad), BLOCK_N=64, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=max(128, group_pad), BLOCK_N=64,
-                num_warps=8 if head_dim > 64 else 4, num_stages=2)
+    """Tile shape from host-side sizes only (no device reads); tuned on an H200, bf16."""
+    if max_query_len * group_pad <= 16:  # decode (and tiny chunks): memory bound, small M
+        return dict(BLOCK_M=max(16, group_pad), BLOCK_N=64, num_warps=2, num_stages=3)
+    return dict(BLOCK_M=max(64, group_pad), BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 def _pick_splits(num_seqs: int, num_kv_heads: int, q_tiles: int, max_ctx: int,

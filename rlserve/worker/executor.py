@@ -1,29 +1,306 @@
-"""Runs calls on every worker. One in-process worker now; the tensor-parallel executor
-starts one process per rank behind the same interface."""
+"""Runs the model on every tensor-parallel rank and calls methods on all of them.
+
+Rank 0, the driver, lives in this process: one rank means no process hop, and the engine
+reads the driver's model and device directly. Ranks 1..N-1 are worker processes
+(worker_proc.py), each on a socket carrying msgpack messages (messages.py):
+
+- a step per engine step: the scheduler output as plain lists, and no reply. The step's
+  collectives keep the ranks in lockstep; every rank gets the full logits and samples,
+  and rank 0's tokens are the ones the engine uses (the others are discarded).
+- calls (`collective_rpc`), answered in order; results come back in rank order.
+
+Every message goes to all workers under one lock, so all ranks see steps and calls in
+the same order and a collective never pairs a step on one rank with a call on another.
+A worker that exits fails the executor: the pending and every later call raises
+WorkerDiedError, so the engine loop stops and says why.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import msgpack
+import torch
 
 from rlserve.config import EngineConfig
+from rlserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, host_store, tp_device
+from rlserve.worker.messages import Channel, ChannelClosed, StepEncoder, error_from_reply
+from rlserve.worker.model_runner import ModelRunnerOutput
 from rlserve.worker.worker import Worker
 
+logger = logging.getLogger(__name__)
 
-class UniProcExecutor:
+_POLL_S = 0.2
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank is gone (or failed a step); the engine cannot go on."""
+
+
+def _config_to_wire(config: EngineConfig) -> dict[str, Any]:
+    data = dataclasses.asdict(config)
+    if isinstance(config.dtype, torch.dtype):
+        data["dtype"] = str(config.dtype).removeprefix("torch.")
+    return data
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "closed its connection"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerProcess:
+    """The executor's handle on one worker process: its socket, its replies, its exit."""
+
+    def __init__(self, rank: int, init: dict[str, Any], on_lost: Callable[["WorkerProcess"], None]):
+        self.rank = rank
+        self.on_lost = on_lost
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # The child imports the same rlserve as this process, installed or not.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlserve.worker.worker_proc", "--fd", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        self.chan = Channel(ours)
+        self.replies: queue.Queue[dict | None] = queue.Queue()
+        self.fatal: str | None = None
+        self.chan.send(init)
+        self._reader = threading.Thread(target=self._read, name=f"rlserve-rank{rank}-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.chan.recv()
+                if msg.get("op") == "fatal":
+                    self.fatal = msg.get("error")
+                else:
+                    self.replies.put(msg)
+        except (ChannelClosed, msgpack.UnpackException, ValueError):
+            pass
+        self.on_lost(self)
+        self.replies.put(None)  # wakes a caller waiting for a reply
+
+    def describe_exit(self) -> str:
+        try:
+            code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        what = f"tensor-parallel worker rank {self.rank} (pid {self.proc.pid}) {_describe_exit(code)}"
+        if self.fatal:
+            what += f": {self.fatal.strip().splitlines()[-1]}"
+        return what
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        try:
+            self.chan.send({"op": "shutdown"})
+        except ChannelClosed:
+            pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.chan.close()
+
+
+class Executor:
+    """Rank 0 in this process plus one worker process per further rank."""
+
     def __init__(self, config: EngineConfig, hf_config, model_path: str):
-        self.worker = Worker(config, hf_config, model_path, rank=0)
-        self.world_size = 1
+        self.config = config
+        self.world_size = config.tensor_parallel_size
+        self.failure: str | None = None
+        self.workers: list[WorkerProcess] = []
+        self._closing = False
+        self._fail_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one order of messages for all workers
+        self._call_lock = threading.Lock()  # one call in flight: replies pair with calls
+        self._steps = StepEncoder()
+        self.tp = TPGroup()
+        try:
+            if self.world_size > 1:
+                self.tp = self._start_workers(config, model_path)
+            self.driver = Worker(config, hf_config, model_path, rank=0, tp=self.tp)
+            for w in self.workers:  # each answers its init once its model is loaded
+                reply = self._reply(w)
+                if not reply["ok"]:
+                    raise error_from_reply(reply, w.rank)
+        except BaseException:
+            self.shutdown()
+            raise
 
-    @property
-    def driver(self) -> Worker:
-        return self.worker
+    def _start_workers(self, config: EngineConfig, model_path: str) -> TPGroup:
+        timeout_s = DEFAULT_TIMEOUT_S
+        store = host_store(timeout_s)
+        device = tp_device(config.device, 0)
+        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        init = {"op": "init", "config": _config_to_wire(config), "model_path": model_path,
+                "world_size": self.world_size, "tp_port": store.port, "timeout_s": timeout_s,
+                "num_threads": threads, "log_level": logging.getLogger("rlserve").getEffectiveLevel()}
+        for rank in range(1, self.world_size):
+            self.workers.append(WorkerProcess(rank, {**init, "rank": rank}, self._on_worker_lost))
+        logger.info("started %d tensor-parallel workers (pids %s)", len(self.workers),
+                    ", ".join(str(w.proc.pid) for w in self.workers))
+        return self._unless_failed(
+            lambda: TPGroup.join(0, self.world_size, device, store.port, store=store, timeout_s=timeout_s),
+            "forming the tensor-parallel group")
 
+    def _unless_failed(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run fn, giving up as soon as a worker dies (fn may block on the dead one)."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:
+                box["error"] = e
+
+        t = threading.Thread(target=run, name="rlserve-tp-join", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(_POLL_S)
+            if self.failure is not None:
+                raise WorkerDiedError(f"{what}: {self.failure}")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    # -- failure -----------------------------------------------------------------------
+    def _on_worker_lost(self, w: WorkerProcess) -> None:
+        if self._closing:
+            return
+        self._fail(w.describe_exit())
+
+    def _fail(self, message: str) -> None:
+        with self._fail_lock:
+            if self.failure is not None:
+                return
+            self.failure = message
+        logger.error("%s; the engine cannot continue", message)
+        self.tp.abort()  # rank 0 may be waiting inside a collective on the lost rank
+
+    def check_health(self) -> None:
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+
+    # -- messages ----------------------------------------------------------------------
+    def _send_all(self, message: dict[str, Any]) -> None:
+        data = msgpack.packb(message, use_bin_type=True)  # fails before anything is sent
+        with self._send_lock:
+            for w in self.workers:
+                try:
+                    w.chan.send_packed(data)
+                except ChannelClosed:
+                    pass  # its reader reports the loss
+        self.check_health()
+
+    def _reply(self, w: WorkerProcess) -> dict[str, Any]:
+        while True:
+            try:
+                msg = w.replies.get(timeout=_POLL_S)
+            except queue.Empty:
+                self.check_health()
+                continue
+            if msg is None:
+                w.replies.put(None)  # stays lost for later callers
+                raise WorkerDiedError(self.failure or f"tensor-parallel worker rank {w.rank} is gone")
+            return msg
+
+    # -- the interface the engine uses ----------------------------------------------------
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call `method` on every worker; returns the results in rank order."""
-        return [getattr(self.worker, method)(*args, **kwargs)]
+        """Call `method` on every rank; results in rank order. Raises if any rank failed,
+        with that rank's message (rank 0's own exception when it failed too)."""
+        if method == "load_weights" and self.workers:
+            return self._load_weights(*args, **kwargs)
+        self.check_health()
+        if not self.workers:
+            return [getattr(self.driver, method)(*args, **kwargs)]
+        with self._call_lock:
+            self._send_all({"op": "call", "method": method, "args": list(args), "kwargs": kwargs})
+            local = self._call_local(lambda: getattr(self.driver, method)(*args, **kwargs))
+            replies = [self._reply(w) for w in self.workers]
+        return self._gather(local, replies)
 
-    def execute_model(self, sched, block_tables):
-        return self.worker.execute_model(sched, block_tables)
+    def _call_local(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        try:
+            return True, fn()
+        except Exception as e:
+            return False, e
+
+    def _gather(self, local: tuple[bool, Any], replies: list[dict[str, Any]]) -> list[Any]:
+        failed = [(w.rank, r) for w, r in zip(self.workers, replies) if not r["ok"]]
+        ok, value = local
+        if not ok:
+            for rank, r in failed:
+                value.add_note(f"rank {rank} failed too: {r.get('error')}")
+            raise value
+        if failed:
+            error = error_from_reply(failed[0][1], failed[0][0])
+            for rank, r in failed[1:]:
+                error.add_note(f"rank {rank} failed too: {r.get('error')}")
+            raise error
+        return [value] + [r["result"] for r in replies]
+
+    def _load_weights(self, weights) -> list[set[str]]:
+        """Rank 0 broadcasts the tensors over the TP group; every rank keeps its shards."""
+        from rlserve.weight_transfer.packing import as_bytes
+        self.check_health()
+        weights = [(name, t.detach()) for name, t in weights]
+        metas = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in weights]
+        with self._call_lock:
+            self._send_all({"op": "load", "tensors": metas})
+            for _, t in weights:
+                if t.numel():
+                    self.tp.broadcast(as_bytes(t.to(self.driver.device)), src=0)
+            local = self._call_local(lambda: self.driver.load_weights(weights))
+            replies = [self._reply(w) for w in self.workers]
+        return [set(r) for r in self._gather(local, replies)]
+
+    def execute_model(self, sched, block_tables: list[list[int]]) -> ModelRunnerOutput:
+        self.check_health()
+        if self.workers:
+            self._send_all(self._steps.encode(sched, block_tables))
+        try:
+            return self.driver.execute_model(sched, block_tables)
+        except Exception as e:
+            if not self.workers:
+                raise
+            # A lost peer fails rank 0's collective, maybe before its reader has noticed.
+            deadline = time.monotonic() + 2
+            while self.failure is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # Ranks that finished the step without rank 0 are now out of step with it.
+            self._fail(self.failure or f"rank 0 failed a step: {type(e).__name__}: {e}")
+            raise WorkerDiedError(self.failure) from e
 
     def shutdown(self) -> None:
-        pass
+        if self._closing:
+            return
+        self._closing = True
+        for w in self.workers:
+            w.stop()
+        self.tp.close()
+
+
+# The engine core constructs executors under this name.
+UniProcExecutor = Executor

@@ -50,6 +50,7 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
+        self.graphs: CudaGraphs | None = None
 
     # -- KV cache --------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -70,6 +71,14 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = None
         self.kv_cache = None
+        self.graphs = None  # they captured the cache's addresses
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode steps for a ladder of batch sizes; see CudaGraphs."""
+        from rlserve.ops.backend import uses_triton
+        if self.device.type != "cuda" or not uses_triton(self.device):
+            return  # the torch reference ops read tensors on the host: not capturable
+        self.graphs = CudaGraphs(self, min(max_num_seqs, 512), max_model_len)
 
     # -- inputs ------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> BatchInputs:
@@ -152,10 +161,17 @@ class ModelRunner:
             max_logprobs=max_lp)
 
     # -- the step ----------------------------------------------------------------------
+    def forward(self, batch: BatchInputs, decode_only: bool) -> torch.Tensor:
+        n = batch.input_ids.shape[0]
+        if decode_only and self.graphs is not None and n <= self.graphs.max_batch:
+            return self.graphs.run(batch)
+        return self.model(batch.input_ids, batch.positions, batch.meta)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelRunnerOutput:
         batch = self.prepare(sched, block_tables)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        decode_only = batch.meta.max_query_len == 1
+        hidden = self.forward(batch, decode_only)
         if batch.logits_indices.numel() == 0:
             return ModelRunnerOutput([], {})
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -202,3 +218,63 @@ class ModelRunner:
             top = tuple(zip(top_ids[i][:k], top_lp[i][:k])) if k and top_ids is not None else ()
             result.append(TokenLogprob(tok, chosen[i], ranks[i], top))
         return result
+
+
+class CudaGraphs:
+    """Decode steps replayed from CUDA graphs: one graph per padded batch size.
+
+    Inputs are copied into static buffers; padded rows write nowhere (slot -1) and attend
+    to one key of block 0, so their (discarded) outputs cost almost nothing. Weight updates
+    copy into the same parameter storage, so the graphs stay valid across them.
+    """
+
+    def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int):
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.sizes = sorted({s for s in [1, 2, 4, 8] + list(range(16, max_batch + 1, 16)) if s <= max_batch}
+                            | {max_batch})
+        self.max_batch = self.sizes[-1]
+        dev = runner.device
+        max_blocks = -(-max_model_len // runner.block_size)
+        b = self.max_batch
+        self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.slots = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self.tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = None
+        with torch.inference_mode():
+            for size in reversed(self.sizes):  # largest first: smaller ones reuse its pool
+                meta = self._meta(size)
+                args = (self.input_ids[:size], self.positions[:size], meta)
+                runner.model(*args)  # compiles kernels outside the capture
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = runner.model(*args)
+                pool = graph.pool()
+                self.graphs[size] = (graph, out)
+        torch.cuda.synchronize(dev)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(self.slots[:size], self.qsl[:size + 1], self.seq_lens[:size],
+                                 self.tables[:size], 1, self.max_model_len)
+
+    def run(self, batch: BatchInputs) -> torch.Tensor:
+        n = batch.input_ids.shape[0]
+        size = next(s for s in self.sizes if s >= n)
+        m = batch.meta
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slots[:n].copy_(m.slot_mapping)
+        self.slots[n:size].fill_(-1)
+        self.seq_lens[:n].copy_(m.seq_lens)
+        self.seq_lens[n:size].fill_(1)
+        width = m.block_tables.shape[1]
+        self.tables[:n, :width].copy_(m.block_tables)
+        self.tables[n:size, 0].fill_(0)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:n]

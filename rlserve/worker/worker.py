@@ -8,6 +8,7 @@ import time
 import torch
 
 from rlserve.config import EngineConfig, resolve_dtype
+from rlserve.distributed import TPGroup, tp_device, tp_group_scope
 from rlserve.engine.scheduler import SchedulerOutput
 from rlserve.model.loader import build_model
 from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -18,19 +19,35 @@ _CPU_KV_DEFAULT_BYTES = 1 << 30
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, hf_config, model_path: str, rank: int = 0):
+    def __init__(self, config: EngineConfig, hf_config, model_path: str, rank: int = 0,
+                 tp: TPGroup | None = None):
         self.config = config
         self.rank = rank
-        self.device = torch.device(config.device)
+        self.tp = tp or TPGroup()
+        self.device = torch.device(config.device if self.tp.world_size == 1 else tp_device(config.device, rank))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(config.dtype, config.device, getattr(hf_config, "torch_dtype", None))
         t0 = time.perf_counter()
         torch.manual_seed(config.seed)
-        self.model = build_model(hf_config, self.dtype, str(self.device), config.load_format,
-                                 model_path, seed=config.seed)
+        with tp_group_scope(self.tp):  # the layers take their shard of the model from it
+            self.model = build_model(hf_config, self.dtype, str(self.device), config.load_format,
+                                     model_path, seed=config.seed)
+        if config.load_format == "dummy" and self.tp.world_size > 1:
+            self._init_dummy_unsharded(config.seed)
         self.load_seconds = time.perf_counter() - t0
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size)
+
+    @torch.no_grad()
+    def _init_dummy_unsharded(self, seed: int) -> None:
+        """Redraw dummy weights at full size and keep this rank's shard, so every
+        tensor-parallel size serves the same dummy model (and replicated parameters agree
+        across ranks). Same draws as the loader's init_dummy_weights on one rank."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for p in self.model.full_parameters():
+            buf = torch.empty(p.shape, dtype=torch.float32, device=self.device)
+            buf.uniform_(-1e-3, 1e-3, generator=gen)
+            self.model.load_weights((name, buf.narrow(p.dim, start, size)) for name, start, size in p.pieces)
 
     # -- KV cache sizing ---------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -42,13 +59,17 @@ class Worker:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
+            # gpu_memory_utilization is this server's share of the device (as in vLLM), so
+            # other processes on the GPU (a colocated trainer) do not count against it;
+            # what is actually free still caps it.
+            ours = torch.cuda.memory_reserved(self.device)
             # Room for activations of the largest step; the rest of the share is KV cache.
             hf = self.model.config
             width = max(hf.hidden_size * 4, getattr(hf, "intermediate_size", 0) * 2)
             activations = cfg.max_num_batched_tokens * width * self.dtype.itemsize * 4
             logits = cfg.max_num_seqs * hf.vocab_size * 4 * 4
-            budget = int(total * cfg.gpu_memory_utilization) - used - activations - logits - (1 << 30)
+            reserve = activations + logits + (1 << 30)
+            budget = min(int(total * cfg.gpu_memory_utilization) - ours, free) - reserve
         else:
             budget = _CPU_KV_DEFAULT_BYTES
         num_blocks = budget // per_block
@@ -60,6 +81,9 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
 
     # -- execution ---------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelRunnerOutput:

@@ -1,0 +1,191 @@
+"""Offline throughput on nano-vllm's published workload (a script, not a test).
+
+256 sequences; prompt and output lengths uniform in [100, 1024]; random token ids below
+10000 from `random.seed(0)`; ignore_eos; dummy weights. Prints output tokens/s.
+
+    python benchmarks/throughput.py --model qwen3-0.6b                 # GPU, bf16
+    python benchmarks/throughput.py --model qwen3-0.6b --transformers  # side by side
+    python benchmarks/throughput.py --model smollm2 --device cpu --num-seqs 8 --max-len 128
+
+--model takes a preset (qwen3-0.6b, llama-3.1-8b, smollm2) or an HF directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+
+import torch
+
+PRESETS = {
+    # The published configs of these architectures; weights are dummy.
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+        attention_bias=False, torch_dtype="bfloat16", eos_token_id=151645, bos_token_id=151643),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+        attention_bias=False, mlp_bias=False, torch_dtype="bfloat16", eos_token_id=128001,
+        bos_token_id=128000),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
+        attention_bias=False, torch_dtype="bfloat16", eos_token_id=151645, bos_token_id=151643),
+}
+
+
+def model_dir(name: str) -> str:
+    """A preset becomes a directory holding only its config.json."""
+    if name == "smollm2":
+        from rlserve.model.demo_model import demo_model_path
+        return demo_model_path()
+    if name not in PRESETS:
+        return name
+    path = os.path.join(tempfile.gettempdir(), f"rlserve-preset-{name}")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(PRESETS[name], f)
+    return path
+
+
+def workload(num_seqs: int, min_len: int, max_len: int, max_out: int, seed: int = 0):
+    """nano-vllm's bench.py workload, drawn in the same order from the same seed."""
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))]
+               for _ in range(num_seqs)]
+    out_lens = [random.randint(min_len, max_out) for _ in range(num_seqs)]
+    return prompts, out_lens
+
+
+def bound_tokens_per_s(cfg: dict, prompts, out_lens, dtype_bytes: int = 2,
+                       hbm_bytes_per_s: float = 4.8e12) -> float:
+    """Bytes-moved bound: weights once per decode step, each token's KV once per step."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    params = (cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
+              + layers * (h * head_dim * (cfg["num_attention_heads"] + 2 * kv_heads)
+                          + cfg["num_attention_heads"] * head_dim * h + 3 * h * cfg["intermediate_size"]))
+    kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    # All sequences decode together; a sequence's context grows from its prompt.
+    steps = max(out_lens)
+    weight_bytes = params * dtype_bytes * steps
+    kv_bytes = sum(kv_per_token * (p * o + o * (o - 1) / 2) for p, o in zip(map(len, prompts), out_lens))
+    return sum(out_lens) / ((weight_bytes + kv_bytes) / hbm_bytes_per_s)
+
+
+def run_rlserve(args, path, prompts, out_lens) -> float:
+    from rlserve import LLM, SamplingParams
+    llm = LLM(path, device=args.device, dtype=args.dtype, load_format="dummy",
+              skip_tokenizer_init=True, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n,
+                             detokenize=False) for n in out_lens]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, detokenize=False))  # warm-up
+    sync()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync()
+    elapsed = time.perf_counter() - t
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(out_lens), (produced, sum(out_lens))
+    stats = llm.engine.stats()
+    print(f"rlserve: {produced} tokens in {elapsed:.2f}s = {produced / elapsed:,.0f} output tok/s "
+          f"(preemptions {stats.preemptions_total}, KV capacity {stats.kv_cache_capacity_tokens} tokens)")
+    del llm
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return produced / elapsed
+
+
+def run_transformers(args, path, prompts, out_lens) -> float:
+    """transformers' own continuous batching (generate_batch) on the same workload."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    cfg = AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,
+                                             attn_implementation="paged|sdpa").to(args.device).eval()
+    n = args.transformers_num_seqs or len(prompts)
+    prompts, out_lens = prompts[:n], out_lens[:n]
+    # generate_batch takes one max_new_tokens for all requests: group by length.
+    groups: dict[int, list] = {}
+    for p, o in zip(prompts, out_lens):
+        groups.setdefault(o, []).append(p)
+    gen = GenerationConfig(max_new_tokens=max(out_lens), do_sample=args.temperature > 0,
+                           temperature=args.temperature or 1.0, eos_token_id=-1, pad_token_id=0,
+                           use_cuda_graph=False)
+    sync()
+    t = time.perf_counter()
+    produced = 0
+    if len(set(out_lens)) == 1:
+        results = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+        produced = sum(len(r.generated_tokens) for r in results.values())
+    else:
+        # One manager, every request with its own budget.
+        manager = model.init_continuous_batching(generation_config=gen)
+        manager.start()
+        for i, (p, o) in enumerate(zip(prompts, out_lens)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=o)
+        for _ in range(len(prompts)):
+            r = manager.get_result(timeout=600)
+            produced += len(r.generated_tokens)
+        manager.stop(block=True)
+    sync()
+    elapsed = time.perf_counter() - t
+    print(f"transformers continuous batching ({n} seqs): {produced} tokens in {elapsed:.2f}s = "
+          f"{produced / elapsed:,.0f} output tok/s")
+    return produced / elapsed
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024, help="largest prompt")
+    p.add_argument("--max-out", type=int, default=None, help="largest output (default: --max-len)")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--transformers", action="store_true", help="also run transformers' continuous batching")
+    p.add_argument("--transformers-num-seqs", type=int, default=None,
+                   help="run transformers on the first N sequences only (it is slow)")
+    args = p.parse_args()
+    path = model_dir(args.model)
+    prompts, out_lens = workload(args.num_seqs, args.min_len, args.max_len, args.max_out or args.max_len)
+    print(f"workload: {len(prompts)} seqs, {sum(map(len, prompts))} prompt tokens, "
+          f"{sum(out_lens)} output tokens; model {args.model} on {args.device}")
+    ours = run_rlserve(args, path, prompts, out_lens)
+    if args.model in PRESETS and args.device.startswith("cuda"):
+        bound = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens)
+        print(f"byte-counting bound (H200, 4.8 TB/s): {bound:,.0f} tok/s; rlserve at {ours / bound:.0%}")
+    if args.transformers:
+        theirs = run_transformers(args, path, prompts, out_lens)
+        print(f"ratio rlserve / transformers: {ours / theirs:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""What the executor and its worker processes say to each other: msgpack messages over a
+socket, never pickle.
+
+Executor -> worker:
+    {"op": "init", ...}                     first message: config, model path, rank, TP port
+    {"op": "step", "new", "items", "finished"}   one engine step, no reply
+    {"op": "call", "method", "args"}        answered by one reply
+    {"op": "load", "tensors": [[name, dtype, shape], ...]}   the tensors follow over the TP
+                                            group (rank 0 broadcasts); answered by one reply
+    {"op": "shutdown"}
+Worker -> executor:
+    {"op": "reply", "ok": true, "result"} | {"op": "reply", "ok": false, "error", "type"}
+    {"op": "fatal", "error"}                the worker is about to exit
+
+A step carries the scheduler output as plain lists. Workers keep a mirror of every
+request they have seen, so a step sends each request's tokens once: new requests with
+their prompt and sampling parameters, then per scheduled request only the tokens appended
+since the last step it was in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import struct
+import threading
+from typing import Any
+
+import msgpack
+
+from rlserve.engine.request import InvalidRequestError, Request, SamplingParams
+from rlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+_HEADER = struct.Struct("!Q")
+
+
+class ChannelClosed(ConnectionError):
+    """The other end went away (its process exited or closed the socket)."""
+
+
+class Channel:
+    """Length-prefixed msgpack messages over a stream socket; send is thread-safe."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.send_packed(msgpack.packb(message, use_bin_type=True))
+
+    def send_packed(self, data: bytes) -> None:
+        """Send a message already packed (to send one message to many channels)."""
+        with self._send_lock:
+            try:
+                self.sock.sendall(_HEADER.pack(len(data)) + data)
+            except OSError as e:
+                raise ChannelClosed(f"send failed: {e}") from e
+
+    def recv(self) -> dict[str, Any]:
+        """Blocks for one message; only one thread may receive."""
+        (n,) = _HEADER.unpack(self._read(_HEADER.size))
+        return msgpack.unpackb(self._read(n), raw=False)
+
+    def _read(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            try:
+                chunk = self.sock.recv(min(n - len(buf), 1 << 20))
+            except OSError as e:
+                raise ChannelClosed(f"receive failed: {e}") from e
+            if not chunk:
+                raise ChannelClosed("connection closed")
+            buf += chunk
+        return bytes(buf)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+# -- errors -----------------------------------------------------------------------------
+
+def _error_types() -> dict[str, type[BaseException]]:
+    from rlserve.weight_transfer.errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
+    types = [InvalidUpdateError, WeightTransferError, UpdateRefusedError, InvalidRequestError,
+             ValueError, KeyError, TypeError, RuntimeError, MemoryError, NotImplementedError]
+    return {t.__name__: t for t in types}
+
+
+def error_reply(e: BaseException) -> dict[str, Any]:
+    message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return {"op": "reply", "ok": False, "type": type(e).__name__, "error": str(message)}
+
+
+def error_from_reply(reply: dict[str, Any], rank: int) -> BaseException:
+    """The worker's exception, as its own type where that is one we know (so an invalid
+    update still answers 400), prefixed with the rank."""
+    cls = _error_types().get(reply.get("type"), RuntimeError)
+    message = f"rank {rank}: {reply.get('error')}"
+    if cls is RuntimeError and reply.get("type") not in (None, "RuntimeError"):
+        message = f"rank {rank}: {reply.get('type')}: {reply.get('error')}"
+    return cls(message)
+
+
+# -- steps ------------------------------------------------------------------------------
+
+def _request_to_wire(req: Request) -> list:
+    return [req.request_id, req.prompt_token_ids, dataclasses.asdict(req.sampling_params),
+            sorted(req.eos_token_ids), req.max_model_len, req.group_id, req.sample_index]
+
+
+def _request_from_wire(w: list) -> Request:
+    rid, prompt, params, eos, max_model_len, group_id, sample_index = w
+    return Request(rid, list(prompt), SamplingParams(**params), frozenset(eos), max_model_len,
+                   group_id=group_id, sample_index=sample_index)
+
+
+class StepEncoder:
+    """Executor side: scheduler output -> a step message, remembering what workers hold."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, tuple[Request, int]] = {}  # id -> (request, tokens sent)
+
+    def encode(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> dict[str, Any]:
+        finished = [rid for rid, (req, _) in self.known.items() if req.is_finished]
+        for rid in finished:
+            del self.known[rid]
+        new, items = [], []
+        for item, table in zip(sched.scheduled, block_tables):
+            req = item.request
+            entry = self.known.get(req.request_id)
+            if entry is None or entry[0] is not req:
+                new.append(_request_to_wire(req))
+                sent = req.num_prompt_tokens
+            else:
+                sent = entry[1]
+            items.append([req.request_id, req.num_computed_tokens, item.num_new_tokens,
+                          req.token_ids[sent:], list(table)])
+            self.known[req.request_id] = (req, req.num_tokens)
+        return {"op": "step", "new": new, "items": items, "finished": finished}
+
+
+class StepDecoder:
+    """Worker side: step message -> the same scheduler output, on mirrored requests."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Request] = {}
+
+    def decode(self, msg: dict[str, Any]) -> tuple[SchedulerOutput, list[list[int]]]:
+        for rid in msg["finished"]:
+            self.requests.pop(rid, None)
+        for w in msg["new"]:
+            req = _request_from_wire(w)
+            self.requests[req.request_id] = req
+        out, tables = SchedulerOutput(), []
+        for rid, num_computed, num_new, tokens, table in msg["items"]:
+            req = self.requests[rid]
+            req.token_ids.extend(tokens)
+            req.num_computed_tokens = num_computed
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            out.num_batched_tokens += num_new
+            tables.append(table)
+        return out, tables

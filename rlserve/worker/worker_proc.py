@@ -1,0 +1,177 @@
+"""The process of one tensor-parallel rank other than 0:
+
+    python -m rlserve.worker.worker_proc --fd N      (N: its end of a socket to the executor)
+
+It joins the TP group, builds its Worker, then serves the executor's messages (see
+messages.py) until told to stop or the executor goes away. Steps, and the calls that touch
+the model or its cache, run in arrival order on the main thread, so they fall between two
+steps exactly as on rank 0. The weight-transfer calls that only wait on the trainer (init,
+receive) run on a helper thread, so steps go on while bytes arrive, as they do on rank 0.
+A step that fails is fatal: the worker reports it and exits, which fails the other ranks'
+collectives instead of leaving them waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from rlserve.worker.messages import Channel, ChannelClosed, StepDecoder, error_reply
+
+logger = logging.getLogger(__name__)
+
+# Calls that block on the trainer, not on this rank's model.
+BACKGROUND_CALLS = frozenset({"init_weight_transfer", "receive_weights"})
+
+
+def _plain(value: Any) -> Any:
+    """A call's result in msgpack's vocabulary."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return value
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit when the engine process is gone, even if blocked inside a collective."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rlserve-parent-watch", daemon=True).start()
+
+
+def _start(init: dict[str, Any]):
+    from rlserve.config import EngineConfig
+    from rlserve.distributed import TPGroup, tp_device
+    from rlserve.model.loader import load_hf_config
+    from rlserve.worker.worker import Worker
+
+    config = EngineConfig(**init["config"])
+    rank, world_size = init["rank"], init["world_size"]
+    device = tp_device(config.device, rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    elif init.get("num_threads"):
+        torch.set_num_threads(init["num_threads"])
+    tp = TPGroup.join(rank, world_size, device, init["tp_port"], timeout_s=init["timeout_s"])
+    hf_config = load_hf_config(init["model_path"])
+    for key, value in config.hf_overrides.items():
+        setattr(hf_config, key, value)
+    return Worker(config, hf_config, init["model_path"], rank=rank, tp=tp)
+
+
+class WorkerLoop:
+    def __init__(self, worker, chan: Channel):
+        self.worker = worker
+        self.chan = chan
+        self.steps = StepDecoder()
+        self.background: threading.Thread | None = None
+
+    def run(self) -> int:
+        while True:
+            try:
+                msg = self.chan.recv()
+            except ChannelClosed:
+                return 0  # the engine went away: nothing left to serve
+            op = msg["op"]
+            if op == "step":
+                try:
+                    sched, tables = self.steps.decode(msg)
+                    self.worker.execute_model(sched, tables)
+                except Exception:
+                    return self._fatal("a step failed")
+            elif op == "call":
+                self._call(msg["method"], msg.get("args", []), msg.get("kwargs", {}))
+            elif op == "load":
+                self._load(msg["tensors"])
+            elif op == "shutdown":
+                if self.background is not None:
+                    self.background.join(timeout=5)
+                return 0
+            else:
+                return self._fatal(f"unknown message {op!r}")
+
+    def _fatal(self, what: str) -> int:
+        error = f"{what}:\n{traceback.format_exc()}"
+        logger.error("rank %d: %s", self.worker.rank, error)
+        try:
+            self.chan.send({"op": "fatal", "error": error})
+        except ChannelClosed:
+            pass
+        return 1
+
+    def _call(self, method: str, args: list, kwargs: dict) -> None:
+        if method.startswith("_") or not callable(getattr(self.worker, method, None)):
+            self.chan.send(error_reply(AttributeError(f"the worker has no method {method!r}")))
+            return
+        if method not in BACKGROUND_CALLS:
+            self._reply(method, args, kwargs)
+            return
+        if self.background is not None:
+            self.background.join()  # the executor sends one call at a time; belt and braces
+        self.background = threading.Thread(target=self._reply, args=(method, args, kwargs),
+                                           name=f"rlserve-{method}", daemon=True)
+        self.background.start()
+
+    def _reply(self, method: str, args: list, kwargs: dict) -> None:
+        try:
+            result = _plain(getattr(self.worker, method)(*args, **kwargs))
+            reply = {"op": "reply", "ok": True, "result": result}
+        except Exception as e:
+            reply = error_reply(e)
+        try:
+            self.chan.send(reply)
+        except TypeError as e:  # a result msgpack cannot carry: a bug, but answer anyway
+            self.chan.send(error_reply(TypeError(f"{method} returned an unsendable result: {e}")))
+
+    def _load(self, metas: list) -> None:
+        """Tensors broadcast by rank 0 over the TP group, then loaded like a checkpoint."""
+        from rlserve.weight_transfer.packing import DTYPES, as_bytes
+        tensors = []
+        for name, dtype, shape in metas:
+            t = torch.empty(shape, dtype=DTYPES[dtype], device=self.worker.device)
+            if t.numel():
+                self.worker.tp.broadcast(as_bytes(t), src=0)
+            tensors.append((name, t))
+        self._reply("load_weights", [tensors], {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one tensor-parallel rank of an rlserve engine")
+    parser.add_argument("--fd", type=int, required=True, help="socket to the executor")
+    args = parser.parse_args(argv)
+    # Ctrl-C reaches the whole process group; the engine process handles it and stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent(os.getppid())
+    chan = Channel(socket.socket(fileno=args.fd))
+    try:
+        init = chan.recv()
+    except ChannelClosed:
+        return 1
+    rank = init["rank"]
+    logging.basicConfig(level=init.get("log_level", logging.INFO),
+                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        worker = _start(init)
+    except Exception as e:
+        logger.exception("rank %d failed to start", rank)
+        chan.send(error_reply(e))
+        return 1
+    chan.send({"op": "reply", "ok": True, "result": None})
+    return WorkerLoop(worker, chan).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
