@@ -170,6 +170,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the rlserve run with torch.profiler and print the top ops")
     p.add_argument("--transformers", action="store_true", help="also run transformers' continuous batching")
     p.add_argument("--transformers-num-seqs", type=int, default=None,
                    help="run transformers on the first N sequences only (it is slow)")
@@ -178,7 +180,16 @@ def main() -> None:
     prompts, out_lens = workload(args.num_seqs, args.min_len, args.max_len, args.max_out or args.max_len)
     print(f"workload: {len(prompts)} seqs, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(out_lens)} output tokens; model {args.model} on {args.device}")
-    ours = run_rlserve(args, path, prompts, out_lens)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts) as prof:
+            ours = run_rlserve(args, path, prompts, out_lens)
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    else:
+        ours = run_rlserve(args, path, prompts, out_lens)
     if args.model in PRESETS and args.device.startswith("cuda"):
         bound = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens)
         print(f"byte-counting bound (H200, 4.8 TB/s): {bound:,.0f} tok/s; rlserve at {ours / bound:.0%}")

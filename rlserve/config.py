@@ -88,6 +88,8 @@ class EngineConfig:
     weight_transfer: WeightTransferConfig | None = None
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
+    # Launch step N+1 before reading back step N's tokens (None: on CUDA only).
+    async_scheduling: bool | None = None
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

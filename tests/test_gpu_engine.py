@@ -48,8 +48,9 @@ def _hf_greedy(hf, ids, n):
 
 def _llm(path, dtype, **kw):
     from rlserve import LLM
+    # An explicit KV budget: several engines live in this one process.
     return LLM(path, device="cuda", dtype=dtype, skip_tokenizer_init=True, max_model_len=1024,
-               gpu_memory_utilization=0.3, **kw)
+               kv_cache_memory_bytes=256 << 20, **kw)
 
 
 def test_float32_greedy_matches_transformers_with_cuda_graphs(checkpoint):

@@ -19,8 +19,9 @@ from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.request import (EngineOutput, FinishReason, InvalidRequestError, Request,
                                     RequestStatus, SamplingParams)
 from rlserve.engine.scheduler import Scheduler
+from rlserve.worker.model_runner import PLACEHOLDER, StepHandle
 from rlserve.model.loader import load_hf_config, resolve_model_path
-from rlserve.worker.executor import UniProcExecutor
+from rlserve.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,15 @@ def _eos_ids(hf_config, tokenizer, path: str) -> frozenset[int]:
     return frozenset(ids)
 
 
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens are still on the device."""
+
+    handle: StepHandle
+    index: dict[str, int]  # request id -> index of its placeholder in token_ids
+    version: int  # the weights it ran on
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -84,7 +94,7 @@ class EngineCore:
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, self.model_path)
 
-        self.executor = UniProcExecutor(config, hf_config, self.model_path)
+        self.executor = Executor(config, hf_config, self.model_path)
         num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
         self.executor.collective_rpc("init_kv_cache", num_blocks)
         if not config.enforce_eager:
@@ -95,6 +105,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Overlapped scheduling needs a device that runs ahead of the host, and one rank.
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda") and self.world_size == 1
+        self.inflight: _InFlight | None = None
         self.weight_version = 0
         self.paused = False
         self.pause_mode: str | None = None
@@ -174,20 +188,47 @@ class EngineCore:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self.inflight is not None
 
     def has_work(self) -> bool:
-        return self.has_unfinished() and not self.scheduler.frozen
+        return self.inflight is not None or (self.scheduler.num_unfinished > 0
+                                             and not self.scheduler.frozen)
 
     # -- the step ----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        sched = self.scheduler.schedule()
-        if sched.empty:
-            return []
-        tables = [self.kv.block_table(item.request) for item in sched.scheduled]
-        result = self.executor.execute_model(sched, tables)
+        """One engine step. With overlapped scheduling, this launches step N+1 on the
+        device before bringing back step N's tokens, so the host's work of scheduling and
+        output handling hides behind the device's; step N's outputs are returned."""
+        if not self.async_scheduling:
+            sched = self.scheduler.schedule()
+            if sched.empty:
+                return []
+            result = self.executor.execute_model(sched, self._tables(sched))
+            self._advance(sched, result.prompt_logprobs)
+            return [self._accept(self.scheduler.requests[s.request_id], s.token_id, s.logprob,
+                                 self.weight_version) for s in result.sampled]
 
-        outputs: list[EngineOutput] = []
+        sched = self.scheduler.schedule()
+        launched = None
+        if not sched.empty:
+            runner = self.executor.driver.runner
+            prev = self.inflight.handle if self.inflight is not None else None
+            handle = runner.launch(sched, self._tables(sched), prev)
+            self._advance(sched, None)
+            index = {}
+            for item in handle.sample_requests:  # the token it samples is not known yet
+                req = item.request
+                req.token_ids.append(PLACEHOLDER)
+                index[req.request_id] = len(req.token_ids) - 1
+            launched = _InFlight(handle, index, self.weight_version)
+        outputs = self._process(self.inflight) if self.inflight is not None else []
+        self.inflight = launched
+        return outputs
+
+    def _tables(self, sched) -> list[list[int]]:
+        return [self.kv.block_table(item.request) for item in sched.scheduled]
+
+    def _advance(self, sched, prompt_logprobs) -> None:
         for item in sched.scheduled:
             req = item.request
             start = req.num_computed_tokens
@@ -195,26 +236,48 @@ class EngineCore:
             if start < req.num_prompt_tokens:
                 self.prompt_tokens_total += min(req.num_computed_tokens, req.num_prompt_tokens) - start
             self.kv.cache_computed_blocks(req)
-            if req.request_id in result.prompt_logprobs:
-                if not req.prompt_logprobs:
-                    req.prompt_logprobs = [None]
-                if len(req.prompt_logprobs) == start + 1:  # skip recomputed chunks
-                    req.prompt_logprobs.extend(result.prompt_logprobs[req.request_id])
+            if prompt_logprobs and req.request_id in prompt_logprobs:
+                self._add_prompt_logprobs(req, start, prompt_logprobs[req.request_id])
 
+    def _add_prompt_logprobs(self, req: Request, start: int, logprobs) -> None:
+        if not req.prompt_logprobs:
+            req.prompt_logprobs = [None]
+        if len(req.prompt_logprobs) == start + 1:  # skip recomputed chunks
+            req.prompt_logprobs.extend(logprobs)
+
+    def _process(self, inflight: "_InFlight") -> list[EngineOutput]:
+        result = self.executor.driver.runner.collect(inflight.handle)
+        for rid, logprobs in result.prompt_logprobs.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self._add_prompt_logprobs(req, inflight.handle.prompt_start[rid], logprobs)
+        outputs = []
         for s in result.sampled:
-            req = self.scheduler.requests[s.request_id]
-            outputs.append(self._append_token(req, s.token_id, s.logprob))
+            req = self.scheduler.requests.get(s.request_id)
+            if req is None:  # finished or aborted meanwhile: the token is discarded
+                continue
+            outputs.append(self._accept(req, s.token_id, s.logprob, inflight.version,
+                                        inflight.index[s.request_id]))
         return outputs
 
-    def _append_token(self, req: Request, token: int, logprob) -> EngineOutput:
-        first = req.num_output_tokens == 0
-        req.token_ids.append(token)
-        req.token_versions.append(self.weight_version)
+    def _accept(self, req: Request, token: int, logprob, version: int,
+                index: int | None = None) -> EngineOutput:
+        """Record a sampled token (in place of its placeholder when `index` is given) and
+        decide whether the request is done."""
+        if index is None:
+            req.token_ids.append(token)
+            index = len(req.token_ids) - 1
+        else:
+            req.token_ids[index] = token
+        first = index == req.num_prompt_tokens
+        req.token_versions.append(version)
         if logprob is not None:
             req.logprobs.append(logprob)
         self.generation_tokens_total += 1
+        if self.kv.enable_prefix_caching and req.request_id in self.kv.blocks:
+            self.kv.cache_computed_blocks(req)  # blocks that held this placeholder
         p = req.sampling_params
-        n_out = req.num_output_tokens
+        n_out = index + 1 - req.num_prompt_tokens
         finish, stop_reason = None, None
         if not p.ignore_eos and token in req.eos_token_ids and n_out >= p.min_tokens:
             finish = FinishReason.STOP
@@ -229,10 +292,11 @@ class EngineCore:
             finish = FinishReason.LENGTH
         text = detok.take(final=finish is not None) if detok is not None else ""
         out = EngineOutput(req.request_id, [token], [logprob] if logprob is not None else None,
-                           text, self.weight_version,
+                           text, version,
                            prompt_logprobs=req.prompt_logprobs if first and p.prompt_logprobs is not None else None,
                            num_cached_tokens=req.num_cached_tokens)
         if finish is not None:
+            del req.token_ids[index + 1:]  # a token the next step sampled is discarded
             req.status = RequestStatus.FINISHED
             req.finish_reason, req.stop_reason = finish, stop_reason
             out.finish_reason, out.stop_reason = finish, stop_reason

@@ -137,7 +137,10 @@ class KVCacheManager:
             return
         blocks, hashes = self.blocks[req.request_id], self.hashes[req.request_id]
         bs = self.block_size
-        num_full = min(req.num_computed_tokens // bs, len(blocks))
+        known = len(req.token_ids)
+        while known and req.token_ids[known - 1] < 0:  # tokens still being sampled
+            known -= 1
+        num_full = min(min(req.num_computed_tokens, known) // bs, len(blocks))
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_full):
             parent = self._block_hash(parent, req.token_ids[i * bs:(i + 1) * bs])

@@ -105,6 +105,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_output_tokens >= req.max_output_tokens:
+                i += 1  # its last token is still being sampled, and it is the last one
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req, n):
                 victim = self.running.pop()

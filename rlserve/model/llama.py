@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlserve.distributed import current_tp_group, partition_heads, split_evenly
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, act_and_mul
+from rlserve.model.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
+                                    VocabParallelEmbedding)
 
 
 def _rope(config) -> tuple[float, dict | None]:
@@ -18,15 +21,23 @@ def _rope(config) -> tuple[float, dict | None]:
 
 
 class LlamaAttention(nn.Module):
+    """This rank's attention heads (all of them on one rank; see partition_heads)."""
+
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        tp = current_tp_group()
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        heads = partition_heads(total_heads, total_kv_heads, tp.world_size, tp.rank)
+        self.num_heads, self.num_kv_heads = heads.num_q, heads.num_kv
+        d = self.head_dim
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        q = Shard(0, heads.q_start * d, self.q_size, total_heads * d)
+        kv = Shard(0, heads.kv_start * d, self.kv_size, total_kv_heads * d)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q, kv, kv], bias=qkv_bias)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, bias=o_bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -51,8 +62,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        tp = current_tp_group()
+        full = config.intermediate_size
+        inner = Shard(0, *split_evenly(full, tp.world_size, tp.rank), full)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inner, inner], bias=bias)
+        self.down_proj = RowParallelLinear(inner, config.hidden_size, bias=bias)
         self.act = config.hidden_act
 
     def forward(self, x):
@@ -81,7 +95,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -108,15 +122,11 @@ class LlamaForCausalLM(CausalLM):
         o_bias = attention_bias if self.o_bias is None else self.o_bias
         self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        attn = self.model.layers[0].self_attn
-        self.packed_modules = {
-            "qkv_proj": [("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size)],
-            "gate_up_proj": [("gate_proj", config.intermediate_size),
-                             ("up_proj", config.intermediate_size)],
-        }
+        self.packed_modules = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                               "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def forward(self, input_ids, positions, meta):
         return self.model(input_ids, positions, meta)

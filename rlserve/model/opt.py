@@ -6,8 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlserve.distributed import current_tp_group, partition_heads, split_evenly
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import AttentionMetadata, PagedAttention
+from rlserve.model.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
+                                    VocabParallelEmbedding)
 
 _POSITION_OFFSET = 2  # OPT's learned position table starts two rows in
 
@@ -16,16 +19,20 @@ class OPTAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         h = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = h // self.num_heads
+        tp = current_tp_group()
+        total_heads = config.num_attention_heads
+        self.head_dim = h // total_heads
+        heads = partition_heads(total_heads, total_heads, tp.world_size, tp.rank)
+        self.num_heads = heads.num_q
+        self.local_size = self.num_heads * self.head_dim
         bias = getattr(config, "enable_bias", True)
-        self.qkv_proj = nn.Linear(h, 3 * h, bias=bias)
-        self.out_proj = nn.Linear(h, h, bias=bias)
+        part = Shard(0, heads.q_start * self.head_dim, self.local_size, h)
+        self.qkv_proj = ColumnParallelLinear(h, [part, part, part], bias=bias)
+        self.out_proj = RowParallelLinear(part, h, bias=bias)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, self.head_dim ** -0.5)
-        self.hidden_size = h
 
     def forward(self, hidden, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(hidden).split(self.hidden_size, dim=-1)
+        q, k, v = self.qkv_proj(hidden).split(self.local_size, dim=-1)
         return self.out_proj(self.attn(q, k, v, meta))
 
 
@@ -37,8 +44,10 @@ class OPTDecoderLayer(nn.Module):
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         self.self_attn = OPTAttention(config)
         self.self_attn_layer_norm = nn.LayerNorm(h, elementwise_affine=affine)
-        self.fc1 = nn.Linear(h, config.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(config.ffn_dim, h, bias=bias)
+        tp = current_tp_group()
+        ffn = Shard(0, *split_evenly(config.ffn_dim, tp.world_size, tp.rank), config.ffn_dim)
+        self.fc1 = ColumnParallelLinear(h, [ffn], bias=bias)
+        self.fc2 = RowParallelLinear(ffn, h, bias=bias)
         self.final_layer_norm = nn.LayerNorm(h, elementwise_affine=affine)
         self.pre_norm = config.do_layer_norm_before
         if config.activation_function != "relu":
@@ -64,7 +73,7 @@ class OPTDecoder(nn.Module):
     def __init__(self, config):
         super().__init__()
         proj_dim = config.word_embed_proj_dim
-        self.embed_tokens = nn.Embedding(config.vocab_size, proj_dim)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + _POSITION_OFFSET,
                                             config.hidden_size)
         differs = proj_dim != config.hidden_size
@@ -103,11 +112,10 @@ class OPTForCausalLM(CausalLM):
         self.config = config
         self.model = OPTModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = nn.Linear(config.word_embed_proj_dim, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.decoder.embed_tokens.weight
-        h = config.hidden_size
-        self.packed_modules = {"qkv_proj": [("q_proj", h), ("k_proj", h), ("v_proj", h)]}
+        self.packed_modules = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 
     def forward(self, input_ids, positions, meta):
         return self.model.decoder(input_ids, positions, meta)

@@ -65,7 +65,7 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
 
 
 def _add_service_routes(app: FastAPI) -> None:
-    @app.get("/health", tags=["service"])
+    @app.get("/health", tags=["service"], response_class=Response)
     async def health() -> Response:
         return Response(status_code=200)
 

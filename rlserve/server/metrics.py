@@ -70,7 +70,7 @@ class ServerMetrics:
             "rlserve_e2e_request_latency_seconds", "Time from request arrival to its last token.",
             buckets=_E2E_BUCKETS, registry=self.registry)
         self.finished = Counter(
-            "rlserve_request_success", "Finished samples by finish reason.", ["finish_reason"],
+            "rlserve_request_finished", "Finished samples by finish reason.", ["finish_reason"],
             registry=self.registry)
         self.disconnects = Counter(
             "rlserve_client_disconnects", "Requests whose client left before the end.",

@@ -30,9 +30,9 @@ def Extension(default: Any = None, description: str | None = None) -> Any:  # no
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI does; NaN and infinities are refused so they
-    # never reach the sampler.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Unknown fields are ignored, as OpenAI does. Types are strict ("true" is not a bool,
+    # 1.5 is not an int), and NaN or infinities never reach the sampler.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class _Response(BaseModel):
@@ -78,8 +78,13 @@ class _SamplingRequest(_Request):
         False, description="Add per-choice weight_version_spans: which weights made which tokens.")
 
 
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -90,8 +95,8 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Request):
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(_Request):

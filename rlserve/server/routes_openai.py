@@ -123,8 +123,9 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            request.app.state.serving.metrics.disconnects.inc()
-            return Response(status_code=499)
+    if task.cancelled():  # the client left first; nobody reads this response
+        _serving(request).metrics.disconnects.inc()
+        return Response(status_code=499)
     return task.result()
 
 
@@ -143,11 +144,9 @@ class _Streams:
     the engine's generator, which aborts the request and frees its KV blocks.
     """
 
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]], timers: list[RequestTimer],
-                 metrics: ServerMetrics):
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]], timers: list[RequestTimer]):
         self._streams = streams
         self._timers = timers
-        self._metrics = metrics
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = (
             asyncio.Queue())
         self._buffer: list[tuple[int, RequestOutput]] = []
@@ -358,23 +357,23 @@ class OpenAIServing:
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        except Exception as e:  # e.g. lone surrogates the tokenizer cannot take
+        except (TypeError, ValueError) as e:  # e.g. lone surrogates the tokenizer refuses
             raise InvalidRequestError(f"{param}: cannot be tokenized ({e})", param) from e
 
     def _decode(self, ids: Sequence[int], param: str) -> str:
         self._check_ids(ids, param)
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        try:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidRequestError(f"{param}: cannot be decoded ({e})", param) from e
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
                             ) -> list[_Prompt]:
-        if isinstance(prompt, str):
-            items: list[str | list[int]] = [prompt]
-        elif prompt and isinstance(prompt[0], int):
-            items = [prompt]  # type: ignore[list-item]
+        # One prompt (a string or a token-id list) or a batch of them; never empty.
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            items: list[str | list[int]] = [prompt]  # type: ignore[list-item]
         else:
             items = list(prompt)  # type: ignore[arg-type]
-        if not items:
-            raise InvalidRequestError("prompt: must not be empty", "prompt")
         prompts = []
         for item in items:
             if isinstance(item, str):
@@ -382,7 +381,7 @@ class OpenAIServing:
                 prompts.append(_Prompt(ids, item))
             else:
                 prompts.append(_Prompt(list(item), self._decode(item, "prompt")))
-            if not prompts[-1].token_ids:
+            if not prompts[-1].token_ids:  # a string can tokenize to nothing
                 raise InvalidRequestError("prompt: must not be empty", "prompt")
         return prompts
 
@@ -398,13 +397,10 @@ class OpenAIServing:
                 "messages: this model has no chat template; start the server with "
                 "--chat-template", "messages")
         conversation = []
-        for i, m in enumerate(messages):
+        for m in messages:
             content = m.content
-            if isinstance(content, list):
-                if any(p.type != "text" or p.text is None for p in content):
-                    raise InvalidRequestError(
-                        f"messages.{i}.content: only text parts are supported", "messages")
-                content = "".join(p.text or "" for p in content)
+            if isinstance(content, list):  # text parts only: the schema refuses others
+                content = "".join(p.text for p in content)
             entry: dict[str, Any] = {"role": m.role, "content": content or ""}
             if m.name is not None:
                 entry["name"] = m.name
@@ -433,7 +429,6 @@ class OpenAIServing:
                                                        None) else "max_tokens"
             raise InvalidRequestError(
                 f"{param}: {max_tokens} is more than max_model_len ({limit})", param)
-        self._check_ids(body.stop_token_ids or [], "stop_token_ids")
         top_k = body.top_k if body.top_k is not None else -1
         if top_k >= self.vocab_size:
             top_k = -1  # keeping every token is the same as no top-k
@@ -462,7 +457,7 @@ class OpenAIServing:
         streams = [self.engine.generate(p.token_ids, params, rid, prompt=p.text)
                    for p, rid in zip(prompts, ids)]
         timers = [self.metrics.timer(arrival) for _ in prompts]
-        return _Streams(streams, timers, self.metrics)
+        return _Streams(streams, timers)
 
     async def _respond(self, streams: _Streams, events: AsyncIterator[str] | None,
                        build: Callable[[list[RequestOutput]], BaseModel]) -> Response:
@@ -534,17 +529,14 @@ class OpenAIServing:
         text = (prompt.text if echo else "") + delta.text
         choice = CompletionChoice(index=index, text=text, finish_reason=delta.finish_reason)
         if body.logprobs is not None:
-            k, as_ids = body.logprobs, body.return_tokens_as_token_ids
-            offset = cur.text_offset if cur else 0
-            lp = CompletionLogprobs()
+            ids: list[int] = list(delta.token_ids)
+            lps: list[TokenLogprob | None] = list(delta.logprobs)
             if echo:
-                lp, offset = self._completion_logprobs(
-                    prompt.token_ids, self._echo_logprobs(prompt, out), k, offset, as_ids)
-            gen, offset = self._completion_logprobs(delta.token_ids, delta.logprobs, k,
-                                                    offset, as_ids)
-            for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                getattr(lp, field).extend(getattr(gen, field))
-            choice.logprobs = lp
+                ids = prompt.token_ids + ids
+                lps = self._echo_logprobs(prompt, out) + lps
+            choice.logprobs, offset = self._completion_logprobs(
+                ids, lps, body.logprobs, cur.text_offset if cur else 0,
+                body.return_tokens_as_token_ids)
             if cur:
                 cur.text_offset = offset
         if body.return_token_ids:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlserve.engine.request import TokenLogprob
@@ -30,6 +31,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprob]]
 
 
+PLACEHOLDER = -1  # a token sampled by the step still in flight (overlapped scheduling)
+
+
 @dataclass
 class BatchInputs:
     input_ids: torch.Tensor
@@ -39,6 +43,19 @@ class BatchInputs:
     sample_rows: list[int]  # index into logits_indices of each sampling request
     sample_requests: list  # ScheduledRequest that sample, aligned with sample_rows
     prompt_rows: dict[str, tuple[int, list[int]]]  # req id -> (first logits row, target ids)
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its results still on the device until `collect`."""
+
+    sample_requests: list  # ScheduledRequest, aligned with the rows of `sampled`
+    sampled: S.SamplerOutput | None
+    prompt: dict[str, tuple[list[int], int, tuple]]  # req id -> (targets, k, device stats)
+    prompt_start: dict[str, int]  # req id -> position the step's chunk started at
+
+    def row_of(self) -> dict[str, int]:
+        return {item.request.request_id: i for i, item in enumerate(self.sample_requests)}
 
 
 class ModelRunner:
@@ -81,7 +98,10 @@ class ModelRunner:
         self.graphs = CudaGraphs(self, min(max_num_seqs, 512), max_model_len)
 
     # -- inputs ------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> BatchInputs:
+    def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]],
+                prev: StepHandle | None = None) -> BatchInputs:
+        """Flatten the scheduled chunks into one batch. Tokens still being sampled by the
+        in-flight step `prev` are filled in on the device, without waiting for it."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -92,45 +112,73 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_requests = []
         prompt_rows: dict[str, tuple[int, list[int]]] = {}
+        fill_at: list[int] = []  # flat positions whose token comes from prev
+        fill_from: list[int] = []
+        prev_rows = prev.row_of() if prev is not None else {}
+        flat = 0
         for item, table in zip(sched.scheduled, block_tables):
             req, n = item.request, item.num_new_tokens
             start = req.num_computed_tokens
             end = start + n
-            input_ids.extend(req.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            flat_start = qsl[-1]
-            qsl.append(flat_start + n)
+            if n == 1:  # decode: the common case, kept lean
+                tok = req.token_ids[start]
+                input_ids.append(tok)
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(req.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                tok = input_ids[-1]
+            if tok == PLACEHOLDER:
+                fill_at.append(flat + n - 1)
+                fill_from.append(prev_rows[req.request_id])
+            qsl.append(flat + n)
             seq_lens.append(end)
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens:
                 # Position p predicts token p + 1; the prompt's first token has no logprob.
                 last = min(end, req.num_prompt_tokens - 1)
                 if last > start:
                     prompt_rows[req.request_id] = (len(logits_indices), req.token_ids[start + 1:last + 1])
-                    logits_indices.extend(range(flat_start, flat_start + last - start))
-            if item.samples:
+                    logits_indices.extend(range(flat, flat + last - start))
+            if end == req.num_tokens:  # the chunk reaches the end: a token is sampled
                 sample_rows.append(len(logits_indices))
                 sample_requests.append(item)
-                logits_indices.append(flat_start + n - 1)
-        max_blocks = max(len(t) for t in block_tables)
-        tables = torch.zeros((len(block_tables), max_blocks), dtype=torch.int32)
+                logits_indices.append(flat + n - 1)
+            flat += n
+        tables = np.zeros((len(block_tables), max(map(len, block_tables))), dtype=np.int64)
         for i, t in enumerate(block_tables):
-            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self.device
+            tables[i, :len(t)] = t
+        (ids, pos, slot_t, qsl_t, lens_t, logit_t, at_t, from_t, tables_t) = self.upload(
+            [input_ids, positions, slots, qsl, seq_lens, logits_indices, fill_at, fill_from, tables])
+        if fill_at:
+            ids[at_t] = prev.sampled.token_ids[from_t]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
+            slot_mapping=slot_t, query_start_loc=qsl_t.to(torch.int32), seq_lens=lens_t.to(torch.int32),
+            block_tables=tables_t.view(tables.shape).to(torch.int32),
             max_query_len=max(item.num_new_tokens for item in sched.scheduled),
-            max_seq_len=max(seq_lens),
-        )
-        return BatchInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
-            meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev, non_blocking=True),
-            sample_rows=sample_rows, sample_requests=sample_requests, prompt_rows=prompt_rows)
+            max_seq_len=max(seq_lens))
+        return BatchInputs(input_ids=ids, positions=pos, meta=meta, logits_indices=logit_t,
+                           sample_rows=sample_rows, sample_requests=sample_requests,
+                           prompt_rows=prompt_rows)
+
+    def upload(self, arrays: list, dtype=torch.int64) -> list[torch.Tensor]:
+        """Host lists -> device tensors in one copy from page-locked memory.
+
+        A copy from pageable memory would make the host wait for the device's queue to
+        drain, which is exactly what overlapped scheduling must avoid.
+        """
+        np_dtype = np.int64 if dtype == torch.int64 else np.float32
+        parts = [np.asarray(a, dtype=np_dtype).ravel() for a in arrays]
+        total = sum(p.size for p in parts)
+        host = torch.empty(max(total, 1), dtype=dtype, pin_memory=self.device.type == "cuda")
+        flat = host.numpy()
+        offsets = [0]
+        for p in parts:
+            flat[offsets[-1]:offsets[-1] + p.size] = p
+            offsets.append(offsets[-1] + p.size)
+        dev = host.to(self.device, non_blocking=True)
+        return [dev[a:b] for a, b in zip(offsets, offsets[1:])]
 
     def _sampling_batch(self, items) -> S.SamplingBatch:
         temps, top_p, top_k, min_p, seeds, banned = [], [], [], [], [], []
@@ -150,13 +198,11 @@ class ModelRunner:
             banned.append(ban)
             if p.logprobs is not None:
                 max_lp = max(max_lp, p.logprobs)
-        dev = self.device
-        t = torch.tensor(temps, dtype=torch.float32)
+        temp_t, top_p_t, min_p_t, top_k_t = self.upload([temps, top_p, min_p, top_k], torch.float32)
         return S.SamplingBatch(
-            temperature=t.to(dev), top_p=torch.tensor(top_p, dtype=torch.float32).to(dev),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(dev),
-            min_p=torch.tensor(min_p, dtype=torch.float32).to(dev), seeds=seeds, banned=banned,
-            all_greedy=bool((t == 0).all()), need_top_k=any(k > 0 for k in top_k),
+            temperature=temp_t, top_p=top_p_t, top_k=top_k_t.to(torch.int64), min_p=min_p_t,
+            seeds=seeds, banned=banned,
+            all_greedy=all(t == 0 for t in temps), need_top_k=any(k > 0 for k in top_k),
             need_top_p=any(p < 1 for p in top_p), need_min_p=any(m > 0 for m in min_p),
             max_logprobs=max_lp)
 
@@ -168,42 +214,51 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch.meta)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelRunnerOutput:
-        batch = self.prepare(sched, block_tables)
-        decode_only = batch.meta.max_query_len == 1
-        hidden = self.forward(batch, decode_only)
-        if batch.logits_indices.numel() == 0:
-            return ModelRunnerOutput([], {})
+    def launch(self, sched: SchedulerOutput, block_tables: list[list[int]],
+               prev: StepHandle | None = None) -> StepHandle:
+        """Queue the step on the device; nothing here waits for the device."""
+        batch = self.prepare(sched, block_tables, prev)
+        hidden = self.forward(batch, decode_only=batch.meta.max_query_len == 1)
+        if not batch.logits_indices.numel():
+            return StepHandle([], None, {}, {})
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-
-        sampled: list[SampledToken] = []
+        sampled = None
         if batch.sample_rows:
-            rows = torch.tensor(batch.sample_rows, device=logits.device)
-            sb = self._sampling_batch(batch.sample_requests)
-            out = S.sample(logits[rows], sb)
-            token_ids = out.token_ids.tolist()  # the one sync of the step
-            lps = self._to_logprobs(out, [it.request.sampling_params.logprobs for it in batch.sample_requests])
-            for item, tok, lp in zip(batch.sample_requests, token_ids, lps):
-                sampled.append(SampledToken(item.request.request_id, tok, lp))
-
-        prompt_lps: dict[str, list[TokenLogprob]] = {}
-        for item in sched.scheduled:
-            rid = item.request.request_id
-            if rid not in batch.prompt_rows:
-                continue
-            first, targets = batch.prompt_rows[rid]
+            if len(batch.sample_rows) == logits.shape[0]:  # every row samples: no gather
+                rows_logits = logits
+            else:
+                rows_logits = logits[self.upload([batch.sample_rows])[0]]
+            sampled = S.sample(rows_logits, self._sampling_batch(batch.sample_requests))
+        prompt, prompt_start = {}, {}
+        for rid, (first, targets) in batch.prompt_rows.items():
+            req = next(it.request for it in sched.scheduled if it.request.request_id == rid)
+            k = req.sampling_params.prompt_logprobs
             lp = S.raw_logprobs(logits[first:first + len(targets)])
-            k = item.request.sampling_params.prompt_logprobs
-            tgt = torch.tensor(targets, device=lp.device)
-            chosen, ranks, top_ids, top_lp = S.logprob_stats(lp, tgt, k)
-            prompt_lps[rid] = self._pack_logprobs(targets, chosen, ranks, top_ids, top_lp, [k] * len(targets))
+            prompt[rid] = (targets, k, S.logprob_stats(lp, torch.tensor(targets, device=lp.device), k))
+            prompt_start[rid] = req.num_computed_tokens
+        return StepHandle(batch.sample_requests, sampled, prompt, prompt_start)
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Bring a launched step's results to the host: the one sync of a step."""
+        sampled: list[SampledToken] = []
+        if handle.sampled is not None:
+            token_ids = handle.sampled.token_ids.tolist()
+            ks = [it.request.sampling_params.logprobs for it in handle.sample_requests]
+            lps = self._to_logprobs(handle.sampled, token_ids, ks)
+            sampled = [SampledToken(it.request.request_id, tok, lp)
+                       for it, tok, lp in zip(handle.sample_requests, token_ids, lps)]
+        prompt_lps = {rid: self._pack_logprobs(targets, *stats, [k] * len(targets))
+                      for rid, (targets, k, stats) in handle.prompt.items()}
         return ModelRunnerOutput(sampled, prompt_lps)
 
-    def _to_logprobs(self, out: S.SamplerOutput, ks: list[int | None]) -> list[TokenLogprob | None]:
+    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelRunnerOutput:
+        return self.collect(self.launch(sched, block_tables))
+
+    def _to_logprobs(self, out: S.SamplerOutput, tokens: list[int],
+                     ks: list[int | None]) -> list[TokenLogprob | None]:
         if out.logprobs is None:
             return [None] * len(ks)
-        return self._pack_logprobs(out.token_ids.tolist(), out.logprobs, out.ranks, out.top_ids,
-                                   out.top_logprobs, ks)
+        return self._pack_logprobs(tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, ks)
 
     @staticmethod
     def _pack_logprobs(tokens, chosen, ranks, top_ids, top_lp, ks) -> list[TokenLogprob | None]:

@@ -63,9 +63,11 @@ def logprob_stats(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logits = logits.float()
     lp = raw_logprobs(logits) if batch.max_logprobs >= 0 else None
-    for row, banned in enumerate(batch.banned):
-        if banned:
-            logits[row, banned] = _MASK
+    banned = [(row, tok) for row, toks in enumerate(batch.banned) for tok in toks]
+    if banned:  # rare (min_tokens): one indexed write, not one per row
+        rows, toks = zip(*banned)
+        idx = torch.tensor([rows, toks]).to(logits.device, non_blocking=True)
+        logits[idx[0], idx[1]] = _MASK
 
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
@@ -92,9 +94,11 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _MASK)
         if batch.need_top_p:
             probs = sorted_logits.softmax(dim=-1)
-            # Drop a token when the mass strictly before it already reaches top_p.
+            # Drop a token when the mass strictly before it already reaches top_p (rows
+            # with top_p = 1 keep everything, whatever the rounding of the sum).
             before = probs.cumsum(dim=-1) - probs
-            sorted_logits = sorted_logits.masked_fill(before >= batch.top_p.unsqueeze(1), _MASK)
+            drop = (before >= batch.top_p.unsqueeze(1)) & (batch.top_p < 1).unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill(drop, _MASK)
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
 
     probs = scaled.softmax(dim=-1)

@@ -1,0 +1,5 @@
+import sys
+
+from rlserve.cli import main
+
+sys.exit(main())

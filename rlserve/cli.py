@@ -1,0 +1,187 @@
+"""Command line: `rlserve serve [MODEL] [flags]`, with the flags of `vllm serve`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+import time
+from typing import Sequence
+
+from rlserve import __version__
+
+logger = logging.getLogger("rlserve")
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(value: str) -> int:
+    """`1073741824`, `1G`, `1GiB`, `512M`: powers of two, as memory is counted."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a byte size: {value!r} (try 2G or 2147483648)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the unset ones (None says nothing useful)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (an HF directory or hub id; the bundled demo model, "
+                    "SmolLM2-135M-Instruct, when omitted) over an OpenAI-compatible API.",
+        formatter_class=_HelpFormatter)
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="model directory or hub id (default: the demo model)")
+    net = p.add_argument_group("server")
+    net.add_argument("--host", default="0.0.0.0", help="address to bind")
+    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--served-model-name", default=None,
+                     help="name clients use in `model` (default: MODEL)")
+    net.add_argument("--api-key", default=os.environ.get("RLSERVE_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' (or set RLSERVE_API_KEY)")
+    net.add_argument("--admin-key", default=os.environ.get("RLSERVE_ADMIN_KEY"),
+                     help="key for the weight-update control endpoints (or RLSERVE_ADMIN_KEY)")
+    net.add_argument("--chat-template", default=None,
+                     help="Jinja chat template, as a file path or inline "
+                          "(default: the tokenizer's)")
+    net.add_argument("--log-level", default="info",
+                     choices=["debug", "info", "warning", "error"])
+
+    model = p.add_argument_group("model")
+    model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: MODEL)")
+    model.add_argument("--device", default="auto",
+                       help="cpu, cuda, cuda:1 ... (auto: cuda if present)")
+    model.add_argument("--dtype", default="auto",
+                       choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    model.add_argument("--load-format", default="auto",
+                       choices=["auto", "dummy", "safetensors", "pt"],
+                       help="dummy: random weights, for a trainer to overwrite")
+    model.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="prompt + output token limit (default: the model's)")
+    model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--trust-remote-code", action="store_true")
+
+    cache = p.add_argument_group("cache and scheduling")
+    cache.add_argument("--max-num-seqs", type=_positive_int, default=256,
+                       help="sequences in one batch at most")
+    cache.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
+                       help="tokens in one step at most (prefill chunks + decodes)")
+    cache.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of GPU memory for weights, activations and KV cache")
+    cache.add_argument("--kv-cache-memory-bytes", type=_byte_size, default=None,
+                       help="explicit KV cache budget, e.g. 2G (overrides the utilization)")
+    cache.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True, help="reuse the KV cache of shared prompt prefixes")
+
+    run = p.add_argument_group("execution")
+    run.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    run.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    run.add_argument("--weight-transfer-config", default=None, metavar="JSON",
+                     help='enable live weight updates, e.g. \'{"backend": "nccl"}\' '
+                          "(backends: nccl, gloo, ipc)")
+    p.set_defaults(func=serve)
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:  # a path that does not exist, most likely
+        raise SystemExit(f"--chat-template: no such file {value!r}")
+    return value
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from rlserve.config import EngineConfig, WeightTransferConfig
+    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.server.app import create_app
+
+    model, served_name = args.model, args.served_model_name
+    if model is None:
+        from rlserve.model.demo_model import DEMO_MODEL_NAME, demo_model_path
+        model = demo_model_path()
+        served_name = served_name or DEMO_MODEL_NAME  # not the cache path it lives at
+        logger.info("no MODEL given: serving the demo model %s from %s", served_name, model)
+    try:
+        config = EngineConfig(
+            model=model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+            load_format=args.load_format, seed=args.seed, max_model_len=args.max_model_len,
+            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+            served_model_name=served_name,
+            chat_template=_read_chat_template(args.chat_template),
+            weight_transfer=WeightTransferConfig.parse(args.weight_transfer_config),
+            trust_remote_code=args.trust_remote_code)
+    except ValueError as e:  # config errors name the flag; no traceback for a typo
+        raise SystemExit(f"rlserve serve: {e}") from None
+
+    logger.info("loading %s (device %s, dtype %s, load format %s, tensor parallel %d)",
+                model, config.device, config.dtype, config.load_format,
+                config.tensor_parallel_size)
+    t0 = time.perf_counter()
+    engine = AsyncEngine(config)
+    stats = engine.stats()
+    logger.info("loaded %r in %.1fs: max_model_len %d, KV cache capacity %d tokens, "
+                "weight version %d", engine.model_name, time.perf_counter() - t0,
+                engine.max_model_len, stats.kv_cache_capacity_tokens, stats.weight_version)
+    if config.weight_transfer is not None:
+        logger.info("weight transfer: %s backend; control endpoints %s",
+                    config.weight_transfer.backend,
+                    "need the admin key" if args.admin_key else "are open (no --admin-key)")
+
+    shown_host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
+    url = f"http://{shown_host}:{args.port}"
+    app = create_app(engine, config, api_key=args.api_key, admin_key=args.admin_key, url=url)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_keep_alive=30)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlserve", description="A rollout server for RL post-training.")
+    parser.add_argument("--version", action="version", version=f"rlserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, getattr(args, "log_level", "info").upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
