@@ -96,3 +96,44 @@ def test_live_update_keeps_graphs_valid(checkpoint):
     llm.engine.apply_weights(list(hf.named_parameters()))
     ids = _prompts()[2]
     assert llm.generate([ids], params)[0].outputs[0].token_ids == _hf_greedy(hf, ids, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [False, True])
+def test_fused_rope_matches_the_torch_path(dtype, norm):
+    """The fused kernel, in place on strided views of a qkv tensor, against the torch ops."""
+    from rlserve.model.layers import RMSNorm, RotaryEmbedding
+    from rlserve.ops.triton_rotary import rope_
+    torch.manual_seed(0)
+    t, hq, hk, d = 37, 16, 8, 128
+    rope = RotaryEmbedding(d, 4096, 1e6).cuda()
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=dtype)
+    positions = torch.randint(0, 4096, (t,), device="cuda")
+    qn = kn = None
+    if norm:
+        qn, kn = RMSNorm(d, 1e-6).cuda().to(dtype), RMSNorm(d, 1e-6).cuda().to(dtype)
+        with torch.no_grad():
+            qn.weight.uniform_(0.5, 1.5)
+            kn.weight.uniform_(0.5, 1.5)
+
+    def views(x):
+        q, k, _ = x.split([hq * d, hk * d, hk * d], dim=-1)
+        return q.view(t, hq, d), k.view(t, hk, d)
+
+    ref_in = qkv.clone()
+    q, k = views(ref_in)
+    with torch.no_grad():
+        if norm:
+            q, k = qn(q.contiguous().float()).to(dtype), kn(k.contiguous().float()).to(dtype)
+        cos = rope.cos[positions].unsqueeze(1)
+        sin = rope.sin[positions].unsqueeze(1)
+        from rlserve.model.layers import _rotate
+        ref_q, ref_k = _rotate(q.float(), cos, sin), _rotate(k.float(), cos, sin)
+    q, k = views(qkv)
+    rope_(q, k, positions, rope.cos, rope.sin, qn.weight if norm else None,
+          kn.weight if norm else None, 1e-6)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(q.float(), ref_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(k.float(), ref_k, rtol=tol, atol=tol)
+    # Values are untouched.
+    torch.testing.assert_close(qkv[:, (hq + hk) * d:], ref_in[:, (hq + hk) * d:])

@@ -124,7 +124,9 @@ class KVCacheManager:
             blocks = self.blocks[req.request_id] = list(cached)
             self.hashes[req.request_id] = [self.pool.block_hash[b] for b in cached]
         else:
-            need = self.num_blocks_needed(req, num_new_tokens)
+            need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks)
+            if need <= 0:
+                return True
             if need > self.pool.num_free:
                 return False
         for _ in range(need):
@@ -137,6 +139,8 @@ class KVCacheManager:
             return
         blocks, hashes = self.blocks[req.request_id], self.hashes[req.request_id]
         bs = self.block_size
+        if req.num_computed_tokens // bs <= len(hashes):
+            return  # the common case: no block filled up since the last call
         known = len(req.token_ids)
         while known and req.token_ids[known - 1] < 0:  # tokens still being sampled
             known -= 1

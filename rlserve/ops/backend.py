@@ -50,7 +50,15 @@ def paged_attention(query, k_cache, v_cache, meta) -> torch.Tensor:
                                meta.block_tables, scale)
 
 
+def fused_rope_available(q: torch.Tensor) -> bool:
+    head_dim = q.shape[-1]
+    return _use_triton(q) and head_dim & (head_dim - 1) == 0 and q.stride(-1) == 1
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _use_triton(x) and x.is_contiguous():
+        from rlserve.ops import triton_fused
+        return triton_fused.rms_norm(x, weight, eps)
     # Same arithmetic as transformers' LlamaRMSNorm: float32 statistics, cast back, scale.
     dtype = x.dtype
     h = x.float()

@@ -202,7 +202,8 @@ class ModelRunner:
         return S.SamplingBatch(
             temperature=temp_t, top_p=top_p_t, top_k=top_k_t.to(torch.int64), min_p=min_p_t,
             seeds=seeds, banned=banned,
-            all_greedy=all(t == 0 for t in temps), need_top_k=any(k > 0 for k in top_k),
+            all_greedy=all(t == 0 for t in temps), any_greedy=any(t == 0 for t in temps),
+            need_top_k=any(k > 0 for k in top_k),
             need_top_p=any(p < 1 for p in top_p), need_min_p=any(m > 0 for m in min_p),
             max_logprobs=max_lp)
 

@@ -25,6 +25,7 @@ class SamplingBatch:
     seeds: list[int | None]  # per row: None, or a seed already mixed with the step
     banned: list[list[int]]  # per row: token ids masked out (eos while below min_tokens)
     all_greedy: bool
+    any_greedy: bool
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
@@ -119,4 +120,6 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             gen = torch.Generator(device=noise.device).manual_seed(s)
             noise[i].exponential_(generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+    if batch.any_greedy:
+        sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    return sampled
