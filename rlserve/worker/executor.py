@@ -137,6 +137,7 @@ class Executor:
         self._call_lock = threading.Lock()  # one call in flight: replies pair with calls
         self._steps = StepEncoder()
         self.tp = TPGroup()
+        self._saved_threads: int | None = None
         try:
             if self.world_size > 1:
                 self.tp = self._start_workers(config, model_path)
@@ -154,6 +155,10 @@ class Executor:
         store = host_store(timeout_s)
         device = tp_device(config.device, 0)
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        if not device.startswith("cuda"):
+            # CPU ranks share the cores; more threads than cores makes every rank spin.
+            self._saved_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
         init = {"op": "init", "config": _config_to_wire(config), "model_path": model_path,
                 "world_size": self.world_size, "tp_port": store.port, "timeout_s": timeout_s,
                 "num_threads": threads, "log_level": logging.getLogger("rlserve").getEffectiveLevel()}
@@ -300,7 +305,5 @@ class Executor:
         for w in self.workers:
             w.stop()
         self.tp.close()
-
-
-# The engine core constructs executors under this name.
-UniProcExecutor = Executor
+        if self._saved_threads is not None:
+            torch.set_num_threads(self._saved_threads)

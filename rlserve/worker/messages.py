@@ -131,7 +131,7 @@ class StepEncoder:
         for item, table in zip(sched.scheduled, block_tables):
             req = item.request
             entry = self.known.get(req.request_id)
-            if entry is None or entry[0] is not req:
+            if entry is None or entry[0] is not req or entry[1] > req.num_tokens:
                 new.append(_request_to_wire(req))
                 sent = req.num_prompt_tokens
             else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,26 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs: CudaGraphs | None = None
+        self.fused_sampling = self._check_fused_sampling()
+        self._rng = random.Random()
+
+    def _check_fused_sampling(self) -> bool:
+        """Use the fused sampling kernel on CUDA, once it has run correctly here."""
+        from rlserve.ops.backend import uses_triton
+        if not uses_triton(self.device):
+            return False
+        try:
+            from rlserve.ops.triton_sampling import gumbel_sample
+            logits = torch.full((2, 300), -30.0, device=self.device)
+            logits[:, 257] = 30.0
+            ok = gumbel_sample(logits, torch.ones(2, device=self.device),
+                               torch.tensor([1, 2], device=self.device)).tolist() == [257, 257]
+        except Exception as e:  # an old or broken Triton: the torch sampler still works
+            logger.warning("fused sampling disabled: %s: %s", type(e).__name__, e)
+            return False
+        if not ok:
+            logger.warning("fused sampling disabled: the kernel failed its self-check")
+        return ok
 
     # -- KV cache --------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -199,10 +220,15 @@ class ModelRunner:
             if p.logprobs is not None:
                 max_lp = max(max_lp, p.logprobs)
         temp_t, top_p_t, min_p_t, top_k_t = self.upload([temps, top_p, min_p, top_k], torch.float32)
+        noise_seeds = None
+        if self.fused_sampling:
+            rng = self._rng
+            noise_seeds = self.upload([[rng.getrandbits(62) if s is None else s for s in seeds]])[0]
         return S.SamplingBatch(
             temperature=temp_t, top_p=top_p_t, top_k=top_k_t.to(torch.int64), min_p=min_p_t,
             seeds=seeds, banned=banned,
             all_greedy=all(t == 0 for t in temps), any_greedy=any(t == 0 for t in temps),
+            noise_seeds=noise_seeds,
             need_top_k=any(k > 0 for k in top_k),
             need_top_p=any(p < 1 for p in top_p), need_min_p=any(m > 0 for m in min_p),
             max_logprobs=max_lp)

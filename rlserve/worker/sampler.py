@@ -30,6 +30,9 @@ class SamplingBatch:
     need_top_p: bool
     need_min_p: bool
     max_logprobs: int  # the largest top-k alternatives any row asked for; -1 = none
+    # On CUDA: one Philox key per row (the request's per-token seed, or a fresh random one),
+    # which selects the fused Gumbel-max path for plain temperature sampling.
+    noise_seeds: torch.Tensor | None = None
 
 
 @dataclass
@@ -62,7 +65,7 @@ def logprob_stats(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    logits = logits.float()
+    """`logits` is a fresh tensor (the model's head output for these rows): modified in place."""
     lp = raw_logprobs(logits) if batch.max_logprobs >= 0 else None
     banned = [(row, tok) for row, toks in enumerate(batch.banned) for tok in toks]
     if banned:  # rare (min_tokens): one indexed write, not one per row
@@ -72,13 +75,26 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
+    elif batch.noise_seeds is not None and not (batch.need_top_k or batch.need_top_p or batch.need_min_p):
+        tokens = _sample_gumbel(logits, batch)
     else:
-        tokens = _sample_random(logits, batch)
+        tokens = _sample_random(logits.float(), batch)
 
     if lp is None:
         return SamplerOutput(tokens, None, None, None, None)
     chosen, ranks, top_ids, top_lp = logprob_stats(lp, tokens, batch.max_logprobs)
     return SamplerOutput(tokens, chosen, ranks, top_ids, top_lp)
+
+
+def _sample_gumbel(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Plain temperature sampling on CUDA: one fused pass, no softmax (triton_sampling)."""
+    from rlserve.ops.triton_sampling import gumbel_sample
+    greedy = batch.temperature == 0
+    temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    tokens = gumbel_sample(logits, temp, batch.noise_seeds)
+    if batch.any_greedy:
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -94,7 +94,11 @@ class WorkerLoop:
             elif op == "call":
                 self._call(msg["method"], msg.get("args", []), msg.get("kwargs", {}))
             elif op == "load":
-                self._load(msg["tensors"])
+                try:
+                    tensors = self._receive_tensors(msg["tensors"])
+                except Exception:
+                    return self._fatal("receiving tensors from rank 0 failed")
+                self._reply("load_weights", [tensors], {})
             elif op == "shutdown":
                 if self.background is not None:
                     self.background.join(timeout=5)
@@ -135,8 +139,8 @@ class WorkerLoop:
         except TypeError as e:  # a result msgpack cannot carry: a bug, but answer anyway
             self.chan.send(error_reply(TypeError(f"{method} returned an unsendable result: {e}")))
 
-    def _load(self, metas: list) -> None:
-        """Tensors broadcast by rank 0 over the TP group, then loaded like a checkpoint."""
+    def _receive_tensors(self, metas: list) -> list:
+        """Tensors rank 0 broadcasts over the TP group, to load like a checkpoint."""
         from rlserve.weight_transfer.packing import DTYPES, as_bytes
         tensors = []
         for name, dtype, shape in metas:
@@ -144,7 +148,7 @@ class WorkerLoop:
             if t.numel():
                 self.worker.tp.broadcast(as_bytes(t), src=0)
             tensors.append((name, t))
-        self._reply("load_weights", [tensors], {})
+        return tensors
 
 
 def main(argv: list[str] | None = None) -> int:
