@@ -123,13 +123,17 @@ class WeightSyncClient:
             raise WeightTransferError("; ".join(errors))
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
-             pause_mode: str = "keep", packed: bool = True,
+             pause_mode: str = "keep", packed: bool | None = None,
              packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
              packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> PushResult:
         """Pause every server, send the tensors, load them, resume. All or nothing per server:
         a failure leaves that server on its previous weights and raises here."""
         if self.group is None:
             raise WeightTransferError("call init() before push()")
+        if packed is None:
+            # Measured (benchmarks/RESULTS.md): buckets pay off over NCCL; over gloo on CPU
+            # one broadcast per tensor is several times faster.
+            packed = self.backend != "gloo"
         tensors = [(n, t.detach()) for n, t in named_tensors]
         update_info = dict(names=[n for n, _ in tensors],
                            dtype_names=[str(t.dtype).split(".")[-1] for _, t in tensors],
