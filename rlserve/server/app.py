@@ -67,6 +67,11 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
 def _add_service_routes(app: FastAPI) -> None:
     @app.get("/health", tags=["service"], response_class=Response)
     async def health() -> Response:
+        # Down once the engine loop died, or (even while idle) a tensor-parallel worker did.
+        engine = app.state.engine
+        reason = engine.dead or engine.core.executor.failure
+        if reason:
+            return _error(503, f"the engine is down: {reason}")
         return Response(status_code=200)
 
     @app.get("/version", tags=["service"], response_model=VersionResponse)
