@@ -14,41 +14,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
-import requests
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from throughput import model_dir  # noqa: E402
 
+from rlserve.server.launcher import ServerProcess  # noqa: E402
 from rlserve.weight_transfer import WeightSyncClient, get_open_port  # noqa: E402
 
 
-def start_server(path: str, args, port: int) -> subprocess.Popen:
-    cfg = json.dumps({"backend": args.backend, "timeout_s": 300})
-    cmd = [sys.executable, "-m", "rlserve.cli", "serve", path, "--port", str(port), "--host", "127.0.0.1",
-           "--device", args.server_device, "--dtype", args.dtype, "--load-format", "dummy",
-           "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
-           "--weight-transfer-config", cfg, "--log-level", "warning"]
+def start_server(path: str, args, port: int) -> ServerProcess:
+    flags = ["--device", args.server_device, "--dtype", args.dtype, "--load-format", "dummy",
+             "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+             "--weight-transfer-config", json.dumps({"backend": args.backend, "timeout_s": 300}),
+             "--log-level", "warning"]
     if args.skip_tokenizer:  # a bare preset config: any tokenizer will do for pushes
         from rlserve.model.demo_model import demo_model_path
-        cmd += ["--tokenizer", demo_model_path()]
-    proc = subprocess.Popen(cmd)
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
-                return proc
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not start")
+        flags += ["--tokenizer", demo_model_path()]
+    return ServerProcess(path, *flags, port=port, timeout_s=600)
 
 
 def main() -> None:
@@ -90,8 +75,7 @@ def main() -> None:
                       f"pause-push-resume {best.seconds:.3f} s (best of {args.repeats}; "
                       f"first {times[0].seconds:.3f} s)")
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop()
 
 
 if __name__ == "__main__":

@@ -24,9 +24,7 @@ import json
 import os
 import random
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +36,8 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlserve.weight_transfer import WeightSyncClient, WeightTransferError, get_open_port
+from rlserve.server.launcher import ServerProcess
+from rlserve.weight_transfer import WeightSyncClient, WeightTransferError
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
 
@@ -304,33 +303,9 @@ def save_plot(records: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def start_server(model_path: str, log_path: str) -> tuple[subprocess.Popen, str]:
-    port = get_open_port()
-    cmd = [sys.executable, "-m", "rlserve.cli", "serve", model_path, "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
-           "--weight-transfer-config", json.dumps({"backend": "gloo"})]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # its own group: stopping it ends all of it
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if requests.get(f"{url}/health", timeout=2).ok:
-                return proc, url
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise SystemExit(f"server did not come up, see {log_path}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+def start_server(model_path: str, log_path: str) -> ServerProcess:
+    return ServerProcess(model_path, "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
+                         "--weight-transfer-config", json.dumps({"backend": "gloo"}), log=log_path)
 
 
 def main() -> int:
@@ -359,12 +334,13 @@ def main() -> int:
     if url is None:
         server_log = os.path.join(tempfile.gettempdir(), f"grpo_server_{os.getpid()}.log")
         print(f"starting rlserve on {args.model} (log: {server_log})")
-        server, url = start_server(args.model, server_log)
+        server = start_server(args.model, server_log)
+        url = server.url
     try:
         _, records = train(cfg, url.rstrip("/"), args.model, args.admin_key, on_step=on_step)
     finally:
         if server is not None:
-            stop_server(server)
+            server.stop()
     evals = [r["heldout_acc"] for r in records if "heldout_acc" in r]
     print(f"held-out greedy accuracy {evals[0]:.2f} -> {evals[-1]:.2f} in {cfg.steps} steps, "
           f"{time.perf_counter() - start:.0f} s; plot: {args.plot}")

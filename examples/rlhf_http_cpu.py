@@ -11,8 +11,6 @@ token for token against transformers. Then it stops the server.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import threading
 import time
@@ -23,6 +21,7 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlserve.model.demo_model import demo_model_path
+from rlserve.server.launcher import ServerProcess
 from rlserve.weight_transfer import GlooWeightTransferEngine, get_ip, get_open_port
 
 PROMPTS = [
@@ -50,24 +49,10 @@ def update_weights(base_url, names, dtype_names, shapes, packed=False):
     requests.post(f"{base_url}/update_weights", json=payload, timeout=300).raise_for_status()
 
 
-def start_server(model: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rlserve.cli", "serve", model, "--port", str(port),
-           "--host", "127.0.0.1", "--device", "cpu", "--dtype", "float32",
-           "--load-format", "dummy", "--max-model-len", "512",
-           "--served-model-name", "smollm2", "--weight-transfer-config", '{"backend": "gloo"}']
-    proc = subprocess.Popen(cmd)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).ok:
-                return proc
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not become healthy within 180 s")
+def start_server(model: str, port: int) -> ServerProcess:
+    return ServerProcess(model, "--device", "cpu", "--dtype", "float32", "--load-format", "dummy",
+                         "--max-model-len", "512", "--served-model-name", "smollm2",
+                         "--weight-transfer-config", '{"backend": "gloo"}', port=port, timeout_s=180)
 
 
 def reference_greedy(model, tokenizer, prompt: str) -> str:
@@ -146,8 +131,7 @@ def main() -> int:
         print(f"{matches}/{len(PROMPTS)} outputs equal transformers' greedy output on the pushed weights")
         return 0 if matches == len(PROMPTS) else 1
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.stop()
 
 
 if __name__ == "__main__":
