@@ -138,7 +138,7 @@ class TPGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size > 1:
-            self.pg.broadcast([tensor], src).wait()
+            self.pg.broadcast(tensor, src).wait()
         return tensor
 
     def abort(self) -> None:

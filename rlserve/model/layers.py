@@ -72,8 +72,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D]."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
+        """q: [T, Hq, D], k: [T, Hkv, D]; with q_norm/k_norm (Qwen3), each head is
+        RMS-normalised first. On CUDA one fused kernel does both, in place."""
+        if ops.fused_rope_available(q):
+            from rlserve.ops.triton_rotary import rope_
+            if q_norm is None:
+                return rope_(q, k, positions, self.cos, self.sin)
+            return rope_(q, k, positions, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

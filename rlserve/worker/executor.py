@@ -154,6 +154,11 @@ class Executor:
         timeout_s = DEFAULT_TIMEOUT_S
         store = host_store(timeout_s)
         device = tp_device(config.device, 0)
+        if device.startswith("cuda"):
+            last = torch.device(tp_device(config.device, self.world_size - 1)).index
+            if last >= torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size: {self.world_size} ranks from {device} need "
+                                 f"cuda:{last}, but {torch.cuda.device_count()} GPUs are visible")
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         if not device.startswith("cuda"):
             # CPU ranks share the cores; more threads than cores makes every rank spin.

@@ -24,7 +24,8 @@ class Worker:
         self.config = config
         self.rank = rank
         self.tp = tp or TPGroup()
-        self.device = torch.device(config.device if self.tp.world_size == 1 else tp_device(config.device, rank))
+        device = config.device if self.tp.world_size == 1 else tp_device(config.device, rank)
+        self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = resolve_dtype(config.dtype, config.device, getattr(hf_config, "torch_dtype", None))
