@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 
 from rlserve import __version__
 from rlserve.config import EngineConfig
+from rlserve.engine.async_engine import EngineDeadError
 from rlserve.engine.request import InvalidRequestError
 from rlserve.server import routes_openai
 from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -129,6 +130,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        # Not the caller's fault and not a bug in this request: the engine is gone.
+        return _error(503, str(exc), type="service_unavailable")
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
