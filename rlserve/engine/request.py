@@ -108,7 +108,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler looks requests up in its queues
 class Request:
     """One sequence being generated. A prompt with n > 1 becomes n requests of one group."""
 
