@@ -103,8 +103,7 @@ class EngineCore:
             self.executor.collective_rpc("capture_cuda_graphs", config.max_num_seqs, self.max_model_len)
             logger.info("captured CUDA graphs in %.1fs", time.perf_counter() - t1)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         # Overlapped scheduling needs a device that runs ahead of the host, and one rank.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None

@@ -103,11 +103,6 @@ class KVCacheManager:
         self.prefix_hits += len(hits) * bs
         return hits
 
-    def num_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
-        total = req.num_computed_tokens + num_new_tokens
-        have = len(self.blocks.get(req.request_id, ()))
-        return max(0, -(-total // self.block_size) - have)
-
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens; False (and nothing changed) if full."""
         cached = cached or []

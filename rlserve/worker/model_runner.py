@@ -162,7 +162,7 @@ class ModelRunner:
                 if last > start:
                     prompt_rows[req.request_id] = (len(logits_indices), req.token_ids[start + 1:last + 1])
                     logits_indices.extend(range(flat, flat + last - start))
-            if end == req.num_tokens:  # the chunk reaches the end: a token is sampled
+            if item.samples:
                 sample_rows.append(len(logits_indices))
                 sample_requests.append(item)
                 logits_indices.append(flat + n - 1)
