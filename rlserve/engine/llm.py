@@ -78,3 +78,13 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers and release the engine (also on `with LLM(...)` exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
