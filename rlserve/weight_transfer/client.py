@@ -131,8 +131,8 @@ class WeightSyncClient:
         if self.group is None:
             raise WeightTransferError("call init() before push()")
         if packed is None:
-            # Measured (benchmarks/RESULTS.md): buckets pay off over NCCL; over gloo on CPU
-            # one broadcast per tensor is several times faster.
+            # Measured (benchmarks/RESULTS.md): over gloo on CPU one broadcast per tensor
+            # beats packing, whose host copies cost more than they save.
             packed = self.backend != "gloo"
         tensors = [(n, t.detach()) for n, t in named_tensors]
         update_info = dict(names=[n for n, _ in tensors],
