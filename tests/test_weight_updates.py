@@ -306,3 +306,32 @@ def test_trainer_killed_midway_leaves_old_weights_serving(dummy_server, demo_mod
     client.init()
     result = client.push(named, version=state[0] + 7)
     assert result.weight_versions == [state[0] + 7]
+
+
+def test_sleep_and_wake_keep_serving_the_same_model(dummy_server, trainer_model, reference):
+    url = dummy_server.url
+    before = tokens(url, PROMPTS[1])
+    assert httpx.post(f"{url}/sleep", params={"level": 1}, headers=admin()).status_code == 200
+    assert httpx.get(f"{url}/is_sleeping", headers=admin()).json()["is_sleeping"] is True
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("tokens", tokens(url, PROMPTS[1])))
+    t.start()
+    t.join(timeout=2.0)
+    assert t.is_alive()  # a request that arrives while asleep waits
+    r = httpx.post(f"{url}/update_weights", headers=admin(), timeout=30, json={"update_info": dict(
+        names=["model.norm.weight"], dtype_names=["float32"], shapes=[[576]])})
+    assert r.status_code == 400 and "asleep" in r.json()["error"]["message"]
+    assert httpx.post(f"{url}/wake_up", headers=admin()).status_code == 200
+    t.join(timeout=60)
+    assert out["tokens"] == before
+    assert tokens(url, PROMPTS[1]) == before
+
+    # Level 2 drops the weights: after wake-up a full update brings the model back.
+    assert httpx.post(f"{url}/sleep", params={"level": 2}, headers=admin()).status_code == 200
+    assert httpx.post(f"{url}/sleep", params={"level": 3}, headers=admin()).status_code == 400
+    assert httpx.post(f"{url}/wake_up", headers=admin()).status_code == 200
+    client = WeightSyncClient(url, backend="gloo", admin_key=ADMIN_KEY)  # a group of its own
+    client.init()
+    client.push(trainer_model.named_parameters())
+    for p in PROMPTS:
+        assert tokens(url, p) == reference[p]

@@ -179,6 +179,19 @@ class AsyncEngine:
     async def resume(self) -> None:
         await self.run(lambda core: core.resume())
 
+    @property
+    def is_sleeping(self) -> bool:
+        return self.core.sleeping
+
+    async def sleep(self, level: int = 1) -> None:
+        def do(core: EngineCore) -> None:
+            self._deliver(core.sleep(level))
+
+        await self.run(do)
+
+    async def wake_up(self) -> None:
+        await self.run(lambda core: core.wake_up())
+
     async def init_weight_transfer(self, init_info: dict) -> None:
         """Join the trainer's group; blocks (off the event loop) until the group forms."""
         from rlserve.weight_transfer import InitInfo
@@ -200,6 +213,9 @@ class AsyncEngine:
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise InvalidRequestError(f"update_info.weight_version: must be an integer, got {version!r}",
                                       "weight_version")
+        if self.core.sleeping:  # refused before the group is touched
+            raise InvalidRequestError("the server is asleep: POST /wake_up before updating weights",
+                                      "update_info")
         async with self._update_lock:
             t0 = time.perf_counter()
             try:

@@ -196,7 +196,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.inflight is not None or (self.scheduler.num_unfinished > 0
-                                             and not self.scheduler.frozen)
+                                             and not self.scheduler.stopped)
 
     # -- the step ----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -331,7 +331,7 @@ class EngineCore:
         elif mode == "keep":
             self.scheduler.frozen = True
             if clear_cache:
-                for req in list(self.scheduler.running):
+                for req in reversed(list(self.scheduler.running)):
                     self.scheduler.drop_kv(req)
                 self.kv.reset_prefix_cache()
         return outputs
@@ -349,6 +349,32 @@ class EngineCore:
             self.scheduler.add(req)
         self.held.clear()
 
+    # -- sleep / wake --------------------------------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        return self.scheduler.sleeping
+
+    def sleep(self, level: int = 1) -> list[EngineOutput]:
+        """Give the device memory back (see Worker.sleep). Running requests keep their
+        tokens and recompute their KV after wake-up; requests that arrive meanwhile wait."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"level: must be 1 or 2, got {level!r}", "level")
+        if self.sleeping:
+            return []
+        outputs = self._process(self.inflight) if self.inflight is not None else []
+        self.inflight = None
+        for req in reversed(list(self.scheduler.running)):  # keeps their order in the queue
+            self.scheduler.drop_kv(req)
+        self.kv.reset_prefix_cache()
+        self.executor.collective_rpc("sleep", level)
+        self.scheduler.sleeping = True
+        return outputs
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.executor.collective_rpc("wake_up")
+            self.scheduler.sleeping = False
+
     # -- weights -----------------------------------------------------------------------
     def apply_weights(self, weights: list[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         """Copy tensors into the model now (offline use; the caller owns the engine thread)."""
@@ -360,6 +386,10 @@ class EngineCore:
 
         Runs in the engine thread, so no step ever sees a half-updated model.
         """
+        if self.sleeping:
+            self.executor.collective_rpc("drop_staged_weights")
+            raise InvalidRequestError("the server is asleep: POST /wake_up before updating weights",
+                                      "update_info")
         self.executor.collective_rpc("apply_staged_weights")
         return self._new_version(version)
 

@@ -49,6 +49,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests held in place by a `keep` pause: they keep their KV but are not stepped.
         self.frozen = False
+        self.sleeping = False  # the device memory is given back: nothing can run
 
     # -- queue management -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -69,6 +70,10 @@ class Scheduler:
         self._preempt(req, count=False)
         self.running.remove(req)
         self.waiting.appendleft(req)
+
+    @property
+    def stopped(self) -> bool:
+        return self.frozen or self.sleeping
 
     @property
     def num_unfinished(self) -> int:
@@ -95,7 +100,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self.frozen:
+        if self.stopped:
             return out
         budget = self.max_num_batched_tokens
         preempted = False

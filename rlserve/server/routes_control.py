@@ -6,6 +6,7 @@
     POST /pause?mode=abort|wait|keep&clear_cache=false
     POST /resume
     GET  /is_paused, GET /weight_version, POST /reset_prefix_cache
+    POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping
 
 These routes exist only when a weight-transfer backend is configured; `--admin-key`
 guards them with a bearer token.
@@ -110,6 +111,26 @@ async def resume(request: Request) -> dict:
 @router.get("/is_paused")
 async def is_paused(request: Request) -> dict:
     return {"is_paused": _engine(request).is_paused}
+
+
+@router.post("/sleep")
+async def sleep(request: Request,
+                level: int = Query(1, ge=1, le=2, description="1: weights to host memory; "
+                                                              "2: weights dropped (the next "
+                                                              "update must send them all)")) -> dict:
+    await _engine(request).sleep(level)
+    return {"status": "sleeping", "level": level}
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request) -> dict:
+    await _engine(request).wake_up()
+    return {"status": "awake"}
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> dict:
+    return {"is_sleeping": _engine(request).is_sleeping}
 
 
 @router.get("/weight_version")

@@ -38,6 +38,9 @@ class Worker:
             self._init_dummy_unsharded(config.seed)
         self.load_seconds = time.perf_counter() - t0
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size)
+        self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        # Taken while the parameters have their real shapes (sleep empties them).
+        self.expected = self.model.expected_weights()
 
     @torch.no_grad()
     def _init_dummy_unsharded(self, seed: int) -> None:
@@ -85,6 +88,36 @@ class Worker:
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
+        self._graph_args = (max_num_seqs, max_model_len)
+
+    # -- sleep / wake --------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Give the device memory back: the KV cache and CUDA graphs always; the weights
+        move to host memory (level 1) or are dropped (level 2: the next update must send
+        them all)."""
+        self._kv_blocks = self.runner.num_blocks
+        self.runner.free_kv_cache()
+        self._host_weights = {}
+        for name, p in self.model.named_parameters():  # tied weights appear once
+            if level == 1:
+                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=self.device.type == "cuda")
+                host.copy_(p.data)
+                self._host_weights[name] = host
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        for name, p in self.model.named_parameters():
+            host = self._host_weights.get(name)
+            if host is not None:
+                p.data = host.to(self.device, non_blocking=True)
+            else:  # level 2: storage comes back uninitialised until the next update
+                p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=self.device)
+        self._host_weights = {}
+        self.runner.allocate_kv_cache(self._kv_blocks)
+        if getattr(self, "_graph_args", None) is not None:
+            self.runner.capture_cuda_graphs(*self._graph_args)
 
     # -- execution ---------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelRunnerOutput:
@@ -92,7 +125,7 @@ class Worker:
 
     # -- weights -----------------------------------------------------------------------
     def expected_weights(self):
-        return self.model.expected_weights()
+        return self.expected
 
     def load_weights(self, weights) -> set[str]:
         return self.model.load_weights(weights)
@@ -120,7 +153,7 @@ class Worker:
             raise InvalidUpdateError(f"the weight-transfer group {why}: call "
                                      "/init_weight_transfer_engine first")
         expected = {name: ExpectedParam(e.shape, e.required)
-                    for name, e in self.model.expected_weights().items()}
+                    for name, e in self.expected.items()}
         self.staged = receive_weights(group, update_info, expected, device=self.device,
                                       target_dtype=self.dtype)
         return sum(t.numel() * t.element_size() for _, t in self.staged)
