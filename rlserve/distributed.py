@@ -83,6 +83,19 @@ def host_store(timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
+def abort_process_group(pg) -> None:
+    """Best effort: fail collectives pending on this rank (NCCL honours it; gloo fails
+    them by itself when a peer's connection closes)."""
+    if pg is None:
+        return
+    for method in ("abort", "shutdown"):
+        try:
+            getattr(pg, method)()
+            return
+        except Exception:
+            continue
+
+
 class TPGroup:
     """One rank's handle on the tensor-parallel group."""
 
@@ -142,17 +155,7 @@ class TPGroup:
         return tensor
 
     def abort(self) -> None:
-        """Best effort: fail collectives pending on this rank (NCCL honours it; gloo fails
-        them by itself when a peer's connection closes)."""
-        pg = self.pg
-        if pg is None:
-            return
-        for method in ("abort", "shutdown"):
-            try:
-                getattr(pg, method)()
-                return
-            except Exception:
-                continue
+        abort_process_group(self.pg)
 
     def close(self) -> None:
         pg, self.pg = self.pg, None

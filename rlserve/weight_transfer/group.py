@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rlserve.distributed import abort_process_group
+
 from .errors import InvalidUpdateError, WeightTransferError
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -194,13 +196,7 @@ class TransferGroup:
 
     def _abort(self) -> None:
         pg, self.pg = self.pg, None
-        if pg is not None:
-            for method in ("abort", "shutdown"):
-                try:
-                    getattr(pg, method)()
-                    break
-                except Exception:
-                    continue
+        abort_process_group(pg)
 
     def close(self) -> None:
         if self.broken is None:
