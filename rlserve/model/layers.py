@@ -114,7 +114,7 @@ class PagedAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, self.k_cache, self.v_cache, meta)
+        out = ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
 

@@ -39,8 +39,7 @@ def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
         ref.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(query, k_cache, v_cache, meta) -> torch.Tensor:
-    scale = query.shape[-1] ** -0.5
+def paged_attention(query, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     if _use_triton(query):
         from rlserve.ops import triton_attention
         return triton_attention.paged_attention(
