@@ -110,6 +110,14 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size: must be at least 1")
         if isinstance(self.weight_transfer, (str, dict)):
             self.weight_transfer = WeightTransferConfig.parse(self.weight_transfer)
+        if self.weight_transfer is not None and self.weight_transfer.backend == "ipc":
+            # Handles open only on the GPU that holds the trainer's memory.
+            if not str(self.device).startswith("cuda"):
+                raise ValueError(f"weight-transfer-config: backend ipc needs a CUDA device, "
+                                 f"this server runs on {self.device} (use gloo)")
+            if self.tensor_parallel_size != 1:
+                raise ValueError("weight-transfer-config: backend ipc needs tensor_parallel_size 1 "
+                                 "(each rank would need the trainer on its own GPU; use nccl)")
 
     @property
     def name(self) -> str:

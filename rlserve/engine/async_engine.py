@@ -195,10 +195,14 @@ class AsyncEngine:
     async def init_weight_transfer(self, init_info: dict) -> None:
         """Join the trainer's group; blocks (off the event loop) until the group forms."""
         from rlserve.weight_transfer import InitInfo
+        from rlserve.weight_transfer.ipc import parse_ipc_init_info
         cfg = self.config.weight_transfer
         if cfg is None:
             raise InvalidRequestError("no weight-transfer backend is configured", "init_info")
-        InitInfo.parse(init_info, num_workers=self.world_size)  # a 400 before anything blocks
+        if cfg.backend == "ipc":
+            parse_ipc_init_info(init_info)
+        else:
+            InitInfo.parse(init_info, num_workers=self.world_size)  # a 400 before anything blocks
         async with self._update_lock:
             await asyncio.to_thread(self.core.executor.collective_rpc, "init_weight_transfer",
                                     cfg.backend, init_info, cfg.timeout_s)

@@ -115,9 +115,18 @@ class CausalLM(nn.Module):
 
         Returns the names loaded. Unknown names and wrong shapes raise, naming the tensor.
         """
+        loaded: set[str] = set()
+        for name, target, source in self.weight_copies(weights):
+            target.copy_(source)
+            loaded.add(name)
+        return loaded
+
+    def weight_copies(self, weights: Iterable[tuple[str, torch.Tensor]]
+                      ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(name, target, source) for each tensor: the copies `load_weights` makes, lazily,
+        so a checkpoint streams. Targets are views of the current parameter storage."""
         params = dict(self.named_parameters())
         slots = self._fused_lookup()
-        loaded: set[str] = set()
         for name, tensor in weights:
             if name not in slots and f"model.{name}" in slots:
                 name = f"model.{name}"  # some checkpoints drop the base-model prefix
@@ -134,9 +143,7 @@ class CausalLM(nn.Module):
                 s = slot.shard
                 tensor = tensor.narrow(s.dim, s.start, s.size)
                 target = target.narrow(s.dim, slot.offset, s.size)
-            target.copy_(tensor)
-            loaded.add(name)
-        return loaded
+            yield name, target, tensor
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

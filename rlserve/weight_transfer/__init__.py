@@ -7,11 +7,13 @@ Trainer side, as in the seed script::
     NCCLWeightTransferEngine.trainer_send_weights(iterator=model.named_parameters(), group=group, packed=True)
 
 Server side: `receiver_init` per worker, then `receive_weights` per update.
+Same GPU (colocated): `IPCWeightTransferEngine` shares CUDA IPC handles instead (ipc.py).
 """
 
 from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
 from .gloo import GlooWeightTransferEngine
 from .group import DEFAULT_TIMEOUT_S, TransferGroup, get_ip, get_open_port
+from .ipc import IPCHandles, IPCReceiver, IPCSender, IPCWeightTransferEngine
 from .nccl import NCCLWeightTransferEngine
 from .packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -27,7 +29,8 @@ from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, rece
 
 __all__ = [
     "DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "DEFAULT_TIMEOUT_S",
-    "Bucket", "ExpectedParam", "GlooWeightTransferEngine", "InitInfo", "InvalidUpdateError",
+    "Bucket", "ExpectedParam", "GlooWeightTransferEngine", "IPCHandles", "IPCReceiver", "IPCSender",
+    "IPCWeightTransferEngine", "InitInfo", "InvalidUpdateError",
     "NCCLWeightTransferEngine", "Slot", "TensorMeta", "TransferGroup", "UpdateInfo",
     "UpdateRefusedError", "WeightTransferError", "get_ip", "get_open_port", "plan_buckets",
     "plan_digest", "receive_weights", "receiver_init", "refuse", "PushResult", "WeightSyncClient",

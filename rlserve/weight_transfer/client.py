@@ -6,6 +6,8 @@
 
 It performs the seed script's choreography (HTTP calls in threads while this process
 broadcasts) for one server or several replicas, which then share one transfer group.
+With backend="ipc" (trainer and servers on one GPU) there is no group: each server opens
+this process's CUDA IPC handles once and copies from them on every push.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ class PushResult:
 
 
 def _engine_for(backend: str):
-    from rlserve.weight_transfer import GlooWeightTransferEngine, NCCLWeightTransferEngine
-    engines = {"nccl": NCCLWeightTransferEngine, "gloo": GlooWeightTransferEngine}
+    from rlserve.weight_transfer import (GlooWeightTransferEngine, IPCWeightTransferEngine,
+                                         NCCLWeightTransferEngine)
+    engines = {"nccl": NCCLWeightTransferEngine, "gloo": GlooWeightTransferEngine,
+               "ipc": IPCWeightTransferEngine}
     if backend not in engines:
         raise ValueError(f"backend: must be one of {', '.join(engines)}, got {backend!r}")
     return engines[backend]
@@ -98,7 +102,13 @@ class WeightSyncClient:
         return r.json()
 
     def init(self) -> None:
-        """Form one transfer group: this trainer at rank 0, each server's workers after it."""
+        """Form one transfer group: this trainer at rank 0, each server's workers after it.
+        ipc: no group; each server gets its own export of the handles."""
+        if self.backend == "ipc":
+            for u in self.urls:
+                self._check(self._post(u, "/init_weight_transfer_engine", {"init_info": {}}))
+            self.group = [self.engine.trainer_init() for _ in self.urls]
+            return
         sizes = [self._check(self.session.get(f"{u}/get_world_size", timeout=30))["world_size"]
                  for u in self.urls]
         world_size = 1 + sum(sizes)
@@ -150,26 +160,43 @@ class WeightSyncClient:
                 self._check(self._post(u, "/pause", params={"mode": pause_mode}))
                 paused.append(u)
             t1 = time.perf_counter()
-            calls = [_Call(self._post, u, "/update_weights", {"update_info": update_info})
-                     for u in self.urls]
-            send_error = None
-            try:
-                self.engine.trainer_send_weights(iterator=iter(tensors), group=self.group, packed=packed,
-                                                 packed_buffer_size_bytes=packed_buffer_size_bytes,
-                                                 packed_num_buffers=packed_num_buffers)
-            except Exception as e:
-                send_error = e
-            results, errors = [], []
-            for c in calls:
-                try:
-                    results.append(c.result())
-                except WeightTransferError as e:
-                    errors.append(str(e))
-            if errors or send_error is not None:
-                raise WeightTransferError("; ".join(errors) or str(send_error)) from send_error
+            if self.backend == "ipc":
+                results = self._send_ipc(tensors, version)
+            else:
+                results = self._send_collective(tensors, update_info, packed, packed_buffer_size_bytes,
+                                                packed_num_buffers)
             t2 = time.perf_counter()
         finally:
             for u in paused:
                 self._check(self._post(u, "/resume"))
         return PushResult(num_bytes, time.perf_counter() - t0, t2 - t1,
                           [r["weight_version"] for r in results])
+
+    def _send_collective(self, tensors, update_info, packed, packed_buffer_size_bytes,
+                         packed_num_buffers) -> list[dict]:
+        """Every server's /update_weights in a thread while this process broadcasts."""
+        calls = [_Call(self._post, u, "/update_weights", {"update_info": update_info})
+                 for u in self.urls]
+        send_error = None
+        try:
+            self.engine.trainer_send_weights(iterator=iter(tensors), group=self.group, packed=packed,
+                                             packed_buffer_size_bytes=packed_buffer_size_bytes,
+                                             packed_num_buffers=packed_num_buffers)
+        except Exception as e:
+            send_error = e
+        results, errors = [], []
+        for c in calls:
+            try:
+                results.append(c.result())
+            except WeightTransferError as e:
+                errors.append(str(e))
+        if errors or send_error is not None:
+            raise WeightTransferError("; ".join(errors) or str(send_error)) from send_error
+        return results
+
+    def _send_ipc(self, tensors, version: int | None) -> list[dict]:
+        """Each server copies from this process's memory; its answer means the copy is done."""
+        from rlserve.weight_transfer.ipc import post_update
+        key = self.session.headers.get("Authorization", "")[7:] or None
+        return [post_update(u, sender.update_info(tensors, version), key, self.timeout_s, self.session)
+                for u, sender in zip(self.urls, self.group)]

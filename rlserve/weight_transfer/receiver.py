@@ -101,6 +101,7 @@ class UpdateInfo:
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     weight_version: int | str | None = None
+    ipc_handles: Any = None  # the ipc backend's handles, validated by ipc.IPCHandles.parse
 
     @classmethod
     def parse(cls, data: Mapping[str, Any]) -> "UpdateInfo":
@@ -108,7 +109,7 @@ class UpdateInfo:
         if not isinstance(data, Mapping):
             raise InvalidUpdateError("update_info must be a JSON object")
         known = ("names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes",
-                 "packed_num_buffers", "weight_version")
+                 "packed_num_buffers", "weight_version", "ipc_handles")
         problems = [f"{k} is required" for k in known[:3] if k not in data]
         unknown = sorted(set(data) - set(known))
         if unknown:
@@ -156,7 +157,8 @@ class UpdateInfo:
             problems.append(f"weight_version must be an integer, a string or null, got {version!r}")
         if problems:
             raise InvalidUpdateError("update_info: " + "; ".join(problems))
-        return cls(tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes), packed, size, nbuf, version)
+        return cls(tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes), packed, size, nbuf, version,
+                   data.get("ipc_handles"))
 
     def metas(self) -> list[TensorMeta]:
         return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
@@ -240,6 +242,9 @@ def receive_weights(
     verdict_key = update_key(seq, f"verdict/{group.rank}")
     try:
         info = update_info if isinstance(update_info, UpdateInfo) else UpdateInfo.parse(update_info)
+        if info.ipc_handles is not None:
+            raise InvalidUpdateError(f"update_info.ipc_handles: only the ipc backend takes handles; "
+                                     f"this server receives over {group.backend}")
         metas = info.metas()
         check_against_model(metas, expected)
         trainer_plan = json.loads(group.get(update_key(seq, "plan"), "the trainer's plan "

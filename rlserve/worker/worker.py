@@ -41,6 +41,8 @@ class Worker:
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
         # Taken while the parameters have their real shapes (sleep empties them).
         self.expected = self.model.expected_weights()
+        self.ipc_receiver = None
+        self._ipc_plan = None
 
     @torch.no_grad()
     def _init_dummy_unsharded(self, seed: int) -> None:
@@ -96,6 +98,7 @@ class Worker:
         move to host memory (level 1) or are dropped (level 2: the next update must send
         them all)."""
         self._kv_blocks = self.runner.num_blocks
+        self._ipc_plan = None  # its targets are the storage being given back
         self.runner.free_kv_cache()
         self._host_weights = {}
         for name, p in self.model.named_parameters():  # tied weights appear once
@@ -108,6 +111,7 @@ class Worker:
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
+        self._ipc_plan = None
         for name, p in self.model.named_parameters():
             host = self._host_weights.get(name)
             if host is not None:
@@ -131,22 +135,35 @@ class Worker:
         return self.model.load_weights(weights)
 
     def init_weight_transfer(self, backend: str, init_info: dict, timeout_s: float) -> None:
-        """Join the trainer's group at rank rank_offset + this worker's rank."""
+        """Join the trainer's group at rank rank_offset + this worker's rank (ipc: nothing
+        to join; the trainer's handles arrive with each update)."""
         from rlserve.weight_transfer import receiver_init
+        from rlserve.weight_transfer.ipc import IPCReceiver
         self.close_weight_transfer()
+        if backend == "ipc":
+            self.ipc_receiver = IPCReceiver(self.device)
+            return
         self.transfer_group = receiver_init(backend, init_info, worker_rank=self.rank,
                                             device=self.device, timeout_s=timeout_s)
 
     def close_weight_transfer(self) -> None:
         group = getattr(self, "transfer_group", None)
         self.transfer_group = None
+        self.ipc_receiver = None
+        self._ipc_plan = None
         if group is not None:
             group.close()
 
     def receive_weights(self, update_info: dict) -> int:
         """Receive a whole update into staging tensors; the model is untouched until
-        `apply_staged_weights`. Returns the number of bytes received."""
+        `apply_staged_weights`. Returns the number of bytes received.
+
+        ipc: the staging tensors are views into the trainer's memory, opened (once) and
+        checked here; the one copy happens in `apply_staged_weights`.
+        """
         from rlserve.weight_transfer import ExpectedParam, InvalidUpdateError, receive_weights
+        if self.ipc_receiver is not None:
+            return self._receive_ipc(update_info)
         group = getattr(self, "transfer_group", None)
         if group is None or group.broken:
             why = "was broken by a failed transfer" if group is not None else "is not initialized"
@@ -158,11 +175,27 @@ class Worker:
                                       target_dtype=self.dtype)
         return sum(t.numel() * t.element_size() for _, t in self.staged)
 
+    def _receive_ipc(self, update_info: dict) -> int:
+        self.staged = self.ipc_receiver.receive(update_info, self.expected)
+        return sum(t.numel() * t.element_size() for _, t in self.staged)
+
     def apply_staged_weights(self) -> None:
         staged, self.staged = getattr(self, "staged", None), None
         if staged is None:
             raise RuntimeError("no staged weights to apply")
-        self.model.load_weights(staged)
+        if self.ipc_receiver is None:
+            self.model.load_weights(staged)
+            return
+        # ipc: the receiver hands back the same views while the trainer's storage stays put,
+        # so the (target, source) pairs are worked out once; sleep and wake reset them.
+        plan = self._ipc_plan
+        if plan is None or plan[0] is not staged:
+            plan = self._ipc_plan = (staged, [(t, s) for _, t, s in self.model.weight_copies(staged)])
+        with torch.no_grad():
+            for target, source in plan[1]:
+                target.copy_(source)
+        # The copies read the trainer's memory: done before the trainer hears back.
+        torch.cuda.current_stream(self.device).synchronize()
 
     def drop_staged_weights(self) -> None:
         self.staged = None

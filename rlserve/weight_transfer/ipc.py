@@ -1,0 +1,432 @@
+"""CUDA IPC backend: the trainer and the server share one GPU (colocated RL).
+
+NCCL refuses two ranks on one device, so here the trainer exports CUDA IPC handles to
+its parameters' storage and the server copies straight out of the trainer's memory:
+one device-to-device copy per tensor, no host round trip, no broadcast.
+
+    sender = IPCWeightTransferEngine.trainer_init()          # the export cache
+    IPCWeightTransferEngine.trainer_send_weights(model.named_parameters(),
+                                                 {"url": "http://localhost:8000"}, group=sender)
+
+Each storage is exported once (`_share_cuda_`) and opened once on the server, which keeps
+it open: a later push is a small JSON document and the copies. A parameter whose storage
+was reallocated shows up as a storage the server has not seen; it is exported, opened,
+and the stale one released, within that push.
+
+Wire format (`update_info.ipc_handles`, JSON; bytes are base64)::
+
+    {"device_uuid": "GPU-...",
+     "storages": [{"handle", "size_bytes", "offset_bytes", "ref_counter_handle",
+                   "ref_counter_offset", "event_handle", "event_sync_required"}, ...],
+     "tensors":  [{"storage": index into storages, "offset": elements, "stride": [...]}, ...]}
+
+`tensors` is aligned with update_info's names/dtype_names/shapes. Every field is checked
+before anything is opened, and every view is checked to lie inside its storage, so a
+malformed document is a 400 that names the field, never a crash or a stray read.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
+from .packing import TensorMeta, dtype_name
+
+MAX_HANDLE_BYTES = 1024  # a CUDA IPC handle is 64 bytes (plus a type tag in newer torch)
+# torch names its IPC reference-counter files /torch_<pid>_<n>...; nothing else may be mapped.
+_REF_COUNTER_NAME = re.compile(r"/torch_[A-Za-z0-9_]{1,100}")
+_REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE
+_STORAGE_FIELDS = ("handle", "size_bytes", "offset_bytes", "ref_counter_handle",
+                   "ref_counter_offset", "event_handle", "event_sync_required")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def device_uuid(device: torch.device | int | None = None) -> str:
+    """The GPU's UUID: indices differ between processes with different CUDA_VISIBLE_DEVICES."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+@dataclass(frozen=True)
+class SharedStorage:
+    """One exported CUDA storage, as `UntypedStorage._share_cuda_` describes it."""
+
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+    @property
+    def key(self) -> tuple[bytes, int, int]:
+        """Identifies the storage within the trainer's allocation: the server's cache key."""
+        return self.handle, self.offset_bytes, self.size_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"handle": _b64(self.handle), "size_bytes": self.size_bytes,
+                "offset_bytes": self.offset_bytes,
+                "ref_counter_handle": _b64(self.ref_counter_handle),
+                "ref_counter_offset": self.ref_counter_offset,
+                "event_handle": _b64(self.event_handle),
+                "event_sync_required": self.event_sync_required}
+
+    @classmethod
+    def parse(cls, data: Any, where: str) -> "SharedStorage":
+        if not isinstance(data, Mapping):
+            raise InvalidUpdateError(f"{where}: must be an object with {', '.join(_STORAGE_FIELDS)}")
+        missing = [k for k in _STORAGE_FIELDS if k not in data]
+        unknown = sorted(set(data) - set(_STORAGE_FIELDS))
+        problems = [f"missing {', '.join(missing)}"] if missing else []
+        if unknown:
+            problems.append(f"unknown field(s) {', '.join(unknown)}")
+        if problems:
+            raise InvalidUpdateError(f"{where}: " + "; ".join(problems))
+
+        def raw(field: str, allow_empty: bool = False) -> bytes:
+            value = data[field]
+            try:
+                out = base64.b64decode(value, validate=True) if isinstance(value, str) else None
+            except (binascii.Error, ValueError):
+                out = None
+            if out is None or len(out) > MAX_HANDLE_BYTES or (not out and not allow_empty):
+                raise InvalidUpdateError(f"{where}.{field}: must be base64 of 1..{MAX_HANDLE_BYTES} bytes")
+            return out
+
+        handle, event = raw("handle"), raw("event_handle", allow_empty=True)
+        counter = raw("ref_counter_handle")
+        if not _REF_COUNTER_NAME.fullmatch(counter.decode("latin-1")):
+            raise InvalidUpdateError(f"{where}.ref_counter_handle: not a torch IPC counter name")
+        size, offset, slot = data["size_bytes"], data["offset_bytes"], data["ref_counter_offset"]
+        if not (_is_int(size) and size > 0):
+            raise InvalidUpdateError(f"{where}.size_bytes: must be a positive integer, got {size!r}")
+        if not (_is_int(offset) and offset >= 0):
+            raise InvalidUpdateError(f"{where}.offset_bytes: must be a non-negative integer, got {offset!r}")
+        if not (_is_int(slot) and 0 <= slot < _REF_COUNTER_SLOTS):
+            raise InvalidUpdateError(f"{where}.ref_counter_offset: must be an integer in "
+                                     f"0..{_REF_COUNTER_SLOTS - 1}, got {slot!r}")
+        sync = data["event_sync_required"]
+        if not isinstance(sync, bool):
+            raise InvalidUpdateError(f"{where}.event_sync_required: must be true or false")
+        if sync and not event:
+            raise InvalidUpdateError(f"{where}.event_handle: required when event_sync_required")
+        return cls(handle, size, offset, counter, slot, event, sync)
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    storage: int  # index into IPCHandles.storages
+    offset: int  # in elements of the tensor's dtype
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class IPCHandles:
+    device_uuid: str
+    storages: tuple[SharedStorage, ...]
+    tensors: tuple[SharedTensor, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device_uuid": self.device_uuid,
+                "storages": [s.to_json() for s in self.storages],
+                "tensors": [{"storage": t.storage, "offset": t.offset, "stride": list(t.stride)}
+                            for t in self.tensors]}
+
+    @classmethod
+    def parse(cls, data: Any, metas: Sequence[TensorMeta]) -> "IPCHandles":
+        """Validate `update_info.ipc_handles` against the update's names, dtypes and shapes."""
+        where = "update_info.ipc_handles"
+        if data is None:
+            raise InvalidUpdateError(f"{where}: required with the ipc backend (the trainer's "
+                                     "IPCWeightTransferEngine fills it in)")
+        if not isinstance(data, Mapping):
+            raise InvalidUpdateError(f"{where}: must be an object with device_uuid, storages, tensors")
+        known = ("device_uuid", "storages", "tensors")
+        missing = [k for k in known if k not in data]
+        unknown = sorted(set(data) - set(known))
+        if missing or unknown:
+            raise InvalidUpdateError(f"{where}: " + "; ".join(
+                ([f"missing {', '.join(missing)}"] if missing else [])
+                + ([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])))
+        uuid, storages, tensors = data["device_uuid"], data["storages"], data["tensors"]
+        if not (isinstance(uuid, str) and uuid):
+            raise InvalidUpdateError(f"{where}.device_uuid: must be a non-empty string")
+        if not isinstance(storages, list):
+            raise InvalidUpdateError(f"{where}.storages: must be a list")
+        if not isinstance(tensors, list) or len(tensors) != len(metas):
+            got = len(tensors) if isinstance(tensors, list) else type(tensors).__name__
+            raise InvalidUpdateError(f"{where}.tensors: must be a list with one entry per name "
+                                     f"({len(metas)}), got {got}")
+        parsed = tuple(SharedStorage.parse(s, f"{where}.storages[{i}]") for i, s in enumerate(storages))
+        out = []
+        for i, (t, meta) in enumerate(zip(tensors, metas)):
+            at = f"{where}.tensors[{i}] ({meta.name})"
+            if not (isinstance(t, Mapping) and set(t) == {"storage", "offset", "stride"}):
+                raise InvalidUpdateError(f"{at}: must be an object with exactly storage, offset, stride")
+            s, offset, stride = t["storage"], t["offset"], t["stride"]
+            if not (_is_int(s) and 0 <= s < len(parsed)):
+                raise InvalidUpdateError(f"{at}.storage: must index storages (0..{len(parsed) - 1}), got {s!r}")
+            if not (_is_int(offset) and offset >= 0):
+                raise InvalidUpdateError(f"{at}.offset: must be a non-negative integer, got {offset!r}")
+            if not (isinstance(stride, list) and len(stride) == len(meta.shape)
+                    and all(_is_int(x) and x >= 0 for x in stride)):
+                raise InvalidUpdateError(f"{at}.stride: must be {len(meta.shape)} non-negative "
+                                         f"integers, got {stride!r}")
+            if meta.numel:
+                last = offset + sum((n - 1) * st for n, st in zip(meta.shape, stride))
+                end_bytes = (last + 1) * meta.dtype.itemsize
+                if end_bytes > parsed[s].size_bytes:
+                    raise InvalidUpdateError(f"{at}: the view ends at byte {end_bytes}, past the end "
+                                             f"of its storage ({parsed[s].size_bytes} bytes)")
+            out.append(SharedTensor(s, offset, tuple(stride)))
+        return cls(uuid, parsed, tuple(out))
+
+
+# -- server side ---------------------------------------------------------------------------
+
+_SEED_INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size")
+
+
+def parse_ipc_init_info(data: Any) -> None:
+    """The ipc backend forms no group: `{}` is the init_info. The seed's group fields are
+    accepted and ignored, so a script written for nccl needs no change to its init call."""
+    if not isinstance(data, Mapping):
+        raise InvalidUpdateError("init_info must be a JSON object ({} for the ipc backend)")
+    unknown = sorted(set(data) - set(_SEED_INIT_FIELDS))
+    if unknown:
+        raise InvalidUpdateError(f"init_info: unknown field(s) {', '.join(unknown)}; the ipc "
+                                 "backend takes {} (the seed's group fields are ignored)")
+
+
+def view_of(storage: torch.UntypedStorage, meta: TensorMeta, t: SharedTensor) -> torch.Tensor:
+    """The tensor `meta` at (offset, stride) in `storage`; IPCHandles.parse checked the bounds."""
+    view = torch.empty(0, dtype=meta.dtype, device=storage.device)
+    return view.set_(storage, t.offset, meta.shape, t.stride)
+
+
+class IPCReceiver:
+    """Opens the trainer's storages once and keeps them open between updates.
+
+    `open` returns views into the trainer's memory; the caller copies them into the model
+    between steps, and the trainer does not touch its parameters until the update call
+    returns. Storages absent from an update are released (the trainer reallocated them).
+    """
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            raise InvalidUpdateError("the ipc backend needs a CUDA device; this server runs on "
+                                     f"{device.type} (use gloo)")
+        self.device = device
+        self.uuid = device_uuid(device)
+        self._storages: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
+        self.opened_last = 0  # storages the last update had to open (0 once warm)
+        # The last accepted update (less its version) and its views: a trainer pushing the
+        # same parameters again sends the same document, which then needs no parsing.
+        self._last: tuple[dict, list[tuple[str, torch.Tensor]]] | None = None
+
+    def receive(self, update_info: Mapping[str, Any], expected: Mapping[str, Any]
+                ) -> list[tuple[str, torch.Tensor]]:
+        """Validate update_info (seed fields + ipc_handles) against the model and open it."""
+        from .receiver import UpdateInfo, check_against_model
+        if not isinstance(update_info, Mapping):
+            raise InvalidUpdateError("update_info must be a JSON object")
+        body = {k: v for k, v in update_info.items() if k != "weight_version"}
+        if self._last is not None and self._last[0] == body:
+            self.opened_last = 0
+            return self._last[1]
+        info = UpdateInfo.parse(update_info)
+        metas = info.metas()
+        check_against_model(metas, expected)
+        views = self.open(IPCHandles.parse(info.ipc_handles, metas), metas)
+        self._last = (body, views)
+        return views
+
+    def open(self, handles: IPCHandles, metas: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+        if handles.device_uuid != self.uuid:
+            raise InvalidUpdateError(
+                f"update_info.ipc_handles.device_uuid: the trainer's tensors are on {handles.device_uuid}, "
+                f"this server is on {self.uuid}; CUDA IPC needs both on the same GPU (use nccl)")
+        kept: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
+        opened = 0
+        with torch.cuda.device(self.device):
+            for i, s in enumerate(handles.storages):
+                if s.key in kept:
+                    continue
+                storage = self._storages.get(s.key)
+                if storage is None:
+                    try:
+                        storage = torch.UntypedStorage._new_shared_cuda(
+                            self.device.index, s.handle, s.size_bytes, s.offset_bytes,
+                            s.ref_counter_handle, s.ref_counter_offset, s.event_handle,
+                            s.event_sync_required)
+                    except Exception as e:  # a bad or stale handle: nothing was touched
+                        raise InvalidUpdateError(f"update_info.ipc_handles.storages[{i}]: cannot "
+                                                 f"open the handle ({e})") from e
+                    opened += 1
+                kept[s.key] = storage
+            views = [(meta.name, view_of(kept[handles.storages[t.storage].key], meta, t))
+                     for meta, t in zip(metas, handles.tensors)]
+        # Only now, with every handle open: drop what the trainer no longer sends.
+        self._storages = kept
+        self.opened_last = opened
+        return views
+
+    def close(self) -> None:
+        self._storages = {}
+        self._last = None
+
+
+# -- trainer side --------------------------------------------------------------------------
+
+class IPCSender:
+    """The trainer's export cache: one `_share_cuda_` per storage, reused by every push.
+
+    Keyed by the storage's address, with the storage held, so an address cannot be
+    recycled while its entry lives; entries a push no longer mentions are dropped.
+    """
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        self.uuid = device_uuid(self.device)
+        self._exports: dict[int, tuple[torch.UntypedStorage, dict[str, Any]]] = {}
+        self.exported_last = 0  # storages the last push exported (0 once warm)
+
+    def update_info(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                    weight_version: int | None = None) -> dict[str, Any]:
+        """The /update_weights payload for these tensors (seed fields + ipc_handles)."""
+        names, dtypes, shapes, tensors = [], [], [], []
+        storages: list[dict[str, Any]] = []
+        index: dict[int, int] = {}
+        exports: dict[int, tuple[torch.UntypedStorage, dict[str, Any]]] = {}
+        exported = 0
+        for name, t in named_tensors:
+            t = t.detach()
+            if t.device.type != "cuda":
+                raise ValueError(f"{name}: the ipc backend shares CUDA tensors, this one is on {t.device}")
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in index:
+                entry = self._exports.get(ptr)
+                if entry is None or entry[0].nbytes() != storage.nbytes():
+                    entry = (storage, _export(storage).to_json())
+                    exported += 1
+                exports[ptr] = entry
+                index[ptr] = len(storages)
+                storages.append(entry[1])
+            names.append(name)
+            dtypes.append(dtype_name(t.dtype))
+            shapes.append(list(t.shape))
+            tensors.append({"storage": index[ptr], "offset": t.storage_offset(), "stride": list(t.stride())})
+        self._exports = exports
+        self.exported_last = exported
+        # The server reads these bytes as soon as it has the handles: finish pending writes
+        # (the optimizer step) first. Cached handles carry no event of their own.
+        torch.cuda.current_stream(self.device).synchronize()
+        info: dict[str, Any] = {"names": names, "dtype_names": dtypes, "shapes": shapes,
+                                "ipc_handles": {"device_uuid": self.uuid, "storages": storages,
+                                                "tensors": tensors}}
+        if weight_version is not None:
+            info["weight_version"] = weight_version
+        return info
+
+
+def _export(storage: torch.UntypedStorage) -> SharedStorage:
+    (_device, handle, size, offset, counter, counter_offset, event,
+     sync) = storage._share_cuda_()
+    return SharedStorage(bytes(handle), int(size), int(offset), bytes(counter), int(counter_offset),
+                         bytes(event or b""), bool(sync))
+
+
+class IPCWeightTransferEngine:
+    """Seed-style trainer entry points for the ipc backend.
+
+    The server's /init_weight_transfer_engine takes `{"init_info": {}}` (no group to form).
+    `trainer_send_weights` posts /update_weights itself (the handles travel in it), or
+    hands the payload to `trainer_args["send"]`, a callable, for a custom transport.
+    """
+
+    backend = "ipc"
+
+    @classmethod
+    def trainer_init(cls, init_info: Mapping[str, Any] | None = None) -> IPCSender:
+        if not torch.cuda.is_available():
+            raise RuntimeError("IPCWeightTransferEngine needs CUDA; use GlooWeightTransferEngine on CPU")
+        device = (init_info or {}).get("device")
+        return IPCSender(torch.device(device) if device is not None else None)
+
+    @classmethod
+    def trainer_send_weights(
+        cls,
+        iterator: Iterable[tuple[str, torch.Tensor]],
+        trainer_args: Mapping[str, Any] | None = None,
+        *,
+        group: IPCSender | None = None,
+        url: str | None = None,
+        admin_key: str | None = None,
+        weight_version: int | None = None,
+        send: Callable[[dict[str, Any]], Any] | None = None,
+        timeout_s: float = 300.0,
+        **_ignored: Any,
+    ) -> dict[str, Any]:
+        """Export (or reuse) handles and have the server copy from them.
+
+        Returns the server's /update_weights answer. `packed*` keywords of the other
+        backends are accepted and ignored: nothing is packed, the server reads in place.
+        """
+        args = dict(group=group, url=url, admin_key=admin_key, weight_version=weight_version,
+                    send=send, timeout_s=timeout_s)
+        if trainer_args is not None:
+            unknown = set(trainer_args) - set(args) - {"mode", "send_mode", "packed",
+                                                       "packed_buffer_size_bytes", "packed_num_buffers"}
+            if unknown:
+                raise TypeError(f"trainer_args: unknown keys {sorted(unknown)}")
+            args.update({k: v for k, v in trainer_args.items() if k in args})
+        sender = args["group"]
+        if not isinstance(sender, IPCSender):
+            raise TypeError("group must be the IPCSender returned by IPCWeightTransferEngine.trainer_init")
+        info = sender.update_info(iterator, args["weight_version"])
+        if args["send"] is not None:
+            return args["send"](info)
+        if not args["url"]:
+            raise TypeError("trainer_send_weights needs url= (the server) or send= (a callable)")
+        return post_update(args["url"], info, args["admin_key"], args["timeout_s"])
+
+
+def post_update(url: str, update_info: dict[str, Any], admin_key: str | None = None,
+                timeout_s: float = 300.0, session=None) -> dict[str, Any]:
+    """POST /update_weights and return its JSON; a 400 raises UpdateRefusedError (nothing
+    changed on the server), anything else WeightTransferError."""
+    import requests
+    http = session or requests
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
+    t0 = time.perf_counter()
+    try:
+        r = http.post(f"{url.rstrip('/')}/update_weights", json={"update_info": update_info},
+                      headers=headers, timeout=timeout_s)
+    except Exception as e:
+        raise WeightTransferError(f"{url}/update_weights: {e}") from e
+    if r.status_code >= 400:
+        try:
+            message = r.json()["error"]["message"]
+        except Exception:
+            message = r.text
+        error = UpdateRefusedError if r.status_code == 400 else WeightTransferError
+        raise error(f"{url}/update_weights answered {r.status_code}: {message}")
+    out = r.json()
+    out["post_seconds"] = time.perf_counter() - t0
+    return out

@@ -1,0 +1,214 @@
+"""Colocated mode on one GPU: the seed's flow over CUDA IPC, and sleep / wake.
+
+The trainer is this test process (a transformers model on the GPU); the server is a
+separate `rlserve serve` process on the same GPU with dummy weights. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+import torch
+
+from conftest import start_server, stop_server
+from rlserve.weight_transfer import IPCWeightTransferEngine, UpdateRefusedError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+VOCAB = 4096
+PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((5, 23, 64, 150))]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A random Qwen3 checkpoint, and a word-level tokenizer for it. The embedding (tied
+    to the head) is drawn wide enough that few greedy choices are bf16 near-ties."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+    path = tmp_path_factory.mktemp("colocated")
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=2048, tie_word_embeddings=True,
+                      architectures=["Qwen3ForCausalLM"], eos_token_id=0)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15 if "embed" in name else 0.05)
+    hf.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t0").save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trainer(checkpoint):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().eval()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("colocated-server") / "server.log"
+    srv = start_server(checkpoint, log, "--device", "cuda", "--dtype", "bfloat16",
+                       "--load-format", "dummy", "--gpu-memory-utilization", "0.3",
+                       "--served-model-name", "m",
+                       "--weight-transfer-config", '{"backend": "ipc"}')
+    yield srv
+    stop_server(srv)
+
+
+def complete(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json=dict(
+        model="m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+        return_token_ids=True, ignore_eos=True))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def outputs(url: str) -> list[list[int]]:
+    return [complete(url, p)[0] for p in PROMPTS]
+
+
+def seed_flow_push(url: str, sender, named, version: int) -> dict:
+    """The seed script's order: pause, send, resume (the ipc send posts the update itself)."""
+    httpx.post(f"{url}/pause", params={"mode": "keep"}).raise_for_status()
+    try:
+        return IPCWeightTransferEngine.trainer_send_weights(
+            named, {"url": url, "weight_version": version}, group=sender)
+    finally:
+        httpx.post(f"{url}/resume").raise_for_status()
+
+
+def assert_matches_trainer(url: str, hf) -> None:
+    """Teacher-forced on the server's own tokens: its logprobs are the trainer's and each
+    greedy token is the trainer's argmax, or a near-tie that bf16 rounding may flip."""
+    diffs, same, total = [], 0, 0
+    for prompt in PROMPTS:
+        toks, lps = complete(url, prompt)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + toks], device="cuda")).logits[0].float()
+        ref = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        for i, (tok, lp) in enumerate(zip(toks, lps)):
+            diffs.append(abs(lp - ref[i, tok].item()))
+            total += 1
+            if tok == int(ref[i].argmax()):
+                same += 1
+            else:
+                assert (ref[i].max() - ref[i, tok]).item() < 0.1, (prompt[:3], i)
+    diffs_t = torch.tensor(diffs)
+    print(f"logprob |ours - trainer|: mean {diffs_t.mean():.4f}, max {diffs_t.max():.4f}; "
+          f"greedy token = trainer's argmax at {same} of {total} steps (the rest near-ties)")
+    assert diffs_t.mean() < 0.05 and diffs_t.max() < 0.3
+    assert same >= 0.9 * total
+
+
+@pytest.fixture(scope="module")
+def sender(server):
+    r = httpx.post(f"{server.url}/init_weight_transfer_engine", json={"init_info": {}})
+    assert r.status_code == 200, r.text
+    return IPCWeightTransferEngine.trainer_init()
+
+
+def test_colocated_seed_flow_serves_the_trainers_weights(server, sender, trainer):
+    url = server.url
+    assert httpx.get(f"{url}/get_world_size").json() == {"world_size": 1}
+    before = outputs(url)
+    result = seed_flow_push(url, sender, trainer.named_parameters(), version=1)
+    assert result["weight_version"] == 1 and sender.exported_last > 0
+    assert outputs(url) != before
+    assert_matches_trainer(url, trainer)
+
+    # A second push reuses every handle; the server copies again (same weights, same output).
+    after = outputs(url)
+    seed_flow_push(url, sender, trainer.named_parameters(), version=2)
+    assert sender.exported_last == 0
+    assert outputs(url) == after
+
+
+def test_reallocated_parameter_is_re_registered(server, sender, trainer):
+    url = server.url
+    norm = trainer.model.norm
+    original = norm.weight.data
+    expected = outputs(url)
+    norm.weight.data = torch.zeros_like(original)  # new storage: hidden states become zero
+    seed_flow_push(url, sender, trainer.named_parameters(), version=3)
+    assert sender.exported_last == 1
+    # Zero logits everywhere: greedy picks token 0 at every step.
+    assert all(toks == [0] * MAX_TOKENS for toks in outputs(url))
+    norm.weight.data = original
+    seed_flow_push(url, sender, trainer.named_parameters(), version=4)
+    assert outputs(url) == expected
+
+
+def test_malformed_handles_are_refused_and_the_old_weights_serve(server, sender, trainer):
+    url = server.url
+    expected = outputs(url)
+    info = sender.update_info(trainer.named_parameters())
+
+    def post(update_info) -> httpx.Response:
+        return httpx.post(f"{url}/update_weights", json={"update_info": update_info}, timeout=60)
+
+    bad = copy.deepcopy(info)
+    bad["ipc_handles"]["storages"][0]["handle"] = "AAAA" * 22  # 66 zero bytes: no such allocation
+    bad["ipc_handles"]["storages"][0]["offset_bytes"] += 1  # not a cached storage either
+    r = post(bad)
+    assert r.status_code == 400 and "storages[0]" in r.json()["error"]["message"], r.text
+
+    bad = copy.deepcopy(info)
+    bad["ipc_handles"]["tensors"][0]["offset"] = 1 << 40
+    r = post(bad)
+    assert r.status_code == 400 and "past the end of its storage" in r.json()["error"]["message"]
+
+    bad = copy.deepcopy(info)
+    bad["ipc_handles"]["device_uuid"] = "GPU-00000000-0000-0000-0000-000000000000"
+    r = post(bad)
+    assert r.status_code == 400 and "same GPU" in r.json()["error"]["message"]
+
+    with pytest.raises(UpdateRefusedError, match="shape"):
+        IPCWeightTransferEngine.trainer_send_weights(
+            [("model.norm.weight", torch.zeros(3, device="cuda"))], {"url": url}, group=sender)
+    assert outputs(url) == expected
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def _kv_and_weight_bytes(url: str, hf) -> int:
+    metrics = httpx.get(f"{url}/metrics").text
+    capacity = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("rlserve_kv_cache_capacity_tokens"))
+    c = hf.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # bf16 K and V
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
+    return int(capacity * per_token + weights)
+
+
+def test_sleep_returns_the_memory_and_wake_restores_the_output(server, sender, trainer):
+    url = server.url
+    expected = outputs(url)
+    held = _kv_and_weight_bytes(url, trainer)
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    assert httpx.post(f"{url}/sleep", params={"level": 1}).status_code == 200
+    free_asleep = torch.cuda.mem_get_info()[0]  # seen from this process, not the server
+    freed = free_asleep - free_awake
+    print(f"sleep level 1: {freed / 2**30:.2f} GiB of {held / 2**30:.2f} GiB (KV cache + weights) "
+          f"returned ({freed / held:.1%})")
+    assert freed >= 0.9 * held
+    assert httpx.post(f"{url}/wake_up").status_code == 200
+    assert outputs(url) == expected
+
+    # Level 2 drops the weights: one full push after wake-up brings the model back.
+    assert httpx.post(f"{url}/sleep", params={"level": 2}).status_code == 200
+    assert torch.cuda.mem_get_info()[0] - free_awake >= 0.9 * held
+    assert httpx.post(f"{url}/wake_up").status_code == 200
+    seed_flow_push(url, sender, trainer.named_parameters(), version=5)
+    assert outputs(url) == expected
