@@ -5,7 +5,7 @@ Shapes are Qwen3-0.6B's (16 query heads, 8 kv heads, head_dim 128, bf16, block s
   long:    8 sequences x 8192 cached tokens, one query token each (split-KV territory)
   prefill: one 8192-token chunk, and 4 x 2048-token chunks over a 2048-token prefix
 
-Usage: python benchmarks/attention_kernels.py [--sweep] [--json PATH]
+Usage: python benchmarks/attention_kernels.py [--sweep] [--sampling-only] [--json PATH]
 """
 
 from __future__ import annotations
@@ -107,9 +107,23 @@ def check(ta, batch, **kw):
     return err
 
 
+def bench_sampling(report) -> None:
+    """Temperature sampling over Qwen3's vocabulary against greedy's argmax."""
+    from rlserve.ops.triton_sampling import gumbel_sample
+    for rows in (256, 32, 1):
+        logits = torch.randn(rows, 151936, device="cuda", dtype=DTYPE)
+        temp = torch.full((rows,), 0.6, device="cuda")
+        seeds = torch.arange(rows, device="cuda", dtype=torch.int64)
+        report(f"gumbel_sample {rows}x151936 split", bench(lambda: gumbel_sample(logits, temp, seeds)))
+        report(f"gumbel_sample {rows}x151936 one program per row",
+               bench(lambda: gumbel_sample(logits, temp, seeds, num_splits=1)))
+        report(f"argmax {rows}x151936 torch (greedy)", bench(lambda: logits.argmax(-1)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time other tile configs")
+    ap.add_argument("--sampling-only", action="store_true", help="only the sampling kernels")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from rlserve.ops import triton_attention as ta
@@ -124,6 +138,10 @@ def main() -> None:
             msg += f"  {flops / us / 1e6:7.1f} TFLOP/s"
         print(msg + extra, flush=True)
         results[name] = us
+
+    if args.sampling_only:
+        bench_sampling(report)
+        return
 
     # ---------------------------------------------------------------- decode, 256 x ~600
     g = torch.Generator().manual_seed(1)
@@ -214,6 +232,8 @@ def main() -> None:
         report("silu_and_mul 8192x3072 torch", bench(lambda: fused_ref.silu_and_mul(y)))
     except ImportError as e:
         print(f"fused ops skipped: {e}")
+
+    bench_sampling(report)
 
     if args.json:
         with open(args.json, "w") as f:

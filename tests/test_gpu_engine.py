@@ -166,3 +166,20 @@ def test_seeded_sampling_on_gpu_is_reproducible(checkpoint):
     crowd = llm.generate(_prompts(), [p] + [SamplingParams(temperature=0.7, max_tokens=20, detokenize=False)] * 5)
     assert alone == [o.token_ids for o in crowd[0].outputs]
     assert alone[0] != alone[1]
+
+
+def test_fused_sampling_splits_a_large_vocabulary_without_changing_the_draw():
+    from rlserve.ops.triton_sampling import gumbel_sample
+    vocab, rows = 151936, 20000
+    logits = torch.full((vocab,), -40.0, device="cuda")
+    peaks = torch.tensor([3, 70001, 151935], device="cuda")  # in the first, a middle and the last split
+    logits[peaks] = torch.tensor([1.0, 1.5, 0.5], device="cuda")
+    seeds = torch.arange(rows, device="cuda", dtype=torch.int64) * 7919 + 11
+    temp = torch.full((rows,), 0.7, device="cuda")
+    tokens = gumbel_sample(logits.expand(rows, vocab), temp, seeds)
+    freq = torch.stack([(tokens == p).float().mean() for p in peaks])
+    assert (freq - torch.softmax(logits[peaks] / 0.7, -1)).abs().max() < 0.015
+    # The noise of a column does not depend on how the row is split.
+    few = gumbel_sample(logits.expand(64, vocab), temp[:64], seeds[:64], num_splits=1)
+    for splits in (3, 16, 128):
+        assert torch.equal(gumbel_sample(logits.expand(64, vocab), temp[:64], seeds[:64], num_splits=splits), few)

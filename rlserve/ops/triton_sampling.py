@@ -14,15 +14,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, out_ptr, vocab,
-                          BLOCK: tl.constexpr):
+def _gumbel_argmax_partial_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, val_ptr, idx_ptr,
+                                  vocab, num_splits, chunk, BLOCK: tl.constexpr):
+    """Program (row, split): the best of logits / T + G over columns split*chunk.. +chunk.
+    `chunk` is a runtime value: batch sizes change every step and must not recompile."""
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     inv_temp = tl.load(inv_temp_ptr + row)
     seed = tl.load(seed_ptr + row)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    for off in range(0, chunk, BLOCK):
+        cols = split * chunk + off + tl.arange(0, BLOCK)
         mask = cols < vocab
         x = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         u = tl.rand(seed, cols)
@@ -35,16 +38,50 @@ def _gumbel_argmax_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, out_pt
     top = tl.max(best_val, 0)
     # The smallest column among ties, as argmax does.
     idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
-    tl.store(out_ptr + row, idx.to(tl.int64))
+    tl.store(val_ptr + row * num_splits + split, top)
+    tl.store(idx_ptr + row * num_splits + split, idx)
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """One token per row of logits [R, V] at `temperature` [R] (> 0), noise keyed by `seeds` [R]."""
+@triton.jit
+def _argmax_of_splits_kernel(val_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, SPLITS)
+    mask = offs < num_splits
+    v = tl.load(val_ptr + row * num_splits + offs, mask=mask, other=float("-inf"))
+    i = tl.load(idx_ptr + row * num_splits + offs, mask=mask, other=2147483647)
+    top = tl.max(v, 0)
+    tl.store(out_ptr + row, tl.min(tl.where(v == top, i, 2147483647), 0).to(tl.int64))
+
+
+_BLOCK = 1024
+_TARGET_PROGRAMS = 2048  # enough to fill the GPU: one program per row alone leaves it idle
+
+
+def num_splits_for(rows: int, vocab: int) -> int:
+    blocks = triton.cdiv(vocab, _BLOCK)
+    return max(1, min(blocks, triton.cdiv(_TARGET_PROGRAMS, max(rows, 1)), 128))
+
+
+def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                  num_splits: int | None = None) -> torch.Tensor:
+    """One token per row of logits [R, V] at `temperature` [R] (> 0), noise keyed by `seeds` [R].
+
+    Each row's vocabulary is split over several programs (the noise of a column does not
+    depend on the split), then one small kernel picks each row's best split.
+    """
     rows, vocab = logits.shape
     assert logits.stride(-1) == 1
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        inv_temp = (1.0 / temperature.float()).contiguous()
-        _gumbel_argmax_kernel[(rows,)](logits, logits.stride(0), inv_temp, seeds, out, vocab,
-                                       BLOCK=2048, num_warps=8)
+    if not rows:
+        return out
+    splits = num_splits or num_splits_for(rows, vocab)
+    chunk = triton.cdiv(triton.cdiv(vocab, splits), _BLOCK) * _BLOCK
+    splits = triton.cdiv(vocab, chunk)
+    inv_temp = (1.0 / temperature.float()).contiguous()
+    vals = torch.empty((rows, splits), dtype=torch.float32, device=logits.device)
+    idxs = torch.empty((rows, splits), dtype=torch.int32, device=logits.device)
+    _gumbel_argmax_partial_kernel[(rows, splits)](logits, logits.stride(0), inv_temp, seeds, vals, idxs,
+                                                  vocab, splits, chunk, BLOCK=_BLOCK, num_warps=4)
+    _argmax_of_splits_kernel[(rows,)](vals, idxs, out, splits, SPLITS=triton.next_power_of_2(splits),
+                                      num_warps=1)
     return out
