@@ -97,6 +97,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--weight-transfer-config", default=None, metavar="JSON",
                      help='enable live weight updates, e.g. \'{"backend": "nccl"}\' '
                           "(backends: nccl, gloo, ipc)")
+    run.add_argument("--reject-while-asleep", action="store_true",
+                     help="answer generation requests with 503 while /sleep is in effect "
+                          "(default: they wait for /wake_up)")
     p.set_defaults(func=serve)
 
 
@@ -156,7 +159,8 @@ def serve(args: argparse.Namespace) -> int:
 
     shown_host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
     url = f"http://{shown_host}:{args.port}"
-    app = create_app(engine, config, api_key=args.api_key, admin_key=args.admin_key, url=url)
+    app = create_app(engine, config, api_key=args.api_key, admin_key=args.admin_key, url=url,
+                     reject_while_asleep=args.reject_while_asleep)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_keep_alive=30)
     return 0

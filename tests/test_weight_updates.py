@@ -335,3 +335,19 @@ def test_sleep_and_wake_keep_serving_the_same_model(dummy_server, trainer_model,
     client.push(trainer_model.named_parameters())
     for p in PROMPTS:
         assert tokens(url, p) == reference[p]
+
+
+def test_reject_while_asleep_answers_503_and_serves_after_wake(demo_model, tmp_path):
+    srv = start_server(demo_model, tmp_path / "server.log", "--load-format", "dummy",
+                       "--weight-transfer-config", '{"backend": "gloo"}', "--served-model-name", "m",
+                       "--reject-while-asleep")
+    try:
+        assert httpx.post(f"{srv.url}/sleep").status_code == 200
+        r = httpx.post(f"{srv.url}/v1/completions", timeout=30,
+                       json=dict(model="m", prompt="Hi", max_tokens=2))
+        assert r.status_code == 503 and "asleep" in r.json()["error"]["message"]
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert httpx.post(f"{srv.url}/wake_up").status_code == 200
+        assert len(greedy(srv.url, "Hi", max_tokens=2)["choices"][0]["token_ids"]) == 2
+    finally:
+        stop_server(srv)

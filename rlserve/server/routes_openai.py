@@ -76,7 +76,14 @@ async def list_models(request: Request) -> Response:
     return _json(_serving(request).models())
 
 
-@router.post("/v1/completions", response_model=CompletionResponse,
+async def require_awake(request: Request) -> None:
+    """With --reject-while-asleep, generation during /sleep is a 503 instead of a wait."""
+    if request.app.state.reject_while_asleep and request.app.state.engine.is_sleeping:
+        raise APIError(503, "the server is asleep (POST /wake_up first); it was started with "
+                            "--reject-while-asleep", type="service_unavailable")
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, dependencies=[Depends(require_awake)],
              responses={200: {"content": {"text/event-stream": {}}}})
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     serving = _serving(request)
@@ -84,7 +91,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-             responses={200: {"content": {"text/event-stream": {}}}})
+             dependencies=[Depends(require_awake)], responses={200: {"content": {"text/event-stream": {}}}})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     serving = _serving(request)
     return await _until_disconnect(request, serving.chat(body, time.monotonic()))
