@@ -132,7 +132,9 @@ def _attn_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# The block-table width follows the batch's longest sequence: specialising on it would
+# compile new variants mid-run.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,

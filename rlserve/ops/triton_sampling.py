@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Sizes change with every batch: specialising on them (== 1, divisible by 16) would compile
+# a new variant mid-run, hundreds of milliseconds each.
+@triton.jit(do_not_specialize=["stride_row", "vocab", "num_splits", "chunk"])
 def _gumbel_argmax_partial_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, val_ptr, idx_ptr,
                                   vocab, num_splits, chunk, BLOCK: tl.constexpr):
     """Program (row, split): the best of logits / T + G over columns split*chunk.. +chunk.
@@ -42,7 +44,7 @@ def _gumbel_argmax_partial_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr
     tl.store(idx_ptr + row * num_splits + split, idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _argmax_of_splits_kernel(val_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, SPLITS)
@@ -55,11 +57,12 @@ def _argmax_of_splits_kernel(val_ptr, idx_ptr, out_ptr, num_splits, SPLITS: tl.c
 
 _BLOCK = 1024
 _TARGET_PROGRAMS = 2048  # enough to fill the GPU: one program per row alone leaves it idle
+_MAX_SPLITS = 128  # one compiled variant of the second kernel serves every split count
 
 
 def num_splits_for(rows: int, vocab: int) -> int:
     blocks = triton.cdiv(vocab, _BLOCK)
-    return max(1, min(blocks, triton.cdiv(_TARGET_PROGRAMS, max(rows, 1)), 128))
+    return max(1, min(blocks, triton.cdiv(_TARGET_PROGRAMS, max(rows, 1)), _MAX_SPLITS))
 
 
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
@@ -74,7 +77,7 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not rows:
         return out
-    splits = num_splits or num_splits_for(rows, vocab)
+    splits = min(num_splits or num_splits_for(rows, vocab), _MAX_SPLITS)
     chunk = triton.cdiv(triton.cdiv(vocab, splits), _BLOCK) * _BLOCK
     splits = triton.cdiv(vocab, chunk)
     inv_temp = (1.0 / temperature.float()).contiguous()
@@ -82,6 +85,5 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     idxs = torch.empty((rows, splits), dtype=torch.int32, device=logits.device)
     _gumbel_argmax_partial_kernel[(rows, splits)](logits, logits.stride(0), inv_temp, seeds, vals, idxs,
                                                   vocab, splits, chunk, BLOCK=_BLOCK, num_warps=4)
-    _argmax_of_splits_kernel[(rows,)](vals, idxs, out, splits, SPLITS=triton.next_power_of_2(splits),
-                                      num_warps=1)
+    _argmax_of_splits_kernel[(rows,)](vals, idxs, out, splits, SPLITS=_MAX_SPLITS, num_warps=1)
     return out
