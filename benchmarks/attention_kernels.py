@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import statistics
+import time
 
 import torch
 
@@ -118,6 +119,15 @@ def bench_sampling(report) -> None:
         report(f"gumbel_sample {rows}x151936 one program per row",
                bench(lambda: gumbel_sample(logits, temp, seeds, num_splits=1)))
         report(f"argmax {rows}x151936 torch (greedy)", bench(lambda: logits.argmax(-1)))
+    # Host time per call (launch overhead): what a step pays before the GPU sees the kernels.
+    torch.cuda.synchronize()
+    for name, fn in (("gumbel_sample", lambda: gumbel_sample(logits, temp, seeds)),
+                     ("argmax", lambda: logits.argmax(-1))):
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        print(f"{name} host time per call: {(time.perf_counter() - t0) / 200 * 1e6:.1f} us", flush=True)
+        torch.cuda.synchronize()
 
 
 def main() -> None:
