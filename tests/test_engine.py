@@ -265,3 +265,121 @@ def test_overlapped_scheduling_gives_the_same_outputs(model_path):
     tight, preemptions = run(async_scheduling=True, num_kv_blocks=6)
     assert preemptions > 0
     assert [r[0] for r in tight] == [r[0] for r in plain]  # recompute may move a logprob by 1e-5
+
+
+def _check_block_tables(kv, reqs) -> None:
+    """The KV manager's block-table array (written as blocks are added) holds each
+    request's block list, 0-padded, and rows no request holds are all 0."""
+    from rlserve.worker.model_runner import ModelRunner
+    table = kv.block_table_array(reqs)
+    lists = [kv.block_table(r) for r in reqs]
+    assert table.shape == (len(reqs), max(map(len, lists)))
+    for row, blocks in zip(table.tolist(), lists):
+        assert row == blocks + [0] * (table.shape[1] - len(blocks))
+    # Other ranks get the lists in their step messages: the runner packs them the same way.
+    assert (ModelRunner._table_array(lists) == table).all()
+    unused = sorted(set(range(kv.tables.array.shape[0])) - set(kv.rows.values()))
+    assert not kv.tables.array[unused].any()
+
+
+def test_block_table_array_follows_allocation_preemption_and_prefix_hits():
+    from rlserve.engine.kv_cache import KVCacheManager
+    from rlserve.engine.request import Request
+    bs = 4
+    kv = KVCacheManager(num_blocks=400, block_size=bs, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=300)
+    # More requests and more blocks per request than the array starts with: it grows.
+    reqs = [Request(f"r{i}", [i % 7 + 1] * (bs * (i % 3) + 3), params, max_model_len=1024)
+            for i in range(70)]
+    for r in reqs:
+        assert kv.allocate(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens
+        kv.cache_computed_blocks(r)
+    _check_block_tables(kv, reqs)
+    long = reqs[0]
+    long.token_ids.extend(range(100, 100 + 70 * bs))  # 70 more blocks, a few at a time
+    while long.num_computed_tokens < long.num_tokens:
+        assert kv.allocate(long, 3)
+        long.num_computed_tokens += 3
+    assert len(kv.block_table(long)) > 64
+    _check_block_tables(kv, reqs)
+    # Preempt (free) every other request; rows are cleared and reused by later ones.
+    for r in reqs[1::2]:
+        kv.free(r)
+        r.num_computed_tokens = 0
+    _check_block_tables(kv, reqs[::2])
+    again = []
+    for r in reqs[1::2]:  # recomputed: their full prompt blocks come from the prefix cache
+        cached = kv.find_cached_prefix(r)
+        assert kv.allocate(r, r.num_tokens - len(cached) * bs, cached)
+        assert kv.block_table(r)[:len(cached)] == cached
+        again.append(r)
+    assert any(kv.find_cached_prefix(r) for r in again)
+    _check_block_tables(kv, reqs)
+    for r in reqs:
+        kv.free(r)
+    assert not kv.tables.array.any() and kv.pool.num_free == 400
+
+
+def test_block_tables_through_engine_preemption(model_path, llm):
+    """Step by step through forced preemption: the table the runner gets is the
+    requests' block lists, and the tokens match an unconstrained engine's."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    small = LLM(model_path, device="cpu", dtype="float32", num_kv_blocks=12, max_model_len=512,
+                async_scheduling=True)
+    engine = small.engine
+    tables_seen = []
+    launch = engine.executor.driver.runner.launch
+
+    def checked_launch(sched, block_tables, prev=None):
+        reqs = [item.request for item in sched.scheduled]
+        _check_block_tables(engine.kv, reqs)
+        tables_seen.append(block_tables.shape)
+        return launch(sched, block_tables, prev)
+
+    engine.executor.driver.runner.launch = checked_launch
+    outs = small.generate(PROMPTS[:6], params)
+    assert engine.stats().preemptions_total > 0 and tables_seen
+    assert [o.outputs[0].token_ids for o in outs] == \
+        [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params)]
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_streamed_and_whole_outputs_agree(llm, overlapped):
+    """The server's engine streams a delta per token; the offline LLM's gives one output
+    per request when it finishes. Both assemble to the same results."""
+    params = [SamplingParams(max_tokens=20, temperature=0, logprobs=2, prompt_logprobs=1),
+              SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=16, stop=["return"]),
+              SamplingParams(max_tokens=24, temperature=0, min_tokens=4, stop_token_ids=[28, 30]),
+              SamplingParams(max_tokens=12, temperature=0.7, seed=4, ignore_eos=True, logprobs=0)]
+
+    def run(stream: bool):
+        llm.reset_prefix_cache()
+        llm.engine.stream, llm.engine.async_scheduling = stream, overlapped
+        try:
+            outs = llm.generate(PROMPTS[:4], params)
+        finally:
+            llm.engine.stream, llm.engine.async_scheduling = False, False
+        return [(o.prompt_logprobs, o.num_cached_tokens, o.finished,
+                 [(c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, c.token_versions)
+                  for c in o.outputs]) for o in outs]
+
+    whole = run(stream=False)
+    assert run(stream=True) == whole
+    reasons = [c[3] for o in whole for c in o[3]]
+    assert "stop" in reasons and "length" in reasons, reasons
+
+
+def test_step_upload_keeps_dtypes_shapes_and_alignment():
+    """One upload carries the whole step; every part comes back with its dtype and shape,
+    starting 64-byte aligned as a fresh tensor does (Triton compiles per pointer alignment)."""
+    import numpy as np
+    from rlserve.worker.model_runner import ModelRunner
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = torch.device("cpu")
+    parts = [np.arange(257, dtype=np.int64), np.arange(3, dtype=np.int32), np.empty(0, dtype=np.int64),
+             np.arange(12, dtype=np.int32).reshape(3, 4), np.array([0.5, 1.5, 2.5], dtype=np.float32)]
+    dtypes = [torch.int64, torch.int32, torch.int64, torch.int32, torch.float32]
+    for a, t, dtype in zip(parts, runner.upload(parts), dtypes):
+        assert t.dtype == dtype and tuple(t.shape) == a.shape and (t.numpy() == a).all()
+        assert t.data_ptr() % 64 == 0

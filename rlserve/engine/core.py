@@ -71,13 +71,17 @@ class _InFlight:
     """A launched step whose sampled tokens are still on the device."""
 
     handle: StepHandle
-    index: dict[str, int]  # request id -> index of its placeholder in token_ids
+    index: list[int]  # per sampling row: where its placeholder sits in the request's token_ids
     version: int  # the weights it ran on
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, stream: bool = True):
+        """`stream`: every step returns each request's new tokens (the server streams
+        them). False: a request's one output, with all its tokens, comes when it finishes
+        (the offline LLM), which spares building and merging a delta per token."""
         self.config = config
+        self.stream = stream
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
         hf_config = load_hf_config(self.model_path)
@@ -209,8 +213,11 @@ class EngineCore:
                 return []
             result = self.executor.execute_model(sched, self._tables(sched))
             self._advance(sched, result.prompt_logprobs)
-            return [self._accept(self.scheduler.requests[s.request_id], s.token_id, s.logprob,
-                                 self.weight_version) for s in result.sampled]
+            outputs: list[EngineOutput] = []
+            version = self.weight_version
+            for item, token, logprob in zip(result.sample_requests, result.token_ids, result.logprobs):
+                self._accept(item.request, token, logprob, version, None, outputs)
+            return outputs
 
         sched = self.scheduler.schedule()
         launched = None
@@ -218,30 +225,41 @@ class EngineCore:
             runner = self.executor.driver.runner
             prev = self.inflight.handle if self.inflight is not None else None
             handle = runner.launch(sched, self._tables(sched), prev)
-            self._advance(sched, None)
-            index = {}
-            for item in handle.sample_requests:  # the token it samples is not known yet
-                req = item.request
-                req.token_ids.append(PLACEHOLDER)
-                index[req.request_id] = len(req.token_ids) - 1
+            index: list[int] = []
+            self._advance(sched, None, index)
+            assert len(index) == len(handle.sample_requests)
             launched = _InFlight(handle, index, self.weight_version)
         outputs = self._process(self.inflight) if self.inflight is not None else []
         self.inflight = launched
         return outputs
 
-    def _tables(self, sched) -> list[list[int]]:
+    def _tables(self, sched):
+        """The scheduled requests' block tables: the KV manager's array, or lists where
+        they travel to other ranks in a step message."""
+        if self.world_size == 1:
+            return self.kv.block_table_array([item.request for item in sched.scheduled])
         return [self.kv.block_table(item.request) for item in sched.scheduled]
 
-    def _advance(self, sched, prompt_logprobs) -> None:
+    def _advance(self, sched, prompt_logprobs, placeholders: list[int] | None = None) -> None:
+        """The scheduled tokens are computed. With `placeholders` (overlapped scheduling),
+        each request that samples this step gets a PLACEHOLDER for its token, which is not
+        known yet, and the placeholder's index goes to the list, in step order."""
+        caching, bs = self.kv.enable_prefix_caching, self.kv.block_size
         for item in sched.scheduled:
             req = item.request
             start = req.num_computed_tokens
-            req.num_computed_tokens += item.num_new_tokens
+            end = req.num_computed_tokens = start + item.num_new_tokens
             if start < req.num_prompt_tokens:
-                self.prompt_tokens_total += min(req.num_computed_tokens, req.num_prompt_tokens) - start
-            self.kv.cache_computed_blocks(req)
+                self.prompt_tokens_total += min(end, req.num_prompt_tokens) - start
+            if caching and start // bs != end // bs:  # a block filled up
+                self.kv.cache_computed_blocks(req)
             if prompt_logprobs and req.request_id in prompt_logprobs:
                 self._add_prompt_logprobs(req, start, prompt_logprobs[req.request_id])
+            if placeholders is not None:
+                token_ids = req.token_ids
+                if end == len(token_ids):  # the chunk reached the end: it samples
+                    placeholders.append(end)
+                    token_ids.append(PLACEHOLDER)
 
     def _add_prompt_logprobs(self, req: Request, start: int, logprobs) -> None:
         if not req.prompt_logprobs:
@@ -255,58 +273,101 @@ class EngineCore:
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 self._add_prompt_logprobs(req, inflight.handle.prompt_start[rid], logprobs)
-        outputs = []
-        for s in result.sampled:
-            req = self.scheduler.requests.get(s.request_id)
-            if req is None:  # finished or aborted meanwhile: the token is discarded
+        outputs: list[EngineOutput] = []
+        version, finished = inflight.version, RequestStatus.FINISHED
+        # Without streaming or detokenizing, most tokens only need recording: a token that
+        # is not a stop token, not the request's last, and completes no KV block.
+        quick = not self.stream and not self.detokenizers
+        bs = self.kv.block_size
+        recorded = 0
+        for item, token, logprob, index in zip(result.sample_requests, result.token_ids,
+                                               result.logprobs, inflight.index):
+            req = item.request
+            if req.status is finished:  # finished or aborted meanwhile: the token is discarded
                 continue
-            outputs.append(self._accept(req, s.token_id, s.logprob, inflight.version,
-                                        inflight.index[s.request_id]))
+            if (quick and index < req.last_index and (index + 1) % bs
+                    and token not in req.stop_ids):
+                req.token_ids[index] = token
+                req.token_versions.append(version)
+                if logprob is not None:
+                    req.logprobs.append(logprob)
+                recorded += 1
+                continue
+            self._accept(req, token, logprob, version, index, outputs)
+        self.generation_tokens_total += recorded
         return outputs
 
-    def _accept(self, req: Request, token: int, logprob, version: int,
-                index: int | None = None) -> EngineOutput:
-        """Record a sampled token (in place of its placeholder when `index` is given) and
-        decide whether the request is done."""
+    def _accept(self, req: Request, token: int, logprob, version: int, index: int | None,
+                outputs: list[EngineOutput]) -> None:
+        """Record a sampled token (in place of its placeholder when `index` is given),
+        decide whether the request is done, and add its output to `outputs` if there is
+        one: every token when streaming, else the whole request when it finishes."""
+        token_ids = req.token_ids
         if index is None:
-            req.token_ids.append(token)
-            index = len(req.token_ids) - 1
+            index = len(token_ids)
+            token_ids.append(token)
         else:
-            req.token_ids[index] = token
-        first = index == req.num_prompt_tokens
+            token_ids[index] = token
         req.token_versions.append(version)
         if logprob is not None:
             req.logprobs.append(logprob)
         self.generation_tokens_total += 1
-        if self.kv.enable_prefix_caching and req.request_id in self.kv.blocks:
-            self.kv.cache_computed_blocks(req)  # blocks that held this placeholder
+        kv = self.kv
+        # The token completes a block whose registration waited for it (overlapped
+        # scheduling computes a position before its token is known).
+        if (kv.enable_prefix_caching and (index + 1) % kv.block_size == 0
+                and req.request_id in kv.blocks):
+            kv.cache_computed_blocks(req)
         p = req.sampling_params
         n_out = index + 1 - req.num_prompt_tokens
         finish, stop_reason = None, None
-        if not p.ignore_eos and token in req.eos_token_ids and n_out >= p.min_tokens:
+        if token in req.stop_ids and n_out >= p.min_tokens:
             finish = FinishReason.STOP
-        elif token in p.stop_token_ids and n_out >= p.min_tokens:
-            finish, stop_reason = FinishReason.STOP, token
-        detok = self.detokenizers.get(req.request_id)
+            if p.ignore_eos or token not in req.eos_token_ids:
+                stop_reason = token  # a stop_token_ids hit, not end-of-sequence
+        detok = self.detokenizers.get(req.request_id) if self.detokenizers else None
         if detok is not None and finish is None:
             match = detok.add(token)
             if match is not None and n_out >= p.min_tokens:
                 finish, stop_reason = FinishReason.STOP, match.stop
         if finish is None and n_out >= req.max_output_tokens:
             finish = FinishReason.LENGTH
-        text = detok.take(final=finish is not None) if detok is not None else ""
-        out = EngineOutput(req.request_id, [token], [logprob] if logprob is not None else None,
-                           text, version,
-                           prompt_logprobs=req.prompt_logprobs if first and p.prompt_logprobs is not None else None,
-                           num_cached_tokens=req.num_cached_tokens)
-        if finish is not None:
-            del req.token_ids[index + 1:]  # a token the next step sampled is discarded
-            req.status = RequestStatus.FINISHED
-            req.finish_reason, req.stop_reason = finish, stop_reason
-            out.finish_reason, out.stop_reason = finish, stop_reason
-            self.scheduler.finish(req)
-            self.detokenizers.pop(req.request_id, None)
-        return out
+        if finish is None:
+            if self.stream:
+                text = detok.take(final=False) if detok is not None else ""
+                outputs.append(self._delta(req, token, logprob, text, version, index))
+            return
+        del token_ids[index + 1:]  # a token the next step sampled is discarded
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = finish, stop_reason
+        self.scheduler.finish(req)
+        self.detokenizers.pop(req.request_id, None)
+        text = detok.take(final=True) if detok is not None else ""
+        out = (self._delta(req, token, logprob, text, version, index) if self.stream
+               else self._whole_output(req, text, version))
+        out.finish_reason, out.stop_reason = finish, stop_reason
+        outputs.append(out)
+
+    @staticmethod
+    def _delta(req: Request, token: int, logprob, text: str, version: int, index: int) -> EngineOutput:
+        """One token's output (the streaming engine); prompt logprobs come with the first."""
+        first = index == req.num_prompt_tokens
+        return EngineOutput(
+            req.request_id, [token], [logprob] if logprob is not None else None, text, version,
+            prompt_logprobs=(req.prompt_logprobs if first and req.sampling_params.prompt_logprobs is not None
+                             else None),
+            num_cached_tokens=req.num_cached_tokens)
+
+    def _whole_output(self, req: Request, text: str, version: int) -> EngineOutput:
+        """Everything a request produced, as one output (the non-streaming engine)."""
+        n = len(req.token_versions)  # tokens read back; not one still in flight
+        start = req.num_prompt_tokens
+        p = req.sampling_params
+        return EngineOutput(
+            req.request_id, req.token_ids[start:start + n],
+            list(req.logprobs) if p.logprobs is not None else None, text, version,
+            prompt_logprobs=req.prompt_logprobs if n and p.prompt_logprobs is not None else None,
+            num_cached_tokens=req.num_cached_tokens, token_versions=list(req.token_versions))
 
     def _finish(self, req: Request, reason: FinishReason) -> EngineOutput:
         req.status = RequestStatus.FINISHED
@@ -314,6 +375,10 @@ class EngineCore:
         self.scheduler.finish(req)
         detok = self.detokenizers.pop(req.request_id, None)
         text = detok.take(final=True) if detok is not None else ""
+        if not self.stream:
+            out = self._whole_output(req, text, self.weight_version)
+            out.finish_reason = reason
+            return out
         return EngineOutput(req.request_id, [], None, text, self.weight_version,
                             finish_reason=reason, num_cached_tokens=req.num_cached_tokens)
 

@@ -5,11 +5,16 @@ A request owns a list of block ids; token i of the request lives in slot
 registered under a chained hash (hash of the previous block's hash and this block's
 tokens), so a later request whose prompt starts the same way reuses it. Freed blocks keep
 their hash until they are reallocated, least recently freed first.
+
+The block lists are mirrored in one 2-D array (BlockTables), kept up to date as blocks
+are added and freed, which is what each step hands to the model runner.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+import numpy as np
 
 from rlserve.engine.request import Request
 
@@ -59,6 +64,49 @@ class BlockPool:
         self.block_hash = [None] * self.num_blocks
 
 
+class BlockTables:
+    """Every request's block ids as one row of a 2-D array, written as blocks are added,
+    so a step's block table is one gather rather than a copy of every request's list.
+
+    Rows are padded with 0 (a released row is zeroed), as a table built from lists is.
+    """
+
+    def __init__(self, rows: int = 64, cols: int = 64):
+        self.array = np.zeros((rows, cols), dtype=np.int32)
+        self.lengths = np.zeros(rows, dtype=np.int64)
+        self.free_rows = list(range(rows - 1, -1, -1))  # pop() takes the lowest
+
+    def new_row(self) -> int:
+        if not self.free_rows:
+            rows, cols = self.array.shape
+            self.array = np.concatenate([self.array, np.zeros((rows, cols), dtype=np.int32)])
+            self.lengths = np.concatenate([self.lengths, np.zeros(rows, dtype=np.int64)])
+            self.free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        return self.free_rows.pop()
+
+    def append(self, row: int, blocks: list[int]) -> None:
+        start = int(self.lengths[row])
+        end = start + len(blocks)
+        rows, cols = self.array.shape
+        if end > cols:
+            wider = np.zeros((rows, max(end, 2 * cols)), dtype=np.int32)
+            wider[:, :cols] = self.array
+            self.array = wider
+        self.array[row, start:end] = blocks
+        self.lengths[row] = end
+
+    def release(self, row: int) -> None:
+        self.array[row, :self.lengths[row]] = 0
+        self.lengths[row] = 0
+        self.free_rows.append(row)
+
+    def gather(self, rows: list[int]) -> np.ndarray:
+        """The tables of `rows`, as wide as the longest of them."""
+        idx = np.asarray(rows, dtype=np.int64)
+        width = int(self.lengths[idx].max()) if len(rows) else 0
+        return self.array[idx, :width]
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         self.block_size = block_size
@@ -66,6 +114,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.blocks: dict[str, list[int]] = {}
         self.hashes: dict[str, list[int]] = {}  # chained hashes of the request's full blocks
+        self.rows: dict[str, int] = {}  # request id -> its row in `tables`
+        self.tables = BlockTables()
         self.prefix_hits = 0
         self.prefix_queries = 0
         # Requests whose KV predates a prefix-cache reset: never registered for reuse.
@@ -118,14 +168,20 @@ class KVCacheManager:
                 self.pool.touch(b)
             blocks = self.blocks[req.request_id] = list(cached)
             self.hashes[req.request_id] = [self.pool.block_hash[b] for b in cached]
+            row = self.rows[req.request_id] = self.tables.new_row()
+            start = 0
         else:
             need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(blocks)
             if need <= 0:
                 return True
             if need > self.pool.num_free:
                 return False
+            row = self.rows[req.request_id]
+            start = len(blocks)
         for _ in range(need):
             blocks.append(self.pool.allocate())
+        self.tables.append(row, blocks[start:])
+        req.kv_capacity = len(blocks) * self.block_size
         return True
 
     def cache_computed_blocks(self, req: Request) -> None:
@@ -149,6 +205,10 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         blocks = self.blocks.pop(req.request_id, None)
         self.hashes.pop(req.request_id, None)
+        row = self.rows.pop(req.request_id, None)
+        if row is not None:
+            self.tables.release(row)
+        req.kv_capacity = 0
         self.uncacheable.discard(req.request_id)
         # Freed last block first, so the prompt's head stays cached longest.
         for b in reversed(blocks or []):
@@ -161,3 +221,8 @@ class KVCacheManager:
 
     def block_table(self, req: Request) -> list[int]:
         return self.blocks[req.request_id]
+
+    def block_table_array(self, reqs: list[Request]) -> np.ndarray:
+        """The block tables of `reqs` as one int32 array [len(reqs), most blocks], 0-padded."""
+        rows = self.rows
+        return self.tables.gather([rows[r.request_id] for r in reqs])

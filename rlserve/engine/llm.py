@@ -21,7 +21,8 @@ class LLM:
         if model is None:
             from rlserve.model.demo_model import demo_model_path
             model = demo_model_path()
-        self.engine = EngineCore(EngineConfig(model=model, **kwargs))
+        # generate() returns whole results: the engine need not stream per-token deltas.
+        self.engine = EngineCore(EngineConfig(model=model, **kwargs), stream=False)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

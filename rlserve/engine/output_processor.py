@@ -27,7 +27,8 @@ class RequestState:
         c = self.outputs[self.index_of(out.request_id)]
         c.text += out.new_text
         c.token_ids.extend(out.new_token_ids)
-        c.token_versions.extend([out.weight_version] * len(out.new_token_ids))
+        c.token_versions.extend(out.token_versions if out.token_versions is not None
+                                else [out.weight_version] * len(out.new_token_ids))
         if out.new_logprobs is not None and c.logprobs is not None:
             c.logprobs.extend(out.new_logprobs)
         if out.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -134,6 +134,19 @@ class Request:
         self.token_versions: list[int] = []  # weight version that produced each output token
         self.num_preemptions = 0
         self.paused_kept = False
+        self.kv_capacity = 0  # tokens its KV blocks hold (KVCacheManager keeps it)
+        # Fixed for the request's life, read for every token: computed once.
+        p = self.sampling_params
+        room = self.max_model_len - self.num_prompt_tokens
+        self.max_output_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
+        self.last_index = self.num_prompt_tokens + self.max_output_tokens - 1  # of its last token
+        # Tokens that can end the request (subject to min_tokens).
+        self.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos else self.eos_token_ids)
+        # The sampler's per-row parameters (see ModelRunner._sampling_params). A top_k
+        # beyond any vocabulary means all of it, as 0 does.
+        self.sampling_row = (p.temperature, p.top_p, p.min_p, min(max(p.top_k, 0), 1 << 31),
+                             p.seed is not None, p.min_tokens,
+                             -1 if p.logprobs is None else p.logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -151,12 +164,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    @property
-    def max_output_tokens(self) -> int:
-        room = self.max_model_len - self.num_prompt_tokens
-        mt = self.sampling_params.max_tokens
-        return room if mt is None else min(mt, room)
-
 
 @dataclass
 class EngineOutput:
@@ -171,6 +178,9 @@ class EngineOutput:
     stop_reason: int | str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first tokens
     num_cached_tokens: int = 0
+    # Per-token weight versions when the output carries tokens of several steps (the
+    # offline engine's one output per request); None: all are `weight_version`.
+    token_versions: list[int] | None = None
 
     @property
     def finished(self) -> bool:

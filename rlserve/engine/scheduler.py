@@ -15,7 +15,7 @@ from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
@@ -98,32 +98,43 @@ class Scheduler:
         leader = self.requests.get(f"{req.group_id}-0")
         return leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
 
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for `n` more tokens of running `req`, preempting the most recently
+        admitted requests until they fit; False when `req` itself had to go."""
+        while not self.kv.allocate(req, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            self.waiting.appendleft(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.stopped:
             return out
         budget = self.max_num_batched_tokens
-        preempted = False
 
+        # The loop below runs for every running request every step: kept lean.
+        running, scheduled = self.running, out.scheduled
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_output_tokens >= req.max_output_tokens:
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_tokens = len(req.token_ids)
+            if num_tokens - req.num_prompt_tokens >= req.max_output_tokens:
                 i += 1  # its last token is still being sampled, and it is the last one
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                self.waiting.appendleft(victim)
-                out.preempted.append(victim.request_id)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(req, n))
-                budget -= n
-                i += 1
+            n = num_tokens - req.num_computed_tokens
+            if n > budget:
+                n = budget
+            # Most steps a request's blocks still have room: no call into the KV manager.
+            if req.num_computed_tokens + n > req.kv_capacity and not self._allocate_or_preempt(req, n, out):
+                continue  # `req` itself was preempted
+            scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+            i += 1
+        preempted = bool(out.preempted)
 
         # Admitting new work right after a preemption would only thrash.
         skipped: list[Request] = []

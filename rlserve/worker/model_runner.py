@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
-import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,20 +20,38 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class SampledToken:
-    request_id: str
-    token_id: int
-    logprob: TokenLogprob | None
-
-
-@dataclass
 class ModelRunnerOutput:
-    sampled: list[SampledToken]
+    """A step's results on the host; row i belongs to sample_requests[i]."""
+
+    sample_requests: list  # ScheduledRequest that sampled a token
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
     # request id -> logprobs of the prompt tokens this step covered, in order
     prompt_logprobs: dict[str, list[TokenLogprob]]
 
 
 PLACEHOLDER = -1  # a token sampled by the step still in flight (overlapped scheduling)
+
+_ALIGN = 64  # bytes: every part of an upload starts at a multiple (see ModelRunner.upload)
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                 np.dtype(np.float32): torch.float32}
+
+
+class _SamplingParams(NamedTuple):
+    """A batch's sampling parameters that depend only on its requests (see
+    ModelRunner._sampling_params), as host arrays and flags."""
+
+    requests: list  # the Request of each row
+    floats: list[np.ndarray]  # temperature, top_p, min_p (float32)
+    top_k: np.ndarray  # int64, 0 = off
+    seeded_rows: list[int]
+    min_tokens_rows: list[int]
+    all_greedy: bool
+    any_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    max_logprobs: int
 
 
 @dataclass
@@ -43,7 +62,10 @@ class BatchInputs:
     logits_indices: torch.Tensor  # rows of the hidden states that need logits
     sample_rows: list[int]  # index into logits_indices of each sampling request
     sample_requests: list  # ScheduledRequest that sample, aligned with sample_rows
+    requests: list  # the Request of each sample_requests item
     prompt_rows: dict[str, tuple[int, list[int]]]  # req id -> (first logits row, target ids)
+    sample_index: torch.Tensor | None = None  # sample_rows on the device, when not every row samples
+    sampling: S.SamplingBatch | None = None  # parameters of the sampling rows
 
 
 @dataclass
@@ -54,6 +76,7 @@ class StepHandle:
     sampled: S.SamplerOutput | None
     prompt: dict[str, tuple[list[int], int, tuple]]  # req id -> (targets, k, device stats)
     prompt_start: dict[str, int]  # req id -> position the step's chunk started at
+    requests: list = field(default_factory=list)  # the Request of each sample_requests item
 
     def row_of(self) -> dict[str, int]:
         return {item.request.request_id: i for i, item in enumerate(self.sample_requests)}
@@ -70,7 +93,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: CudaGraphs | None = None
         self.fused_sampling = self._check_fused_sampling()
-        self._rng = random.Random()
+        self._noise_rng = np.random.default_rng()  # keys of unseeded rows (fused sampling)
+        self._sampling_cache: _SamplingParams | None = None  # see _sampling_params
 
     def _check_fused_sampling(self) -> bool:
         """Use the fused sampling kernel on CUDA, once it has run correctly here."""
@@ -119,119 +143,234 @@ class ModelRunner:
         self.graphs = CudaGraphs(self, min(max_num_seqs, 512), max_model_len)
 
     # -- inputs ------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]],
+    def prepare(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
                 prev: StepHandle | None = None) -> BatchInputs:
         """Flatten the scheduled chunks into one batch. Tokens still being sampled by the
-        in-flight step `prev` are filled in on the device, without waiting for it."""
+        in-flight step `prev` are filled in on the device, without waiting for it.
+        `block_tables`: one row per scheduled request, as the engine's 0-padded int32
+        array or as lists (another rank's step message).
+
+        This runs for every request every step, so the per-request Python is one short
+        loop (`_gather_rows`); the rest is numpy over the whole batch and one upload.
+        """
         bs = self.block_size
+        items = sched.scheduled
+        num_seqs = len(items)
+        reqs, input_ids, starts, counts, totals, any_prompt_logprobs = self._gather_rows(items)
+        start_a = np.array(starts, dtype=np.int64)
+        count_a = np.array(counts, dtype=np.int64)
+        seq_lens = start_a + count_a
+        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(count_a, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        if num_tokens == num_seqs:  # one token per sequence
+            token_rows = np.arange(num_seqs)
+            positions = start_a
+        else:
+            token_rows = np.repeat(np.arange(num_seqs), count_a)
+            positions = np.arange(num_tokens) + np.repeat(start_a - qsl[:-1], count_a)
+        tables = self._table_array(block_tables)
+        slots = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+
+        ids = np.array(input_ids, dtype=np.int64)
+        fill_at = np.flatnonzero(ids == PLACEHOLDER)  # positions whose token comes from prev
+        fill_from = np.empty(0, dtype=np.int64)
+        # The common case: every row is a decode of the requests prev sampled, in its order.
+        fill_all = fill_at.size == num_tokens == num_seqs and reqs == prev.requests
+        if fill_all:
+            fill_at = fill_from
+        elif fill_at.size:
+            prev_rows = prev.row_of()
+            fill_from = np.array([prev_rows[reqs[r].request_id] for r in token_rows[fill_at].tolist()],
+                                 dtype=np.int64)
+
+        samples = seq_lens == np.array(totals, dtype=np.int64)  # the chunk reaches the end
+        sample_index = None  # rows of the logits that sample, when not all of them do
+        if any_prompt_logprobs:
+            logits_indices, sample_rows, sample_requests, prompt_rows = self._logits_rows(
+                items, qsl.tolist(), samples.tolist())
+            sample_reqs = [item.request for item in sample_requests]
+            if len(sample_rows) != len(logits_indices):
+                sample_index = np.array(sample_rows, dtype=np.int64)
+        else:  # only the sampling rows need logits: each chunk's last token
+            logits_indices = qsl[1:][samples] - 1
+            if len(logits_indices) == num_seqs:
+                sample_requests, sample_reqs = items, reqs
+            else:
+                rows = np.flatnonzero(samples).tolist()
+                sample_requests, sample_reqs = [items[i] for i in rows], [reqs[i] for i in rows]
+            sample_rows = list(range(len(sample_requests)))
+            prompt_rows = {}
+
+        # One upload for the step; the int32 metadata and the sampling parameters go in
+        # the dtypes their consumers take, so nothing is converted on the device.
+        parts = [ids, positions, slots, np.asarray(logits_indices, dtype=np.int64), fill_at, fill_from,
+                 qsl.astype(np.int32), seq_lens.astype(np.int32), tables]
+        if sample_index is not None:
+            parts.append(sample_index)
+        if sample_reqs:
+            params = self._sampling_params(sample_reqs)
+            seeds, banned = self._seeds_and_bans(params)
+            parts += [*params.floats, params.top_k]
+            if self.fused_sampling:
+                parts.append(self._noise_keys(len(sample_reqs), seeds))
+        dev = self.upload(parts)
+
+        ids_t, pos_t, slot_t, logit_t, at_t, from_t, qsl_t, lens_t, tables_t = dev[:9]
+        rest = dev[9:]
+        sample_index_t = rest.pop(0) if sample_index is not None else None
+        if fill_all:
+            ids_t.copy_(prev.sampled.token_ids)
+        elif fill_at.size:
+            ids_t[at_t] = prev.sampled.token_ids[from_t]
+        meta = AttentionMetadata(
+            slot_mapping=slot_t, query_start_loc=qsl_t, seq_lens=lens_t, block_tables=tables_t,
+            max_query_len=int(count_a.max()), max_seq_len=int(seq_lens.max()))
+        sampling = None
+        if sample_reqs:
+            temp_t, top_p_t, min_p_t, top_k_t = rest[:4]
+            sampling = S.SamplingBatch(
+                temperature=temp_t, top_p=top_p_t, min_p=min_p_t, top_k=top_k_t,
+                seeds=seeds, banned=banned, all_greedy=params.all_greedy, any_greedy=params.any_greedy,
+                need_top_k=params.need_top_k, need_top_p=params.need_top_p, need_min_p=params.need_min_p,
+                max_logprobs=params.max_logprobs, noise_seeds=rest[4] if self.fused_sampling else None)
+        return BatchInputs(
+            input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logit_t,
+            sample_rows=sample_rows, sample_requests=sample_requests, requests=sample_reqs,
+            prompt_rows=prompt_rows, sample_index=sample_index_t, sampling=sampling)
+
+    @staticmethod
+    def _gather_rows(items):
+        """The one per-request loop of `prepare`: each row's request, input tokens, start,
+        token count and length, and whether any row still wants prompt logprobs."""
+        reqs = []
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        totals: list[int] = []
+        any_prompt_logprobs = False
+        for item in items:
+            req = item.request
+            reqs.append(req)
+            start = req.num_computed_tokens
+            n = item.num_new_tokens
+            tokens = req.token_ids
+            if n == 1:  # decode: the common case
+                input_ids.append(tokens[start])
+            else:
+                input_ids.extend(tokens[start:start + n])
+            starts.append(start)
+            counts.append(n)
+            totals.append(len(tokens))
+            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+                any_prompt_logprobs = True
+        return reqs, input_ids, starts, counts, totals, any_prompt_logprobs
+
+    @staticmethod
+    def _table_array(block_tables: np.ndarray | list[list[int]]) -> np.ndarray:
+        """Block tables as one int32 array [requests, most blocks], 0-padded."""
+        if isinstance(block_tables, np.ndarray):
+            return block_tables
+        lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32,
+                           count=int(lens.sum()))
+        table = np.zeros((len(block_tables), int(lens.max())), dtype=np.int32)
+        table[np.arange(table.shape[1]) < lens[:, None]] = flat  # row-major, as `flat`
+        return table
+
+    @staticmethod
+    def _logits_rows(items, qsl: list[int], samples: list[bool]):
+        """Which rows need logits when some request wants prompt logprobs: its prompt
+        positions (position p predicts token p + 1), then each sampling row."""
         logits_indices: list[int] = []
         sample_rows: list[int] = []
         sample_requests = []
         prompt_rows: dict[str, tuple[int, list[int]]] = {}
-        fill_at: list[int] = []  # flat positions whose token comes from prev
-        fill_from: list[int] = []
-        prev_rows = prev.row_of() if prev is not None else {}
-        flat = 0
-        for item, table in zip(sched.scheduled, block_tables):
-            req, n = item.request, item.num_new_tokens
-            start = req.num_computed_tokens
-            end = start + n
-            if n == 1:  # decode: the common case, kept lean
-                tok = req.token_ids[start]
-                input_ids.append(tok)
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(req.token_ids[start:end])
-                positions.extend(range(start, end))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-                tok = input_ids[-1]
-            if tok == PLACEHOLDER:
-                fill_at.append(flat + n - 1)
-                fill_from.append(prev_rows[req.request_id])
-            qsl.append(flat + n)
-            seq_lens.append(end)
+        for row, item in enumerate(items):
+            req = item.request
+            start, flat = req.num_computed_tokens, qsl[row]
+            end = start + item.num_new_tokens
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens:
-                # Position p predicts token p + 1; the prompt's first token has no logprob.
+                # The prompt's first token has no logprob.
                 last = min(end, req.num_prompt_tokens - 1)
                 if last > start:
                     prompt_rows[req.request_id] = (len(logits_indices), req.token_ids[start + 1:last + 1])
                     logits_indices.extend(range(flat, flat + last - start))
-            if item.samples:
+            if samples[row]:
                 sample_rows.append(len(logits_indices))
                 sample_requests.append(item)
-                logits_indices.append(flat + n - 1)
-            flat += n
-        tables = np.zeros((len(block_tables), max(map(len, block_tables))), dtype=np.int64)
-        for i, t in enumerate(block_tables):
-            tables[i, :len(t)] = t
-        (ids, pos, slot_t, qsl_t, lens_t, logit_t, at_t, from_t, tables_t) = self.upload(
-            [input_ids, positions, slots, qsl, seq_lens, logits_indices, fill_at, fill_from, tables])
-        if fill_at:
-            ids[at_t] = prev.sampled.token_ids[from_t]
-        meta = AttentionMetadata(
-            slot_mapping=slot_t, query_start_loc=qsl_t.to(torch.int32), seq_lens=lens_t.to(torch.int32),
-            block_tables=tables_t.view(tables.shape).to(torch.int32),
-            max_query_len=max(item.num_new_tokens for item in sched.scheduled),
-            max_seq_len=max(seq_lens))
-        return BatchInputs(input_ids=ids, positions=pos, meta=meta, logits_indices=logit_t,
-                           sample_rows=sample_rows, sample_requests=sample_requests,
-                           prompt_rows=prompt_rows)
+                logits_indices.append(qsl[row + 1] - 1)
+        return logits_indices, sample_rows, sample_requests, prompt_rows
 
-    def upload(self, arrays: list, dtype=torch.int64) -> list[torch.Tensor]:
-        """Host lists -> device tensors in one copy from page-locked memory.
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Host arrays (int64, int32 or float32) -> device tensors of the same dtypes and
+        shapes, in one copy from page-locked memory.
 
         A copy from pageable memory would make the host wait for the device's queue to
-        drain, which is exactly what overlapped scheduling must avoid.
+        drain, which is exactly what overlapped scheduling must avoid. Every part starts
+        at a multiple of 64 bytes, as a fresh allocation does: Triton compiles a kernel
+        variant per pointer alignment, and a step must not meet a new one.
         """
-        np_dtype = np.int64 if dtype == torch.int64 else np.float32
-        parts = [np.asarray(a, dtype=np_dtype).ravel() for a in arrays]
-        total = sum(p.size for p in parts)
-        host = torch.empty(max(total, 1), dtype=dtype, pin_memory=self.device.type == "cuda")
-        flat = host.numpy()
-        offsets = [0]
-        for p in parts:
-            flat[offsets[-1]:offsets[-1] + p.size] = p
-            offsets.append(offsets[-1] + p.size)
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // _ALIGN) * _ALIGN
+        host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        buf = host.numpy()
+        for a, off in zip(arrays, offsets):
+            buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
         dev = host.to(self.device, non_blocking=True)
-        return [dev[a:b] for a, b in zip(offsets, offsets[1:])]
+        out = []
+        for a, off in zip(arrays, offsets):
+            t = dev[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype])
+            out.append(t if a.ndim == 1 else t.view(a.shape))
+        return out
 
-    def _sampling_batch(self, items) -> S.SamplingBatch:
-        temps, top_p, top_k, min_p, seeds, banned = [], [], [], [], [], []
-        max_lp = -1
-        for item in items:
-            req = item.request
+    def _sampling_params(self, reqs: list) -> _SamplingParams:
+        """The sampling rows' parameters. A request's never change (Request.sampling_row),
+        so while the batch holds the same requests in the same order, as it does from one
+        decode step to the next, the previous step's arrays are reused."""
+        cached = self._sampling_cache
+        if cached is not None and cached.requests == reqs:  # Request compares by identity
+            return cached
+        n = len(reqs)
+        table = np.fromiter(itertools.chain.from_iterable(r.sampling_row for r in reqs),
+                            dtype=np.float64, count=n * 7).reshape(n, 7)
+        temp, top_p, min_p, top_k, seeded, min_tokens, logprobs = table.T
+        greedy = temp == 0
+        self._sampling_cache = _SamplingParams(
+            reqs, [temp.astype(np.float32), top_p.astype(np.float32), min_p.astype(np.float32)],
+            top_k.astype(np.int64),
+            np.flatnonzero(seeded).tolist(), np.flatnonzero(min_tokens).tolist(),
+            bool(greedy.all()), bool(greedy.any()), bool((top_k > 0).any()),
+            bool((top_p < 1).any()), bool((min_p > 0).any()), int(logprobs.max()))
+        return self._sampling_cache
+
+    @staticmethod
+    def _seeds_and_bans(params: _SamplingParams) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """What depends on the step: each seeded row's per-token seed, and the tokens
+        banned in rows still below min_tokens. Only rows that have them are looked at."""
+        seeds = []
+        for i in params.seeded_rows:
+            req = params.requests[i]
+            seeds.append((i, S.mix_seed(req.sampling_params.seed, req.sample_index,
+                                        len(req.token_ids) - req.num_prompt_tokens)))
+        banned = []
+        for i in params.min_tokens_rows:
+            req = params.requests[i]
             p = req.sampling_params
-            temps.append(p.temperature)
-            top_p.append(p.top_p)
-            top_k.append(max(p.top_k, 0))
-            min_p.append(p.min_p)
-            seeds.append(None if p.seed is None else
-                         S.mix_seed(p.seed, req.sample_index, req.num_output_tokens))
-            ban: list[int] = []
-            if req.num_output_tokens < p.min_tokens:
+            if len(req.token_ids) - req.num_prompt_tokens < p.min_tokens:
                 ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
-            banned.append(ban)
-            if p.logprobs is not None:
-                max_lp = max(max_lp, p.logprobs)
-        temp_t, top_p_t, min_p_t, top_k_t = self.upload([temps, top_p, min_p, top_k], torch.float32)
-        noise_seeds = None
-        if self.fused_sampling:
-            rng = self._rng
-            noise_seeds = self.upload([[rng.getrandbits(62) if s is None else s for s in seeds]])[0]
-        return S.SamplingBatch(
-            temperature=temp_t, top_p=top_p_t, top_k=top_k_t.to(torch.int64), min_p=min_p_t,
-            seeds=seeds, banned=banned,
-            all_greedy=all(t == 0 for t in temps), any_greedy=any(t == 0 for t in temps),
-            noise_seeds=noise_seeds,
-            need_top_k=any(k > 0 for k in top_k),
-            need_top_p=any(p < 1 for p in top_p), need_min_p=any(m > 0 for m in min_p),
-            max_logprobs=max_lp)
+                banned.extend((i, t) for t in ban)
+        return seeds, banned
+
+    def _noise_keys(self, num_rows: int, seeds: list[tuple[int, int]]) -> np.ndarray:
+        """One Philox key per row for fused sampling: the row's per-token seed, or a fresh
+        random one."""
+        keys = self._noise_rng.integers(0, 1 << 62, size=num_rows, dtype=np.int64)
+        for i, seed in seeds:
+            keys[i] = seed
+        return keys
 
     # -- the step ----------------------------------------------------------------------
     def forward(self, batch: BatchInputs, decode_only: bool) -> torch.Tensor:
@@ -241,7 +380,7 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch.meta)
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, block_tables: list[list[int]],
+    def launch(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
                prev: StepHandle | None = None) -> StepHandle:
         """Queue the step on the device; nothing here waits for the device."""
         batch = self.prepare(sched, block_tables, prev)
@@ -250,12 +389,10 @@ class ModelRunner:
             return StepHandle([], None, {}, {})
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = None
-        if batch.sample_rows:
-            if len(batch.sample_rows) == logits.shape[0]:  # every row samples: no gather
-                rows_logits = logits
-            else:
-                rows_logits = logits[self.upload([batch.sample_rows])[0]]
-            sampled = S.sample(rows_logits, self._sampling_batch(batch.sample_requests))
+        if batch.sampling is not None:
+            # Every logits row samples unless some are prompt positions.
+            rows_logits = logits if batch.sample_index is None else logits[batch.sample_index]
+            sampled = S.sample(rows_logits, batch.sampling)
         prompt, prompt_start = {}, {}
         for rid, (first, targets) in batch.prompt_rows.items():
             req = next(it.request for it in sched.scheduled if it.request.request_id == rid)
@@ -263,28 +400,27 @@ class ModelRunner:
             lp = S.raw_logprobs(logits[first:first + len(targets)])
             prompt[rid] = (targets, k, S.logprob_stats(lp, torch.tensor(targets, device=lp.device), k))
             prompt_start[rid] = req.num_computed_tokens
-        return StepHandle(batch.sample_requests, sampled, prompt, prompt_start)
+        return StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests)
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Bring a launched step's results to the host: the one sync of a step."""
-        sampled: list[SampledToken] = []
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
         if handle.sampled is not None:
             token_ids = handle.sampled.token_ids.tolist()
-            ks = [it.request.sampling_params.logprobs for it in handle.sample_requests]
-            lps = self._to_logprobs(handle.sampled, token_ids, ks)
-            sampled = [SampledToken(it.request.request_id, tok, lp)
-                       for it, tok, lp in zip(handle.sample_requests, token_ids, lps)]
+            logprobs = self._to_logprobs(handle.sampled, token_ids, handle.sample_requests)
         prompt_lps = {rid: self._pack_logprobs(targets, *stats, [k] * len(targets))
                       for rid, (targets, k, stats) in handle.prompt.items()}
-        return ModelRunnerOutput(sampled, prompt_lps)
+        return ModelRunnerOutput(handle.sample_requests, token_ids, logprobs, prompt_lps)
 
-    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput,
+                block_tables: np.ndarray | list[list[int]]) -> ModelRunnerOutput:
         return self.collect(self.launch(sched, block_tables))
 
-    def _to_logprobs(self, out: S.SamplerOutput, tokens: list[int],
-                     ks: list[int | None]) -> list[TokenLogprob | None]:
+    def _to_logprobs(self, out: S.SamplerOutput, tokens: list[int], items) -> list[TokenLogprob | None]:
         if out.logprobs is None:
-            return [None] * len(ks)
+            return [None] * len(tokens)
+        ks = [it.request.sampling_params.logprobs for it in items]
         return self._pack_logprobs(tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, ks)
 
     @staticmethod

@@ -22,8 +22,8 @@ class SamplingBatch:
     top_p: torch.Tensor  # [R] float32
     top_k: torch.Tensor  # [R] int64, 0 = off
     min_p: torch.Tensor  # [R] float32
-    seeds: list[int | None]  # per row: None, or a seed already mixed with the step
-    banned: list[list[int]]  # per row: token ids masked out (eos while below min_tokens)
+    seeds: list[tuple[int, int]]  # (row, seed already mixed with the step) of seeded rows, in row order
+    banned: list[tuple[int, int]]  # (row, token id) masked out (eos while below min_tokens)
     all_greedy: bool
     any_greedy: bool
     need_top_k: bool
@@ -67,9 +67,8 @@ def logprob_stats(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """`logits` is a fresh tensor (the model's head output for these rows): modified in place."""
     lp = raw_logprobs(logits) if batch.max_logprobs >= 0 else None
-    banned = [(row, tok) for row, toks in enumerate(batch.banned) for tok in toks]
-    if banned:  # rare (min_tokens): one indexed write, not one per row
-        rows, toks = zip(*banned)
+    if batch.banned:  # rare (min_tokens): one indexed write, not one per row
+        rows, toks = zip(*batch.banned)
         idx = torch.tensor([rows, toks]).to(logits.device, non_blocking=True)
         logits[idx[0], idx[1]] = _MASK
 
@@ -89,17 +88,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 def _sample_gumbel(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Plain temperature sampling on CUDA: one fused pass, no softmax (triton_sampling)."""
     from rlserve.ops.triton_sampling import gumbel_sample
+    if not batch.any_greedy:  # the common case: no masking to launch
+        return gumbel_sample(logits, batch.temperature, batch.noise_seeds)
     greedy = batch.temperature == 0
     temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
     tokens = gumbel_sample(logits, temp, batch.noise_seeds)
-    if batch.any_greedy:
-        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-    return tokens
+    return torch.where(greedy, logits.argmax(dim=-1), tokens)
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    greedy = batch.temperature == 0
-    temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    temp = batch.temperature
+    if batch.any_greedy:
+        greedy = temp == 0
+        temp = torch.where(greedy, torch.ones_like(temp), temp)
     scaled = logits / temp.unsqueeze(1)
 
     if batch.need_top_k or batch.need_top_p:
@@ -124,17 +125,16 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * top, 0.0)
 
     noise = torch.empty_like(probs)
-    unseeded = [i for i, s in enumerate(batch.seeds) if s is None]
-    if unseeded:
-        if len(unseeded) == len(batch.seeds):
-            noise.exponential_()
-        else:
-            idx = torch.tensor(unseeded, device=noise.device)
-            noise[idx] = torch.empty((len(unseeded), noise.shape[1]), device=noise.device).exponential_()
-    for i, s in enumerate(batch.seeds):
-        if s is not None:
-            gen = torch.Generator(device=noise.device).manual_seed(s)
-            noise[i].exponential_(generator=gen)
+    if not batch.seeds:
+        noise.exponential_()
+    elif len(batch.seeds) < noise.shape[0]:
+        seeded = {row for row, _ in batch.seeds}
+        unseeded = [i for i in range(noise.shape[0]) if i not in seeded]
+        idx = torch.tensor(unseeded, device=noise.device)
+        noise[idx] = torch.empty((len(unseeded), noise.shape[1]), device=noise.device).exponential_()
+    for i, s in batch.seeds:
+        gen = torch.Generator(device=noise.device).manual_seed(s)
+        noise[i].exponential_(generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
     if batch.any_greedy:
         sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
