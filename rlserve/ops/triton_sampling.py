@@ -13,30 +13,47 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _gumbel_candidates(logits_ptr, row_off, cols, vocab, inv_temp, u, best_val, best_idx):
+    """Fold columns `cols`, with uniform noise `u`, into the running best (value, column)."""
+    mask = cols < vocab
+    x = tl.load(logits_ptr + row_off + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    u = tl.maximum(u, 1e-10)  # rand is in [0, 1): keep log finite
+    g = -tl.log(-tl.log(u))
+    v = tl.where(mask, x * inv_temp + g, float("-inf"))
+    better = v > best_val  # strict: the earlier column keeps a tie, as argmax does
+    return tl.where(better, v, best_val), tl.where(better, cols, best_idx)
+
+
 # Sizes change with every batch: specialising on them (== 1, divisible by 16) would compile
 # a new variant mid-run, hundreds of milliseconds each.
 @triton.jit(do_not_specialize=["stride_row", "vocab", "num_splits", "chunk"])
-def _gumbel_argmax_partial_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, val_ptr, idx_ptr,
+def _gumbel_argmax_partial_kernel(logits_ptr, stride_row, temp_ptr, seed_ptr, val_ptr, idx_ptr,
                                   vocab, num_splits, chunk, BLOCK: tl.constexpr):
     """Program (row, split): the best of logits / T + G over columns split*chunk.. +chunk.
-    `chunk` is a runtime value: batch sizes change every step and must not recompile."""
+
+    The noise is the cost here, not the bytes: one Philox call yields four numbers, for
+    columns base + i, base + Q + i, base + 2Q + i and base + 3Q + i of a BLOCK = 4Q block,
+    counter base / 4 + i. Chunks are whole blocks, so a column's noise does not depend on
+    the split.
+    """
+    Q: tl.constexpr = BLOCK // 4
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    inv_temp = tl.load(inv_temp_ptr + row)
+    inv_temp = 1.0 / tl.load(temp_ptr + row).to(tl.float32)
     seed = tl.load(seed_ptr + row)
-    best_val = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK], tl.int32)
+    row_off = row * stride_row
+    best_val = tl.full([Q], float("-inf"), tl.float32)
+    best_idx = tl.zeros([Q], tl.int32)
+    lane = tl.arange(0, Q)
     for off in range(0, chunk, BLOCK):
-        cols = split * chunk + off + tl.arange(0, BLOCK)
-        mask = cols < vocab
-        x = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        u = tl.rand(seed, cols)
-        u = tl.maximum(u, 1e-10)  # rand is in [0, 1): keep log finite
-        g = -tl.log(-tl.log(u))
-        v = tl.where(mask, x * inv_temp + g, float("-inf"))
-        better = v > best_val
-        best_val = tl.where(better, v, best_val)
-        best_idx = tl.where(better, cols, best_idx)
+        base = split * chunk + off
+        u0, u1, u2, u3 = tl.rand4x(seed, base // 4 + lane)
+        cols = base + lane
+        best_val, best_idx = _gumbel_candidates(logits_ptr, row_off, cols, vocab, inv_temp, u0, best_val, best_idx)
+        best_val, best_idx = _gumbel_candidates(logits_ptr, row_off, cols + Q, vocab, inv_temp, u1, best_val, best_idx)
+        best_val, best_idx = _gumbel_candidates(logits_ptr, row_off, cols + 2 * Q, vocab, inv_temp, u2, best_val, best_idx)
+        best_val, best_idx = _gumbel_candidates(logits_ptr, row_off, cols + 3 * Q, vocab, inv_temp, u3, best_val, best_idx)
     top = tl.max(best_val, 0)
     # The smallest column among ties, as argmax does.
     idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
@@ -67,7 +84,8 @@ def num_splits_for(rows: int, vocab: int) -> int:
 
 def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                   num_splits: int | None = None) -> torch.Tensor:
-    """One token per row of logits [R, V] at `temperature` [R] (> 0), noise keyed by `seeds` [R].
+    """One token per row of logits [R, V] at `temperature` [R] (> 0, contiguous), noise keyed
+    by `seeds` [R].
 
     Each row's vocabulary is split over several programs (the noise of a column does not
     depend on the split), then one small kernel picks each row's best split.
@@ -80,10 +98,10 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     splits = min(num_splits or num_splits_for(rows, vocab), _MAX_SPLITS)
     chunk = triton.cdiv(triton.cdiv(vocab, splits), _BLOCK) * _BLOCK
     splits = triton.cdiv(vocab, chunk)
-    inv_temp = (1.0 / temperature.float()).contiguous()
-    vals = torch.empty((rows, splits), dtype=torch.float32, device=logits.device)
-    idxs = torch.empty((rows, splits), dtype=torch.int32, device=logits.device)
-    _gumbel_argmax_partial_kernel[(rows, splits)](logits, logits.stride(0), inv_temp, seeds, vals, idxs,
+    # One buffer for both halves of each row's partial results (fewer host-side calls).
+    part = torch.empty((2, rows, splits), dtype=torch.float32, device=logits.device)
+    vals, idxs = part[0], part[1].view(torch.int32)
+    _gumbel_argmax_partial_kernel[(rows, splits)](logits, logits.stride(0), temperature, seeds, vals, idxs,
                                                   vocab, splits, chunk, BLOCK=_BLOCK, num_warps=4)
     _argmax_of_splits_kernel[(rows,)](vals, idxs, out, splits, SPLITS=_MAX_SPLITS, num_warps=1)
     return out
