@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
+
+from rlserve.server.launcher import ServerProcess
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
@@ -27,75 +21,29 @@ def demo_model() -> str:
     return demo_model_path()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class RunningServer(ServerProcess):
+    """A test's server: the launcher's process, plus the API key the tests send."""
 
-
-try:  # loaded here, not in the forked child, where loading a library is unsafe
-    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-except OSError:
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    """Linux: the server gets SIGTERM if the test process dies without its teardown."""
-    if _prctl is not None:
-        _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass
-class RunningServer:
-    url: str  # http://127.0.0.1:PORT
-    model: str  # the served model name
-    api_key: str | None
-    process: subprocess.Popen
-    log: Path
+    def __init__(self, model: str, log: Path, *flags: str, api_key: str | None, timeout_s: float):
+        self.api_key = api_key
+        super().__init__(model, *flags, log=log, timeout_s=timeout_s, die_with_parent=True)
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
 
 def start_server(model: str, log: Path, *extra: str, api_key: str | None = None,
                  timeout_s: float = SERVER_START_TIMEOUT_S) -> RunningServer:
-    """Start `python -m rlserve.cli serve` and wait until /health answers."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "rlserve.cli", "serve", model, "--device", "cpu",
-           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(MAX_MODEL_LEN), *extra]
+    """`rlserve serve` on CPU in float32 (flags in `extra` override), healthy on return."""
+    flags = ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), *extra]
     if api_key:
-        cmd += ["--api-key", api_key]
-    out = open(log, "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-                            start_new_session=True)  # its own group: teardown ends all of it
-    server = RunningServer(f"http://127.0.0.1:{port}", model, api_key, proc, log)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(server)
-    raise RuntimeError(f"server not healthy after {timeout_s:.0f}s:\n{server.log_tail()}")
+        flags += ["--api-key", api_key]
+    return RunningServer(model, log, *flags, api_key=api_key, timeout_s=timeout_s)
 
 
 def stop_server(server: RunningServer) -> None:
-    if server.process.poll() is None:
-        os.killpg(server.process.pid, signal.SIGTERM)
-        try:
-            server.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.process.pid, signal.SIGKILL)
-            server.process.wait()
+    server.stop(timeout_s=20)
 
 
 @pytest.fixture(scope="session")

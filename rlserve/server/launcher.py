@@ -7,6 +7,7 @@ benchmarks and trainers that bring their own rollout server.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -18,10 +19,25 @@ import requests
 
 from rlserve.weight_transfer.group import get_open_port
 
+try:  # loaded here, not in the forked child, where loading a library is unsafe
+    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except OSError:
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM if its parent dies without stopping it."""
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
 
 class ServerProcess:
+    """`die_with_parent`: the server ends with this process even when it is killed without
+    running its cleanup (test suites, notebooks)."""
+
     def __init__(self, model: str, *flags: str, host: str = "127.0.0.1", port: int | None = None,
-                 log: str | Path | None = None, timeout_s: float = 300.0):
+                 log: str | Path | None = None, timeout_s: float = 300.0, die_with_parent: bool = False):
+        self.model = model
         self.port = port or get_open_port()
         self.url = f"http://{host}:{self.port}"
         self.log = Path(log) if log is not None else None
@@ -30,7 +46,8 @@ class ServerProcess:
         out = open(self.log, "w") if self.log is not None else None
         # Its own process group: stopping it ends everything it started.
         self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                        start_new_session=True)
+                                        start_new_session=True,
+                                        preexec_fn=_die_with_parent if die_with_parent else None)
         self._wait_healthy(timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -48,7 +65,13 @@ class ServerProcess:
         raise RuntimeError(f"server not healthy after {timeout_s:.0f} s{self._log_hint()}")
 
     def _log_hint(self) -> str:
-        return f"; see {self.log}" if self.log is not None else ""
+        return f":\n{self.log_tail()}" if self.log is not None else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the server's log (empty without a log file)."""
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.process.poll() is None:

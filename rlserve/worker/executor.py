@@ -30,6 +30,7 @@ import time
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
 import torch
 
 from rlserve.config import EngineConfig
@@ -286,7 +287,7 @@ class Executor:
             replies = [self._reply(w) for w in self.workers]
         return [set(r) for r in self._gather(local, replies)]
 
-    def execute_model(self, sched, block_tables: list[list[int]]) -> ModelRunnerOutput:
+    def execute_model(self, sched, block_tables: np.ndarray | list[list[int]]) -> ModelRunnerOutput:
         self.check_health()
         if self.workers:
             self._send_all(self._steps.encode(sched, block_tables))

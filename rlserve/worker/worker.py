@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from rlserve.config import EngineConfig, resolve_dtype
@@ -124,7 +125,9 @@ class Worker:
             self.runner.capture_cuda_graphs(*self._graph_args)
 
     # -- execution ---------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]]
+                      ) -> ModelRunnerOutput:
+        """block_tables: the KV manager's int32 array (one rank) or lists (a step message)."""
         return self.runner.execute(sched, block_tables)
 
     # -- weights -----------------------------------------------------------------------
