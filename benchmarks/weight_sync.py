@@ -105,7 +105,7 @@ def bench_ipc(client: WeightSyncClient, tensors, size: int, repeats: int) -> Non
     """First push (exports and opens every handle), then warm pushes: the bare update call
     as the trainer sees it, the server's own split, and the whole pause-push-resume cycle."""
     import statistics
-    from rlserve.weight_transfer.ipc import post_update
+    from rlserve.weight_transfer.client import post_update
     url, sender = client.urls[0], client.group[0]
 
     build = []

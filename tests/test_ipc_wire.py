@@ -126,3 +126,17 @@ def test_ipc_backend_needs_cuda_and_one_rank():
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         EngineConfig(model="x", device="cuda", tensor_parallel_size=2,
                      weight_transfer={"backend": "ipc"})
+
+
+def test_trainer_send_weights_arguments():
+    from rlserve.weight_transfer import IPCWeightTransferEngine
+    # Other backends' and vLLM's arguments are accepted (and ignored), as keywords or trainer_args...
+    for kwargs in ({"packed": True, "packed_buffer_size_bytes": 1 << 20},
+                   {"trainer_args": {"mode": "http", "url": "http://x", "packed_num_buffers": 2}}):
+        with pytest.raises(TypeError, match="group must be the IPCSender"):
+            IPCWeightTransferEngine.trainer_send_weights(iter([]), **kwargs)
+    # ...a misspelt one is not silently dropped.
+    with pytest.raises(TypeError, match=r"unknown arguments \['weight_versoin'\]"):
+        IPCWeightTransferEngine.trainer_send_weights(iter([]), weight_versoin=3)
+    with pytest.raises(TypeError, match=r"unknown arguments \['ulr'\]"):
+        IPCWeightTransferEngine.trainer_send_weights(iter([]), {"ulr": "http://x"})

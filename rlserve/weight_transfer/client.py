@@ -20,7 +20,7 @@ from typing import Iterable
 import requests
 import torch
 
-from rlserve.weight_transfer.errors import WeightTransferError
+from rlserve.weight_transfer.errors import UpdateRefusedError, WeightTransferError
 from rlserve.weight_transfer.group import get_ip, get_open_port
 from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 
@@ -67,14 +67,34 @@ class _Call(threading.Thread):
         self.join()
         if self.error is not None:
             raise WeightTransferError(f"request failed: {self.error}") from self.error
-        r = self.response
-        if r.status_code >= 400:
-            try:
-                message = r.json()["error"]["message"]
-            except Exception:
-                message = r.text
-            raise WeightTransferError(f"{r.request.url} answered {r.status_code}: {message}")
+        return answer(self.response)
+
+
+def answer(r: requests.Response, refused: type[WeightTransferError] = WeightTransferError) -> dict:
+    """A control endpoint's JSON, or its error message raised: a 400 as `refused` (the
+    server changed nothing), any other failure as WeightTransferError."""
+    if r.status_code < 400:
         return r.json()
+    try:
+        message = r.json()["error"]["message"]
+    except Exception:
+        message = r.text
+    error = refused if r.status_code == 400 else WeightTransferError
+    raise error(f"{r.request.url} answered {r.status_code}: {message}")
+
+
+def post_update(url: str, update_info: dict, admin_key: str | None = None,
+                timeout_s: float = 300.0, session: requests.Session | None = None) -> dict:
+    """POST /update_weights and return its JSON; a 400 raises UpdateRefusedError (nothing
+    changed on the server), anything else WeightTransferError."""
+    http = session or requests
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
+    try:
+        r = http.post(f"{url.rstrip('/')}/update_weights", json={"update_info": update_info},
+                      headers=headers, timeout=timeout_s)
+    except Exception as e:
+        raise WeightTransferError(f"{url}/update_weights: {e}") from e
+    return answer(r, refused=UpdateRefusedError)
 
 
 class WeightSyncClient:
@@ -97,9 +117,7 @@ class WeightSyncClient:
         return self.session.post(f"{url}{path}", json=json, params=params, timeout=self.timeout_s)
 
     def _check(self, r: requests.Response) -> dict:
-        if r.status_code >= 400:
-            raise WeightTransferError(f"{r.request.url} answered {r.status_code}: {r.text}")
-        return r.json()
+        return answer(r)
 
     def init(self) -> None:
         """Form one transfer group: this trainer at rank 0, each server's workers after it.
@@ -196,7 +214,7 @@ class WeightSyncClient:
 
     def _send_ipc(self, tensors, version: int | None) -> list[dict]:
         """Each server copies from this process's memory; its answer means the copy is done."""
-        from rlserve.weight_transfer.ipc import post_update
-        key = self.session.headers.get("Authorization", "")[7:] or None
-        return [post_update(u, sender.update_info(tensors, version), key, self.timeout_s, self.session)
+        # The session carries the admin key.
+        return [post_update(u, sender.update_info(tensors, version), timeout_s=self.timeout_s,
+                            session=self.session)
                 for u, sender in zip(self.urls, self.group)]

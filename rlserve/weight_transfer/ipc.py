@@ -30,14 +30,13 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
+from .errors import InvalidUpdateError
 from .packing import TensorMeta, dtype_name
 
 MAX_HANDLE_BYTES = 1024  # a CUDA IPC handle is 64 bytes (plus a type tag in newer torch)
@@ -54,6 +53,19 @@ def _is_int(x: Any) -> bool:
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
+
+
+def _check_fields(data: Any, fields: Sequence[str], where: str) -> None:
+    """`data` must be an object with exactly `fields`; every problem is named at once."""
+    if not isinstance(data, Mapping):
+        raise InvalidUpdateError(f"{where}: must be an object with {', '.join(fields)}")
+    missing = [k for k in fields if k not in data]
+    unknown = sorted(set(data) - set(fields))
+    problems = [f"missing {', '.join(missing)}"] if missing else []
+    if unknown:
+        problems.append(f"unknown field(s) {', '.join(unknown)}")
+    if problems:
+        raise InvalidUpdateError(f"{where}: " + "; ".join(problems))
 
 
 def device_uuid(device: torch.device | int | None = None) -> str:
@@ -88,15 +100,7 @@ class SharedStorage:
 
     @classmethod
     def parse(cls, data: Any, where: str) -> "SharedStorage":
-        if not isinstance(data, Mapping):
-            raise InvalidUpdateError(f"{where}: must be an object with {', '.join(_STORAGE_FIELDS)}")
-        missing = [k for k in _STORAGE_FIELDS if k not in data]
-        unknown = sorted(set(data) - set(_STORAGE_FIELDS))
-        problems = [f"missing {', '.join(missing)}"] if missing else []
-        if unknown:
-            problems.append(f"unknown field(s) {', '.join(unknown)}")
-        if problems:
-            raise InvalidUpdateError(f"{where}: " + "; ".join(problems))
+        _check_fields(data, _STORAGE_FIELDS, where)
 
         def raw(field: str, allow_empty: bool = False) -> bytes:
             value = data[field]
@@ -134,6 +138,9 @@ class SharedTensor:
     offset: int  # in elements of the tensor's dtype
     stride: tuple[int, ...]
 
+    def to_json(self) -> dict[str, Any]:
+        return {"storage": self.storage, "offset": self.offset, "stride": list(self.stride)}
+
 
 @dataclass(frozen=True)
 class IPCHandles:
@@ -144,8 +151,7 @@ class IPCHandles:
     def to_json(self) -> dict[str, Any]:
         return {"device_uuid": self.device_uuid,
                 "storages": [s.to_json() for s in self.storages],
-                "tensors": [{"storage": t.storage, "offset": t.offset, "stride": list(t.stride)}
-                            for t in self.tensors]}
+                "tensors": [t.to_json() for t in self.tensors]}
 
     @classmethod
     def parse(cls, data: Any, metas: Sequence[TensorMeta]) -> "IPCHandles":
@@ -154,15 +160,7 @@ class IPCHandles:
         if data is None:
             raise InvalidUpdateError(f"{where}: required with the ipc backend (the trainer's "
                                      "IPCWeightTransferEngine fills it in)")
-        if not isinstance(data, Mapping):
-            raise InvalidUpdateError(f"{where}: must be an object with device_uuid, storages, tensors")
-        known = ("device_uuid", "storages", "tensors")
-        missing = [k for k in known if k not in data]
-        unknown = sorted(set(data) - set(known))
-        if missing or unknown:
-            raise InvalidUpdateError(f"{where}: " + "; ".join(
-                ([f"missing {', '.join(missing)}"] if missing else [])
-                + ([f"unknown field(s) {', '.join(unknown)}"] if unknown else [])))
+        _check_fields(data, ("device_uuid", "storages", "tensors"), where)
         uuid, storages, tensors = data["device_uuid"], data["storages"], data["tensors"]
         if not (isinstance(uuid, str) and uuid):
             raise InvalidUpdateError(f"{where}.device_uuid: must be a non-empty string")
@@ -176,8 +174,7 @@ class IPCHandles:
         out = []
         for i, (t, meta) in enumerate(zip(tensors, metas)):
             at = f"{where}.tensors[{i}] ({meta.name})"
-            if not (isinstance(t, Mapping) and set(t) == {"storage", "offset", "stride"}):
-                raise InvalidUpdateError(f"{at}: must be an object with exactly storage, offset, stride")
+            _check_fields(t, ("storage", "offset", "stride"), at)
             s, offset, stride = t["storage"], t["offset"], t["stride"]
             if not (_is_int(s) and 0 <= s < len(parsed)):
                 raise InvalidUpdateError(f"{at}.storage: must index storages (0..{len(parsed) - 1}), got {s!r}")
@@ -228,13 +225,9 @@ class IPCReceiver:
     """
 
     def __init__(self, device: torch.device):
-        if device.type != "cuda":
-            raise InvalidUpdateError("the ipc backend needs a CUDA device; this server runs on "
-                                     f"{device.type} (use gloo)")
-        self.device = device
+        self.device = device  # a CUDA device: EngineConfig refuses ipc anywhere else
         self.uuid = device_uuid(device)
         self._storages: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
-        self.opened_last = 0  # storages the last update had to open (0 once warm)
         # The last accepted update (less its version) and its views: a trainer pushing the
         # same parameters again sends the same document, which then needs no parsing.
         self._last: tuple[dict, list[tuple[str, torch.Tensor]]] | None = None
@@ -247,7 +240,6 @@ class IPCReceiver:
             raise InvalidUpdateError("update_info must be a JSON object")
         body = {k: v for k, v in update_info.items() if k != "weight_version"}
         if self._last is not None and self._last[0] == body:
-            self.opened_last = 0
             return self._last[1]
         info = UpdateInfo.parse(update_info)
         metas = info.metas()
@@ -262,7 +254,6 @@ class IPCReceiver:
                 f"update_info.ipc_handles.device_uuid: the trainer's tensors are on {handles.device_uuid}, "
                 f"this server is on {self.uuid}; CUDA IPC needs both on the same GPU (use nccl)")
         kept: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
-        opened = 0
         with torch.cuda.device(self.device):
             for i, s in enumerate(handles.storages):
                 if s.key in kept:
@@ -277,13 +268,11 @@ class IPCReceiver:
                     except Exception as e:  # a bad or stale handle: nothing was touched
                         raise InvalidUpdateError(f"update_info.ipc_handles.storages[{i}]: cannot "
                                                  f"open the handle ({e})") from e
-                    opened += 1
                 kept[s.key] = storage
             views = [(meta.name, view_of(kept[handles.storages[t.storage].key], meta, t))
                      for meta, t in zip(metas, handles.tensors)]
         # Only now, with every handle open: drop what the trainer no longer sends.
         self._storages = kept
-        self.opened_last = opened
         return views
 
     def close(self) -> None:
@@ -331,7 +320,7 @@ class IPCSender:
             names.append(name)
             dtypes.append(dtype_name(t.dtype))
             shapes.append(list(t.shape))
-            tensors.append({"storage": index[ptr], "offset": t.storage_offset(), "stride": list(t.stride())})
+            tensors.append(SharedTensor(index[ptr], t.storage_offset(), tuple(t.stride())).to_json())
         self._exports = exports
         self.exported_last = exported
         # The server reads these bytes as soon as it has the handles: finish pending writes
@@ -350,6 +339,9 @@ def _export(storage: torch.UntypedStorage) -> SharedStorage:
      sync) = storage._share_cuda_()
     return SharedStorage(bytes(handle), int(size), int(offset), bytes(counter), int(counter_offset),
                          bytes(event or b""), bool(sync))
+
+
+_IGNORED_ARGS = frozenset({"mode", "send_mode", "packed", "packed_buffer_size_bytes", "packed_num_buffers"})
 
 
 class IPCWeightTransferEngine:
@@ -381,21 +373,21 @@ class IPCWeightTransferEngine:
         weight_version: int | None = None,
         send: Callable[[dict[str, Any]], Any] | None = None,
         timeout_s: float = 300.0,
-        **_ignored: Any,
+        **ignored: Any,
     ) -> dict[str, Any]:
         """Export (or reuse) handles and have the server copy from them.
 
-        Returns the server's /update_weights answer. `packed*` keywords of the other
-        backends are accepted and ignored: nothing is packed, the server reads in place.
+        Returns the server's /update_weights answer. The other backends' `packed*` and
+        vLLM's `mode`/`send_mode` are accepted, as keywords or in trainer_args, and ignored:
+        nothing is packed, the server reads in place.
         """
         args = dict(group=group, url=url, admin_key=admin_key, weight_version=weight_version,
                     send=send, timeout_s=timeout_s)
-        if trainer_args is not None:
-            unknown = set(trainer_args) - set(args) - {"mode", "send_mode", "packed",
-                                                       "packed_buffer_size_bytes", "packed_num_buffers"}
-            if unknown:
-                raise TypeError(f"trainer_args: unknown keys {sorted(unknown)}")
-            args.update({k: v for k, v in trainer_args.items() if k in args})
+        given = {**ignored, **(trainer_args or {})}
+        unknown = set(given) - set(args) - _IGNORED_ARGS
+        if unknown:
+            raise TypeError(f"trainer_send_weights: unknown arguments {sorted(unknown)}")
+        args.update({k: v for k, v in given.items() if k in args})
         sender = args["group"]
         if not isinstance(sender, IPCSender):
             raise TypeError("group must be the IPCSender returned by IPCWeightTransferEngine.trainer_init")
@@ -404,29 +396,5 @@ class IPCWeightTransferEngine:
             return args["send"](info)
         if not args["url"]:
             raise TypeError("trainer_send_weights needs url= (the server) or send= (a callable)")
+        from .client import post_update
         return post_update(args["url"], info, args["admin_key"], args["timeout_s"])
-
-
-def post_update(url: str, update_info: dict[str, Any], admin_key: str | None = None,
-                timeout_s: float = 300.0, session=None) -> dict[str, Any]:
-    """POST /update_weights and return its JSON; a 400 raises UpdateRefusedError (nothing
-    changed on the server), anything else WeightTransferError."""
-    import requests
-    http = session or requests
-    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
-    t0 = time.perf_counter()
-    try:
-        r = http.post(f"{url.rstrip('/')}/update_weights", json={"update_info": update_info},
-                      headers=headers, timeout=timeout_s)
-    except Exception as e:
-        raise WeightTransferError(f"{url}/update_weights: {e}") from e
-    if r.status_code >= 400:
-        try:
-            message = r.json()["error"]["message"]
-        except Exception:
-            message = r.text
-        error = UpdateRefusedError if r.status_code == 400 else WeightTransferError
-        raise error(f"{url}/update_weights answered {r.status_code}: {message}")
-    out = r.json()
-    out["post_seconds"] = time.perf_counter() - t0
-    return out
