@@ -358,10 +358,8 @@ class ModelRunner:
         banned = []
         for i in params.min_tokens_rows:
             req = params.requests[i]
-            p = req.sampling_params
-            if len(req.token_ids) - req.num_prompt_tokens < p.min_tokens:
-                ban = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
-                banned.extend((i, t) for t in ban)
+            if len(req.token_ids) - req.num_prompt_tokens < req.sampling_params.min_tokens:
+                banned.extend((i, t) for t in req.stop_ids)  # what could end it too early
         return seeds, banned
 
     def _noise_keys(self, num_rows: int, seeds: list[tuple[int, int]]) -> np.ndarray:
