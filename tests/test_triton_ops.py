@@ -196,6 +196,37 @@ def test_paged_attention_split_kv(seqs, splits):
     assert _rel_err(out, expected) < TOL[dtype]
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_paged_attention_program_order_changes_nothing(heads_first, splits):
+    """The launch order (kv heads fastest or not, sequences in a given order, here longest
+    first as the model runner passes them) must not change any output element."""
+    ops = _ops()
+    seqs = [(150, 1), (3, 1), (0, 1), (97, 1), (40, 1)] if splits > 1 else MIXED
+    gen = torch.Generator().manual_seed(11)
+    batch = _make_batch(seqs, 8, 2, 64, 16, torch.float32, gen)
+    scale = 64 ** -0.5
+    expected = _reference(batch, scale)
+    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                       batch["slot_mapping"])
+    lens = batch["seq_lens"].cpu()
+    order = torch.argsort(-lens, stable=True).to(torch.int32).to(DEVICE)
+    cfg = dict(BLOCK_M=16 if splits > 1 else 64, BLOCK_N=32, num_warps=2, num_stages=2,
+               HEADS_FIRST=heads_first)
+    outs = []
+    for seq_order in (None, order):
+        out = torch.full_like(batch["query"], float("nan"))
+        ops.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
+                            batch["query_start_loc"], batch["seq_lens"], batch["block_tables"],
+                            scale, max_query_len=batch["max_query_len"],
+                            max_seq_len=batch["max_seq_len"], out=out, num_kv_splits=splits,
+                            seq_order=seq_order, _config=cfg)
+        assert not out.isnan().any()
+        assert _rel_err(out, expected) < TOL[torch.float32]
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
 def test_paged_attention_block64_strided_query():
     """Block size 64 and query/key/value as views of one fused qkv projection."""
     ops = _ops()

@@ -21,6 +21,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     max_query_len: int
     max_seq_len: int
+    # [num_seqs] int32, the sequences longest first: the order attention starts them in
+    seq_order: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):

@@ -44,7 +44,8 @@ def paged_attention(query, k_cache, v_cache, meta, scale: float) -> torch.Tensor
         from rlserve.ops import triton_attention
         return triton_attention.paged_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+            scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            seq_order=meta.seq_order)
     return ref.paged_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                meta.block_tables, scale)
 

@@ -204,8 +204,10 @@ class ModelRunner:
 
         # One upload for the step; the int32 metadata and the sampling parameters go in
         # the dtypes their consumers take, so nothing is converted on the device.
+        # Attention starts the longest sequences first (see triton_attention.paged_attention).
+        seq_order = np.argsort(-seq_lens, kind="stable").astype(np.int32)
         parts = [ids, positions, slots, np.asarray(logits_indices, dtype=np.int64), fill_at, fill_from,
-                 qsl.astype(np.int32), seq_lens.astype(np.int32), tables]
+                 qsl.astype(np.int32), seq_lens.astype(np.int32), tables, seq_order]
         if sample_index is not None:
             parts.append(sample_index)
         if sample_reqs:
@@ -216,8 +218,8 @@ class ModelRunner:
                 parts.append(self._noise_keys(len(sample_reqs), seeds))
         dev = self.upload(parts)
 
-        ids_t, pos_t, slot_t, logit_t, at_t, from_t, qsl_t, lens_t, tables_t = dev[:9]
-        rest = dev[9:]
+        ids_t, pos_t, slot_t, logit_t, at_t, from_t, qsl_t, lens_t, tables_t, order_t = dev[:10]
+        rest = dev[10:]
         sample_index_t = rest.pop(0) if sample_index is not None else None
         if fill_all:
             ids_t.copy_(prev.sampled.token_ids)
@@ -225,7 +227,7 @@ class ModelRunner:
             ids_t[at_t] = prev.sampled.token_ids[from_t]
         meta = AttentionMetadata(
             slot_mapping=slot_t, query_start_loc=qsl_t, seq_lens=lens_t, block_tables=tables_t,
-            max_query_len=int(count_a.max()), max_seq_len=int(seq_lens.max()))
+            max_query_len=int(count_a.max()), max_seq_len=int(seq_lens.max()), seq_order=order_t)
         sampling = None
         if sample_reqs:
             temp_t, top_p_t, min_p_t, top_k_t = rest[:4]
@@ -459,6 +461,8 @@ class CudaGraphs:
         self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
         self.qsl = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=dev)
+        self.order = torch.arange(b, dtype=torch.int32, device=dev)
+        self.identity = torch.arange(b, dtype=torch.int32, device=dev)  # padded rows go last
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
         with torch.inference_mode():
@@ -476,7 +480,7 @@ class CudaGraphs:
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(self.slots[:size], self.qsl[:size + 1], self.seq_lens[:size],
-                                 self.tables[:size], 1, self.max_model_len)
+                                 self.tables[:size], 1, self.max_model_len, self.order[:size])
 
     def run(self, batch: BatchInputs) -> torch.Tensor:
         n = batch.input_ids.shape[0]
@@ -491,6 +495,8 @@ class CudaGraphs:
         width = m.block_tables.shape[1]
         self.tables[:n, :width].copy_(m.block_tables)
         self.tables[n:size, 0].fill_(0)
+        self.order[:n].copy_(m.seq_order)
+        self.order[n:size].copy_(self.identity[n:size])
         graph, out = self.graphs[size]
         graph.replay()
         return out[:n]

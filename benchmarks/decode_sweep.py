@@ -1,0 +1,70 @@
+"""Sweeps the decode paged-attention launch: tile config x program order x KV splits.
+
+Shapes are Qwen3-0.6B's (16 query heads, 8 kv heads, head_dim 128, bf16, block size 16), on
+context mixes like those of the throughput workload's decode steps. Each variant is checked
+against the torch reference, then timed as a CUDA-graph replay.
+
+Usage: python benchmarks/decode_sweep.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+
+import torch
+
+from attention_kernels import HEAD_DIM, KV_HEADS, bench_graph, check, make_batch, run_triton
+
+CONFIGS = [(64, 2, 3), (32, 2, 3), (32, 2, 4), (64, 2, 4), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3)]
+
+
+def shapes():
+    rng = random.Random(0)
+    mixed = [rng.randint(100, 2000) for _ in range(256)]
+    return [
+        ("256 x U[500,700]", [rng.randint(500, 700) for _ in range(256)]),
+        ("256 x U[100,2000]", mixed),
+        ("256 x U[100,2000] longest first", sorted(mixed, reverse=True)),
+        ("128 x U[800,2000]", [rng.randint(800, 2000) for _ in range(128)]),
+        ("32 x U[1000,2000]", [rng.randint(1000, 2000) for _ in range(32)]),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from rlserve.ops import triton_attention as ta
+    results = []
+    for name, ctx in shapes():
+        batch = make_batch(ctx, [1] * len(ctx))
+        kv_bytes = batch["kv_tokens"] * KV_HEADS * HEAD_DIM * 2 * 2
+        out = torch.empty_like(batch["query"])
+        base = bench_graph(run_triton(ta, batch, out))
+        print(f"== {name}: {kv_bytes / 1e6:.0f} MB of K+V; current default {base:.1f} us "
+              f"({kv_bytes / base / 1e3:.0f} GB/s)", flush=True)
+        rows = []
+        for (bn, nw, st), heads_first, splits in itertools.product(CONFIGS, (False, True), (1, 2, 4)):
+            cfg = dict(BLOCK_M=16, BLOCK_N=bn, num_warps=nw, num_stages=st, HEADS_FIRST=heads_first)
+            try:
+                check(ta, batch, _config=cfg, num_kv_splits=splits)
+                us = bench_graph(run_triton(ta, batch, out, _config=cfg, num_kv_splits=splits))
+            except Exception as e:  # out of resources
+                print(f"  {cfg} splits={splits}: failed ({type(e).__name__}: {e})", flush=True)
+                continue
+            rows.append((us, bn, nw, st, heads_first, splits))
+            results.append(dict(shape=name, us=us, block_n=bn, warps=nw, stages=st,
+                                heads_first=heads_first, splits=splits, gbps=kv_bytes / us / 1e3))
+        for us, bn, nw, st, hf, sp in sorted(rows)[:8]:
+            print(f"  {us:8.1f} us {kv_bytes / us / 1e3:6.0f} GB/s  BLOCK_N={bn} warps={nw} "
+                  f"stages={st} heads_first={hf} splits={sp}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
