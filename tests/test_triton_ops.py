@@ -1,4 +1,5 @@
-"""Triton kernels against the torch reference ops.
+"""Triton kernels against the torch reference ops (attention, KV store, fused elementwise,
+rotary with the KV-cache store folded in).
 
 Needs CUDA and triton; skipped otherwise. With RLSERVE_TRITON_INTERPRET=1 the kernels run
 on CPU tensors through Triton's interpreter instead (slow, so shapes stay small).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -360,3 +362,190 @@ def test_silu_and_mul(inter, dtype):
     torch.testing.assert_close(triton_fused.silu_and_mul(xs), fused_ref.silu_and_mul(xs),
                                rtol=TOL[dtype], atol=TOL[dtype])
 
+
+# ------------------------------------------------ rotary with the KV-cache store folded in
+
+ROPE_TOL = {torch.bfloat16: 1.6e-2, torch.float32: 1e-5}  # relative, per head
+MAX_POSITION = 512
+NUM_BLOCKS = 6
+SAME = dict(rtol=0, atol=0, equal_nan=True)
+
+
+def _qkv(num_tokens: int, hq: int, hk: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+    """A fused qkv projection output and its q, k, v views, as the model splits it."""
+    qkv = torch.randn(num_tokens, (hq + 2 * hk) * d, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    return qkv, q.view(num_tokens, hq, d), k.view(num_tokens, hk, d), v.view(num_tokens, hk, d)
+
+
+def _slots(num_tokens: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
+    """Distinct slots spread over the cache, every third token -1 (not stored)."""
+    slots = torch.randperm(NUM_BLOCKS * block_size, generator=gen)[:num_tokens]
+    slots[::3] = -1
+    return slots.to(DEVICE)
+
+
+def _nan_cache(block_size: int, hk: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((NUM_BLOCKS, block_size, hk, d), float("nan"), dtype=dtype, device=DEVICE)
+
+
+def _norms(d: int, dtype: torch.dtype, gen: torch.Generator):
+    w = (1 + 0.2 * torch.randn(2, d, generator=gen)).to(dtype).to(DEVICE)
+    return w[0], w[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("hk", [8, 2])
+@pytest.mark.parametrize("d", [64, 128])
+def test_rope_store_matches_rope_then_store(dtype, norm, block_size, hk, d):
+    from rlserve.model.layers import RotaryEmbedding, _rotate
+    from rlserve.ops import triton_attention
+    from rlserve.ops.triton_rotary import rope_
+    gen = torch.Generator().manual_seed(block_size * 1000 + hk * 100 + d + norm)
+    t, hq = 7, 2 * hk
+    rope = RotaryEmbedding(d, MAX_POSITION, 1e4).to(DEVICE)
+    positions = torch.randint(0, MAX_POSITION, (t,), generator=gen).to(DEVICE)
+    slots = _slots(t, block_size, gen)
+    qw, kw = _norms(d, dtype, gen) if norm else (None, None)
+    qkv, q, k, v = _qkv(t, hq, hk, d, dtype, gen)
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    original = qkv.clone()
+
+    # The separate kernels, on a copy.
+    qkv_sep = qkv.clone()
+    q_sep, k_sep, v_sep = (x.view(t, -1, d) for x in qkv_sep.split([hq * d, hk * d, hk * d], -1))
+    kc_sep, vc_sep = _nan_cache(block_size, hk, d, dtype), _nan_cache(block_size, hk, d, dtype)
+    rope_(q_sep, k_sep, positions, rope.cos, rope.sin, qw, kw, 1e-6)
+    triton_attention.store_kv_cache(k_sep, v_sep, kc_sep, vc_sep, slots)
+
+    kc, vc = _nan_cache(block_size, hk, d, dtype), _nan_cache(block_size, hk, d, dtype)
+    out_q, out_k = rope_(q, k, positions, rope.cos, rope.sin, qw, kw, 1e-6,
+                         v=v, k_cache=kc, v_cache=vc, slot_mapping=slots)
+    assert out_q is q and out_k is k
+
+    # Bit for bit the separate kernels: q, k in place, v untouched, the same cache.
+    torch.testing.assert_close(qkv, qkv_sep, **SAME)
+    torch.testing.assert_close(v, original[:, (hq + hk) * d:].view(t, hk, d), **SAME)
+    torch.testing.assert_close(kc, kc_sep, **SAME)
+    torch.testing.assert_close(vc, vc_sep, **SAME)
+
+    # Only the slots of stored tokens were written; the rest of the cache is still NaN.
+    written = torch.zeros(NUM_BLOCKS * block_size, dtype=torch.bool, device=DEVICE)
+    written[slots[slots >= 0]] = True
+    for cache in (kc, vc):
+        flat = cache.view(NUM_BLOCKS * block_size, -1)
+        assert not flat[written].isnan().any()
+        assert flat[~written].isnan().all()
+
+    # The torch reference: RMSNorm as transformers, rotation in float32, the reference store.
+    q0, k0, _ = (x.view(t, -1, d) for x in original.split([hq * d, hk * d, hk * d], -1))
+    if norm:
+        q0, k0 = fused_ref.rms_norm(q0, qw, 1e-6), fused_ref.rms_norm(k0, kw, 1e-6)
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
+    ref_q, ref_k = _rotate(q0.float(), cos, sin), _rotate(k0.float(), cos, sin)
+    kc_ref, vc_ref = (_nan_cache(block_size, hk, d, torch.float32) for _ in range(2))
+    ref.store_kv_cache(ref_k, v.float(), kc_ref, vc_ref, slots)
+    assert _rel_err(q, ref_q) < ROPE_TOL[dtype]
+    assert _rel_err(k, ref_k) < ROPE_TOL[dtype]
+    stored = slots >= 0
+    assert _rel_err(kc.flatten(0, 1)[slots[stored]], ref_k[stored]) < ROPE_TOL[dtype]
+    torch.testing.assert_close(vc.float(), vc_ref, **SAME)
+
+
+def test_rope_store_casts_to_the_cache_dtype():
+    """Float32 activations into a bf16 cache, as the separate store kernel casts them."""
+    from rlserve.model.layers import RotaryEmbedding
+    from rlserve.ops import triton_attention
+    from rlserve.ops.triton_rotary import rope_
+    gen = torch.Generator().manual_seed(5)
+    t, hq, hk, d, block_size = 5, 4, 2, 64, 16
+    rope = RotaryEmbedding(d, MAX_POSITION, 1e4).to(DEVICE)
+    positions = torch.randint(0, MAX_POSITION, (t,), generator=gen).to(DEVICE)
+    slots = _slots(t, block_size, gen)
+    qkv, q, k, v = _qkv(t, hq, hk, d, torch.float32, gen)
+    qkv_sep = qkv.clone()
+    q_sep, k_sep, v_sep = (x.view(t, -1, d) for x in qkv_sep.split([hq * d, hk * d, hk * d], -1))
+    kc_sep, vc_sep = (_nan_cache(block_size, hk, d, torch.bfloat16) for _ in range(2))
+    rope_(q_sep, k_sep, positions, rope.cos, rope.sin)
+    triton_attention.store_kv_cache(k_sep, v_sep, kc_sep, vc_sep, slots)
+    kc, vc = (_nan_cache(block_size, hk, d, torch.bfloat16) for _ in range(2))
+    rope_(q, k, positions, rope.cos, rope.sin, v=v, k_cache=kc, v_cache=vc, slot_mapping=slots)
+    torch.testing.assert_close(qkv, qkv_sep, **SAME)
+    torch.testing.assert_close(kc, kc_sep, **SAME)
+    torch.testing.assert_close(vc, vc_sep, **SAME)
+
+
+def test_rope_store_with_no_tokens():
+    from rlserve.model.layers import RotaryEmbedding
+    from rlserve.ops.triton_rotary import rope_
+    rope = RotaryEmbedding(64, MAX_POSITION, 1e4).to(DEVICE)
+    _, q, k, v = _qkv(0, 2, 1, 64, torch.bfloat16, torch.Generator().manual_seed(0))
+    kc, vc = (_nan_cache(16, 1, 64, torch.bfloat16) for _ in range(2))
+    empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    rope_(q, k, empty, rope.cos, rope.sin, v=v, k_cache=kc, v_cache=vc, slot_mapping=empty)
+    assert kc.isnan().all() and vc.isnan().all()
+
+
+# ------------------------------------------------------------------------------ wiring
+
+
+def _attention_layer(qk_norm: bool, dtype: torch.dtype, gen: torch.Generator):
+    from rlserve.model.llama import LlamaAttention
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=128,
+                             head_dim=64, rms_norm_eps=1e-6, max_position_embeddings=MAX_POSITION,
+                             rope_theta=1e4)
+    layer = LlamaAttention(config, qkv_bias=False, o_bias=False, qk_norm=qk_norm)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen) + (1 if p.ndim == 1 else 0))
+    return layer.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_llama_attention_fused_and_separate_paths_agree(monkeypatch, qk_norm):
+    """The layer's output and cache are the same whether the rotary kernel stores or not."""
+    from rlserve.model import layers
+    from rlserve.model.layers import AttentionMetadata
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(17)
+    layer = _attention_layer(qk_norm, dtype, gen)
+    block_size = 16
+    # Two prompts from an empty cache: 5 tokens in blocks [3, 1], 3 tokens in block [4].
+    seq_lens = [5, 3]
+    block_tables = torch.tensor([[3, 1], [4, 0]], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    slot_mapping = torch.tensor([48, 49, 50, 51, 52, 64, 65, 66])
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(DEVICE),
+        query_start_loc=torch.tensor([0, 5, 8], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE), max_query_len=5, max_seq_len=5)
+    hidden = torch.randn(8, 128, generator=gen).to(DEVICE, dtype)
+
+    separate_stores = []
+    store_kv_cache = layers.ops.store_kv_cache
+    monkeypatch.setattr(layers.ops, "store_kv_cache",
+                        lambda *args: separate_stores.append(1) or store_kv_cache(*args))
+    results = {}
+    for fused in (True, False):
+        # Forced both ways, so the interpreter on CPU runs the fused kernel too.
+        monkeypatch.setattr(layers.ops, "fused_rope_available", lambda q, fused=fused: fused)
+        kc, vc = (_nan_cache(block_size, 2, 64, dtype) for _ in range(2))
+        layer.attn.k_cache, layer.attn.v_cache = kc, vc
+        assert layers.fuse_rope_and_store(hidden, layer.attn) is fused
+        separate_stores.clear()
+        with torch.no_grad():
+            out = layer(positions.to(DEVICE), hidden, meta)
+        assert len(separate_stores) == (0 if fused else 1)
+        results[fused] = out, kc, vc
+    for a, b in zip(results[True], results[False]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+def test_no_fusion_without_a_bound_cache():
+    from rlserve.model.layers import PagedAttention, fuse_rope_and_store
+    attn = PagedAttention(4, 2, 64, 0.125)
+    q = torch.zeros(3, 4, 64, device=DEVICE)
+    assert not fuse_rope_and_store(q, attn)

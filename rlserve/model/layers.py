@@ -89,6 +89,16 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def forward_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, attn: "PagedAttention", slot_mapping: torch.Tensor,
+                          q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None) -> None:
+        """As forward, in place, and also writes the rotated k and v [T, Hkv, D] into `attn`'s
+        paged cache at slot_mapping: one kernel. Only where fuse_rope_and_store(q, attn)."""
+        from rlserve.ops.triton_rotary import rope_
+        qw, kw, eps = (None, None, 1e-6) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        rope_(q, k, positions, self.cos, self.sin, qw, kw, eps,
+              v=v, k_cache=attn.k_cache, v_cache=attn.v_cache, slot_mapping=slot_mapping)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -110,14 +120,23 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, stored: bool = False) -> torch.Tensor:
+        """`stored`: this step's k/v are already in the cache (see fuse_rope_and_store)."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if not stored:
+            ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+
+def fuse_rope_and_store(q: torch.Tensor, attn: PagedAttention) -> bool:
+    """Whether RotaryEmbedding.forward_and_store can fill `attn`'s cache in the rotary kernel
+    (on CUDA, with the cache bound). Decode steps are launch-bound, so that saves the
+    store kernel in every layer; elsewhere rotary and store stay separate ops."""
+    return attn.k_cache is not None and ops.fused_rope_available(q)
 
 
 def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:

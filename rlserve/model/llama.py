@@ -6,7 +6,8 @@ from torch import nn
 
 from rlserve.distributed import current_tp_group, partition_heads, split_evenly
 from rlserve.model.base import CausalLM
-from rlserve.model.layers import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, act_and_mul
+from rlserve.model.layers import (AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, act_and_mul,
+                                  fuse_rope_and_store)
 from rlserve.model.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
                                     VocabParallelEmbedding)
 
@@ -51,8 +52,15 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v, meta))
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        # Where it can, the rotary kernel also writes k/v to the cache: one launch fewer per layer.
+        fused = fuse_rope_and_store(q, self.attn)
+        if fused:
+            self.rotary_emb.forward_and_store(positions, q, k, v, self.attn, meta.slot_mapping,
+                                              self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        return self.o_proj(self.attn(q, k, v, meta, stored=fused))
 
 
 class LlamaMLP(nn.Module):

@@ -4,6 +4,10 @@ One program per token rotates every query and key head in place, reading the tok
 cos/sin row once. In the unfused torch path this is a dozen small kernels per layer.
 Arithmetic is float32 with one rounding at the end (the torch path rounds after each op),
 so bf16 results agree within one or two ulps.
+
+Optionally the same program also writes the token's rotated key and its value into the
+paged KV cache (what triton_attention.store_kv_cache does next otherwise): decode steps
+are launch-bound, and this saves one launch per layer.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import triton.language as tl
 @triton.jit
 def _heads(x_ptr, t, stride_t, stride_h, w_ptr, cos, sin, eps,
            NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Rotates one token's heads in place; returns the two rotated halves as stored."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     mask = h < NUM_HEADS
@@ -32,38 +37,92 @@ def _heads(x_ptr, t, stride_t, stride_h, w_ptr, cos, sin, eps,
         b = (b * r).to(x1.dtype).to(tl.float32) * tl.load(w_ptr + HALF + d).to(tl.float32)
         a = a.to(x1.dtype).to(tl.float32)
         b = b.to(x1.dtype).to(tl.float32)
-    tl.store(base + d, (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(base + HALF + d, (b * cos + a * sin).to(x1.dtype), mask=mask)
+    lo = (a * cos - b * sin).to(x1.dtype)
+    hi = (b * cos + a * sin).to(x1.dtype)
+    tl.store(base + d, lo, mask=mask)
+    tl.store(base + HALF + d, hi, mask=mask)
+    return lo, hi
 
 
 @triton.jit
+def _store_kv(k_lo, k_hi, v_ptr, t, stride_vt, stride_vh, k_cache_ptr, v_cache_ptr, slot_ptr,
+              stride_cb, stride_cs, stride_ch,
+              NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr):
+    """Writes the token's rotated key halves and its value to cache slot slot_ptr[t]."""
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # -1: padding, nothing to store
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        mask = h < NUM_HEADS
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+        cache_ty = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst, k_lo.to(cache_ty), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, k_hi.to(cache_ty), mask=mask)
+        src = v_ptr + t * stride_vt + h * stride_vh + d
+        tl.store(v_cache_ptr + dst, tl.load(src, mask=mask).to(cache_ty), mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=mask).to(cache_ty), mask=mask)
+
+
+# Every integer argument is fixed by the model and the cache layout (the token count is
+# only the grid), so specialising on them compiles one variant per run.
+@triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, eps,
+                 v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                 stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                  NQ: tl.constexpr, NK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HALF: tl.constexpr, NORM: tl.constexpr):
+                 HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_ptr + pos * stride_cos + d)  # the table's two halves are equal
     sin = tl.load(sin_ptr + pos * stride_cos + d)
     _heads(q_ptr, t, stride_qt, stride_qh, qw_ptr, cos, sin, eps, NQ, BLOCK_Q, HALF, NORM)
-    _heads(k_ptr, t, stride_kt, stride_kh, kw_ptr, cos, sin, eps, NK, BLOCK_K, HALF, NORM)
+    k_lo, k_hi = _heads(k_ptr, t, stride_kt, stride_kh, kw_ptr, cos, sin, eps, NK, BLOCK_K, HALF, NORM)
+    if STORE:
+        _store_kv(k_lo, k_hi, v_ptr, t, stride_vt, stride_vh, k_cache_ptr, v_cache_ptr, slot_ptr,
+                  stride_cb, stride_cs, stride_ch, NK, BLOCK_K, HALF, BLOCK_SIZE)
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
           sin: torch.Tensor, q_weight: torch.Tensor | None = None,
-          k_weight: torch.Tensor | None = None, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+          k_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+          v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+          v_cache: torch.Tensor | None = None,
+          slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q [T, Hq, D] and k [T, Hkv, D] (strided views are fine); cos/sin are the
-    float32 [max_position, D] tables. With weights, RMSNorm each head first."""
+    float32 [max_position, D] tables. With weights, RMSNorm each head first.
+
+    With v [T, Hkv, D], the paged caches [num_blocks, block_size, Hkv, D] and slot_mapping,
+    also store each token's rotated key and its value at slot_mapping[t] (-1: skip), cast
+    to the cache dtype: the same result as triton_attention.store_kv_cache afterwards.
+    """
     num_tokens, nq, dim = q.shape
     nk = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and dim % 2 == 0
     assert dim & (dim - 1) == 0, "head_dim must be a power of two"
     norm = q_weight is not None
+    store = k_cache is not None
+    if store:
+        assert v is not None and v_cache is not None and slot_mapping is not None
+        assert v.shape == k.shape and v.stride(-1) == 1
+        assert k_cache.shape[2:] == (nk, dim), "cache/key shape mismatch"
+        # One set of strides serves both: they are views of one pool.
+        assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+        assert k_cache.stride(-1) == 1 and v_cache.dtype == k_cache.dtype
+        assert slot_mapping.shape[0] >= num_tokens
+        cache_args = (v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1),
+                      *k_cache.stride()[:3])
+    else:
+        assert v is None and v_cache is None and slot_mapping is None
+        cache_args = (k, k, k, positions, 0, 0, 0, 0, 0)  # never read: any pointers, zero strides
     if num_tokens:
         _rope_kernel[(num_tokens,)](
             q, k, positions, cos, sin, q_weight if norm else q, k_weight if norm else k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps, *cache_args,
             NQ=nq, NK=nk, BLOCK_Q=triton.next_power_of_2(nq), BLOCK_K=triton.next_power_of_2(nk),
-            HALF=dim // 2, NORM=norm, num_warps=4)
+            HALF=dim // 2, NORM=norm, STORE=store, BLOCK_SIZE=k_cache.shape[1] if store else 1,
+            num_warps=4)
     return q, k
