@@ -169,17 +169,58 @@ def test_seeded_sampling_on_gpu_is_reproducible(checkpoint):
 
 
 def test_fused_sampling_splits_a_large_vocabulary_without_changing_the_draw():
-    from rlserve.ops.triton_sampling import gumbel_sample
+    from rlserve.ops.triton_sampling import SPLIT_COLUMNS, gumbel_sample
     vocab, rows = 151936, 20000
     logits = torch.full((vocab,), -40.0, device="cuda")
-    peaks = torch.tensor([3, 70001, 151935], device="cuda")  # in the first, a middle and the last split
-    logits[peaks] = torch.tensor([1.0, 1.5, 0.5], device="cuda")
+    # Mass in the first, a middle and the last split, and twice within one split.
+    mid = 8 * SPLIT_COLUMNS
+    peaks = torch.tensor([3, mid + 5, mid + SPLIT_COLUMNS // 2, 151935], device="cuda")
+    logits[peaks] = torch.tensor([1.0, 1.5, 0.2, 0.5], device="cuda")
+    assert len(set((peaks // SPLIT_COLUMNS).tolist())) == 3
     seeds = torch.arange(rows, device="cuda", dtype=torch.int64) * 7919 + 11
     temp = torch.full((rows,), 0.7, device="cuda")
     tokens = gumbel_sample(logits.expand(rows, vocab), temp, seeds)
     freq = torch.stack([(tokens == p).float().mean() for p in peaks])
     assert (freq - torch.softmax(logits[peaks] / 0.7, -1)).abs().max() < 0.015
-    # The noise of a column does not depend on how the row is split.
-    few = gumbel_sample(logits.expand(64, vocab), temp[:64], seeds[:64], num_splits=1)
-    for splits in (3, 16, 128):
-        assert torch.equal(gumbel_sample(logits.expand(64, vocab), temp[:64], seeds[:64], num_splits=splits), few)
+    # A row's token does not depend on the batch: alone, or among other rows at another
+    # position, it is the same.
+    torch.manual_seed(1)
+    x = (torch.randn(64, vocab, device="cuda") * 3).to(torch.bfloat16)
+    temp = torch.rand(64, device="cuda") + 0.3
+    seeds = torch.randint(0, 2 ** 62, (64,), device="cuda")
+    batch = gumbel_sample(x, temp, seeds)
+    other = (torch.randn(100, vocab, device="cuda") * 3).to(torch.bfloat16)
+    for i in (0, 17, 63):
+        assert gumbel_sample(x[i:i + 1], temp[i:i + 1], seeds[i:i + 1]).item() == batch[i].item()
+        mixed = torch.cat([other[:i + 5], x[i:i + 1], other[i + 5:]])
+        t = torch.cat([temp.repeat(2)[:i + 5], temp[i:i + 1], temp.repeat(2)[i + 5:100]])
+        s = torch.cat([seeds.repeat(2)[:i + 5] + 1, seeds[i:i + 1], seeds.repeat(2)[i + 5:100]])
+        assert gumbel_sample(mixed, t, s)[i + 5].item() == batch[i].item()
+    # ... and different seeds draw different tokens.
+    flat = torch.zeros(1, vocab, device="cuda").expand(64, vocab)
+    assert len(set(gumbel_sample(flat, torch.ones(64, device="cuda"), torch.arange(64, device="cuda")).tolist())) > 60
+
+
+def test_fused_sampling_skips_masked_columns_and_mixes_temperatures():
+    from rlserve.ops.triton_sampling import SPLIT_COLUMNS, gumbel_sample
+    vocab, rows = 151936, 80000
+    torch.manual_seed(2)
+    # Eight live columns spread over the splits; everything else is -inf, so most splits
+    # (the second whole) are -inf, and the last split's tail is masked.
+    cols = torch.tensor([0, 5, SPLIT_COLUMNS * 2 + 1, 70001, 90000, 120000, 151930, 151935], device="cuda")
+    vals = torch.randn(8, device="cuda")
+    logits = torch.full((vocab,), float("-inf"), device="cuda")
+    logits[cols] = vals
+    temps = torch.tensor([0.3, 1.0, 2.0, 0.7], device="cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        x = logits.to(dtype)
+        tokens = gumbel_sample(x.expand(rows, vocab), temps.repeat(rows // 4),
+                               torch.arange(rows, device="cuda", dtype=torch.int64) * 31 + 5)
+        assert torch.isin(tokens, cols).all()
+        for k, t in enumerate(temps.tolist()):
+            freq = torch.stack([(tokens[k::4] == c).float().mean() for c in cols])
+            assert (freq - torch.softmax(x[cols].float() / t, -1)).abs().max() < 0.015
+    # Every column -inf: column 0, as argmax; one live column: that column.
+    dead = torch.full((2, vocab), float("-inf"), device="cuda")
+    dead[1, 100000] = 0.0
+    assert gumbel_sample(dead, torch.ones(2, device="cuda"), torch.tensor([1, 2], device="cuda")).tolist() == [0, 100000]

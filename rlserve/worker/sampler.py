@@ -86,7 +86,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
 
 def _sample_gumbel(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Plain temperature sampling on CUDA: one fused pass, no softmax (triton_sampling)."""
+    """Plain temperature sampling on CUDA: an exact Gumbel-max draw, no softmax (triton_sampling)."""
     from rlserve.ops.triton_sampling import gumbel_sample
     if not batch.any_greedy:  # the common case: no masking to launch
         return gumbel_sample(logits, batch.temperature, batch.noise_seeds)
