@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -87,7 +88,8 @@ def bound_tokens_per_s(cfg: dict, prompts, out_lens, dtype_bytes: int = 2,
     return sum(out_lens) / ((weight_bytes + kv_bytes) / hbm_bytes_per_s)
 
 
-def run_rlserve(args, path, prompts, out_lens) -> float:
+def run_rlserve(args, path, prompts, out_lens, profiler=None) -> float:
+    """Output tokens/s of the timed run; `profiler` (a torch.profiler context) covers only it."""
     from rlserve import LLM, SamplingParams
     llm = LLM(path, device=args.device, dtype=args.dtype, load_format="dummy",
               skip_tokenizer_init=True, max_model_len=args.max_model_len,
@@ -101,10 +103,13 @@ def run_rlserve(args, path, prompts, out_lens) -> float:
                                               max_tokens=16, detokenize=False))
     llm.reset_prefix_cache()  # the timed run must not find these prompts cached
     sync()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync()
-    elapsed = time.perf_counter() - t
+    with profiler or contextlib.nullcontext(), triton_variants_met() as met:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        sync()
+        elapsed = time.perf_counter() - t
+    if met:  # each one compiled (or at best loaded from Triton's disk cache) inside the timed run
+        print(f"Triton kernel variants first met in the timed run: {len(met)}: {sorted(set(met))}")
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(out_lens), (produced, sum(out_lens))
     stats = llm.engine.stats()
@@ -113,6 +118,25 @@ def run_rlserve(args, path, prompts, out_lens) -> float:
     del llm
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return produced / elapsed
+
+
+@contextlib.contextmanager
+def triton_variants_met():
+    """Names of the Triton kernels that met a new variant (a compile) inside the block."""
+    met: list[str] = []
+    knobs = getattr(__import__("triton") if torch.cuda.is_available() else None, "knobs", None)
+    if knobs is None:
+        yield met
+        return
+
+    def hook(*, fn, **_):
+        met.append(fn.name)
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield met
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
 
 
 def run_transformers(args, path, prompts, out_lens) -> float:
@@ -176,6 +200,8 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="profile the rlserve run with torch.profiler and print the top ops")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="with --profile: write the chrome trace to PATH and summarise the device timeline")
     p.add_argument("--transformers", action="store_true", help="also run transformers' continuous batching")
     p.add_argument("--transformers-num-seqs", type=int, default=None,
                    help="run transformers on the first N sequences only (it is slow)")
@@ -187,11 +213,15 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        with profile(activities=acts) as prof:
-            ours = run_rlserve(args, path, prompts, out_lens)
+        prof = profile(activities=acts)
+        ours = run_rlserve(args, path, prompts, out_lens, profiler=prof)
         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        if args.trace:
+            from trace_summary import summarize
+            prof.export_chrome_trace(args.trace)
+            summarize(args.trace)
     else:
         ours = run_rlserve(args, path, prompts, out_lens)
     if args.model in PRESETS and args.device.startswith("cuda"):
