@@ -166,20 +166,17 @@ class Worker:
         """
         from rlserve.weight_transfer import ExpectedParam, InvalidUpdateError, receive_weights
         if self.ipc_receiver is not None:
-            return self._receive_ipc(update_info)
-        group = getattr(self, "transfer_group", None)
-        if group is None or group.broken:
-            why = "was broken by a failed transfer" if group is not None else "is not initialized"
-            raise InvalidUpdateError(f"the weight-transfer group {why}: call "
-                                     "/init_weight_transfer_engine first")
-        expected = {name: ExpectedParam(e.shape, e.required)
-                    for name, e in self.expected.items()}
-        self.staged = receive_weights(group, update_info, expected, device=self.device,
-                                      target_dtype=self.dtype)
-        return sum(t.numel() * t.element_size() for _, t in self.staged)
-
-    def _receive_ipc(self, update_info: dict) -> int:
-        self.staged = self.ipc_receiver.receive(update_info, self.expected)
+            self.staged = self.ipc_receiver.receive(update_info, self.expected)
+        else:
+            group = getattr(self, "transfer_group", None)
+            if group is None or group.broken:
+                why = "was broken by a failed transfer" if group is not None else "is not initialized"
+                raise InvalidUpdateError(f"the weight-transfer group {why}: call "
+                                         "/init_weight_transfer_engine first")
+            expected = {name: ExpectedParam(e.shape, e.required)
+                        for name, e in self.expected.items()}
+            self.staged = receive_weights(group, update_info, expected, device=self.device,
+                                          target_dtype=self.dtype)
         return sum(t.numel() * t.element_size() for _, t in self.staged)
 
     def apply_staged_weights(self) -> None:
