@@ -6,6 +6,9 @@ Shapes are Qwen3-0.6B's (16 query heads, 8 kv heads, head_dim 128, bf16, block s
   prefill: one 8192-token chunk, and 4 x 2048-token chunks over a 2048-token prefix
 
 Usage: python benchmarks/attention_kernels.py [--sweep] [--sampling-only] [--json PATH]
+
+--sweep times other prefill tile configs; benchmarks/decode_sweep.py sweeps the decode
+launch (tile config, program order, KV splits) over several context mixes.
 """
 
 from __future__ import annotations
@@ -22,10 +25,9 @@ from rlserve.ops import attention as ref
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) and (BLOCK_N, num_warps, num_stages) to try.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) to try.
 PREFILL_SWEEP = [(32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2),
                  (128, 64, 8, 3), (128, 128, 8, 3)]
-DECODE_SWEEP = [(32, 2, 3), (64, 2, 2), (64, 2, 3), (64, 4, 3), (128, 2, 3), (128, 4, 3)]
 
 
 def bench(fn, iters: int = 50, warmup: int = 5) -> float:
@@ -138,7 +140,7 @@ def bench_sampling(report) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true", help="also time other tile configs")
+    ap.add_argument("--sweep", action="store_true", help="also time other prefill tile configs")
     ap.add_argument("--sampling-only", action="store_true", help="only the sampling kernels")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -212,18 +214,6 @@ def main() -> None:
                     print(f"  {cfg}: failed ({type(e).__name__}: {e})")
                     continue
                 report(f"  {name} {cfg}", us, flops=flops)
-
-    if args.sweep:
-        out = torch.empty_like(dec["query"])
-        for bn, nw, st in DECODE_SWEEP:
-            cfg = dict(BLOCK_M=16, BLOCK_N=bn, num_warps=nw, num_stages=st)
-            try:
-                check(ta, dec, _config=cfg)
-                us = bench_graph(run_triton(ta, dec, out, _config=cfg))
-            except Exception as e:
-                print(f"  {cfg}: failed ({type(e).__name__}: {e})")
-                continue
-            report(f"  decode {cfg}", us, kv_bytes)
 
     # ---------------------------------------------------------------- store + fused ops
     kc, vc = dec["k_cache"], dec["v_cache"]

@@ -18,7 +18,9 @@ import torch
 
 from attention_kernels import HEAD_DIM, KV_HEADS, bench_graph, check, make_batch, run_triton
 
-CONFIGS = [(64, 2, 3), (32, 2, 3), (32, 2, 4), (64, 2, 4), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3)]
+# (BLOCK_N, num_warps, num_stages); the first is the current decode tile.
+CONFIGS = [(64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 2, 4), (64, 2, 4), (64, 4, 3), (64, 4, 4),
+           (128, 2, 3), (128, 4, 3), (128, 8, 3)]
 
 
 def shapes():
