@@ -7,7 +7,6 @@ import logging
 import os
 import re
 import sys
-import time
 from typing import Sequence
 
 from rlserve import __version__
@@ -63,6 +62,19 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                           "(default: the tokenizer's)")
     net.add_argument("--log-level", default="info",
                      choices=["debug", "info", "warning", "error"])
+    net.add_argument("--api-server-count", type=_positive_int, default=1,
+                     help="API server processes on the port (HTTP, tokenization and "
+                          "detokenization), all feeding the one engine process")
+    net.add_argument("--max-request-body-bytes", type=_byte_size, default="64M",
+                     help="larger request bodies are refused with 413")
+    net.add_argument("--max-prompts-per-request", type=_positive_int, default=2048,
+                     help="prompts in one /v1/completions request at most")
+    net.add_argument("--shutdown-grace-period", type=float, default=5.0, metavar="SECONDS",
+                     help="on SIGINT or SIGTERM, requests in flight may finish for this long; "
+                          "then they end with finish_reason 'abort'")
+    net.add_argument("--engine-death-linger", type=float, default=5.0, metavar="SECONDS",
+                     help="after the engine dies, /health answers 503 for this long before the "
+                          "server exits with code 1")
 
     model = p.add_argument_group("model")
     model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: MODEL)")
@@ -115,11 +127,8 @@ def _read_chat_template(value: str | None) -> str | None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from rlserve.config import EngineConfig, WeightTransferConfig
-    from rlserve.engine.async_engine import AsyncEngine
-    from rlserve.server.app import create_app
+    from rlserve.server import lifecycle
 
     model, served_name = args.model, args.served_model_name
     if model is None:
@@ -143,27 +152,16 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:  # config errors name the flag; no traceback for a typo
         raise SystemExit(f"rlserve serve: {e}") from None
 
-    logger.info("loading %s (device %s, dtype %s, load format %s, tensor parallel %d)",
-                model, config.device, config.dtype, config.load_format,
-                config.tensor_parallel_size)
-    t0 = time.perf_counter()
-    engine = AsyncEngine(config)
-    stats = engine.stats()
-    logger.info("loaded %r in %.1fs: max_model_len %d, KV cache capacity %d tokens, "
-                "weight version %d", engine.model_name, time.perf_counter() - t0,
-                engine.max_model_len, stats.kv_cache_capacity_tokens, stats.weight_version)
     if config.weight_transfer is not None:
         logger.info("weight transfer: %s backend; control endpoints %s",
                     config.weight_transfer.backend,
                     "need the admin key" if args.admin_key else "are open (no --admin-key)")
-
-    shown_host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
-    url = f"http://{shown_host}:{args.port}"
-    app = create_app(engine, config, api_key=args.api_key, admin_key=args.admin_key, url=url,
-                     reject_while_asleep=args.reject_while_asleep)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_keep_alive=30)
-    return 0
+    return lifecycle.serve(config, lifecycle.ServeOptions(
+        host=args.host, port=args.port, api_key=args.api_key, admin_key=args.admin_key,
+        reject_while_asleep=args.reject_while_asleep, max_body_bytes=args.max_request_body_bytes,
+        max_prompts=args.max_prompts_per_request, log_level=args.log_level,
+        grace_s=args.shutdown_grace_period, linger_s=args.engine_death_linger,
+        api_server_count=args.api_server_count))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,3 +123,10 @@ class EngineConfig:
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for another process (msgpack); `EngineConfig(**data)` rebuilds it."""
+        data = dataclasses.asdict(self)
+        if isinstance(self.dtype, torch.dtype):
+            data["dtype"] = str(self.dtype).removeprefix("torch.")
+        return data

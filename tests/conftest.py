@@ -42,6 +42,15 @@ def start_server(model: str, log: Path, *extra: str, api_key: str | None = None,
     return RunningServer(model, log, *flags, api_key=api_key, timeout_s=timeout_s)
 
 
+def start_tiny_server(log: Path, *extra: str, **kw) -> RunningServer:
+    """A two-layer dummy model with the demo model's tokenizer, served as "m": it starts in
+    seconds, for tests of the server itself rather than of a model's outputs."""
+    from rlserve.model.demo_model import demo_model_path
+    from rlserve.model.presets import model_dir
+    return start_server(model_dir("tiny"), log, "--load-format", "dummy", "--tokenizer",
+                        demo_model_path(), "--served-model-name", "m", *extra, **kw)
+
+
 def stop_server(server: RunningServer) -> None:
     server.stop(timeout_s=20)
 

@@ -346,8 +346,8 @@ def test_block_tables_through_engine_preemption(model_path, llm):
 
 @pytest.mark.parametrize("overlapped", [False, True])
 def test_streamed_and_whole_outputs_agree(llm, overlapped):
-    """The server's engine streams a delta per token; the offline LLM's gives one output
-    per request when it finishes. Both assemble to the same results."""
+    """The engine reports a streamed request's tokens every step, a non-streamed one's
+    once when it finishes. Both assemble to the same results."""
     params = [SamplingParams(max_tokens=20, temperature=0, logprobs=2, prompt_logprobs=1),
               SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=16, stop=["return"]),
               SamplingParams(max_tokens=24, temperature=0, min_tokens=4, stop_token_ids=[28, 30]),
@@ -355,11 +355,11 @@ def test_streamed_and_whole_outputs_agree(llm, overlapped):
 
     def run(stream: bool):
         llm.reset_prefix_cache()
-        llm.engine.stream, llm.engine.async_scheduling = stream, overlapped
+        llm._report_every_step, llm.engine.async_scheduling = stream, overlapped
         try:
             outs = llm.generate(PROMPTS[:4], params)
         finally:
-            llm.engine.stream, llm.engine.async_scheduling = False, False
+            llm._report_every_step, llm.engine.async_scheduling = False, False
         return [(o.prompt_logprobs, o.num_cached_tokens, o.finished,
                  [(c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, c.token_versions)
                   for c in o.outputs]) for o in outs]

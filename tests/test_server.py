@@ -229,6 +229,56 @@ def test_extensions_min_tokens_ignore_eos(server):
     assert len(choice["token_ids"]) == 6 and choice["finish_reason"] == "length"
 
 
+def test_detokenize_false_returns_the_same_tokens_and_logprobs(server):
+    """Token-only rollouts: nothing is decoded, ids and logprobs are the normal request's."""
+    body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "logprobs": 2,
+            "return_token_ids": True}
+    normal = post(server, "/v1/completions", body).json()["choices"][0]
+    bare = post(server, "/v1/completions", {**body, "detokenize": False}).json()["choices"][0]
+    assert bare["text"] == "" and normal["text"]
+    assert bare["token_ids"] == normal["token_ids"]
+    assert bare["logprobs"]["token_logprobs"] == normal["logprobs"]["token_logprobs"]
+    assert bare["logprobs"]["tokens"] == [f"token_id:{t}" for t in normal["token_ids"]]
+    r = post(server, "/v1/completions", {**body, "detokenize": False, "stop": ["."]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_is_the_detokenized_tokens_up_to_a_matched_stop(server, stream):
+    """The text is what the token ids decode to, cut only at a matched stop string. A stop
+    string is looked for only in text after the first min_tokens tokens (as vLLM does), so
+    one met earlier stays in the text, as its tokens stay in token_ids."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(server.model)
+    seen = set()
+    for min_tokens in (0, 2, 5, 9):
+        for include in (False, True):
+            body = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "stop": ["."],
+                    "min_tokens": min_tokens, "include_stop_str_in_output": include,
+                    "return_token_ids": True, "stream": stream}
+            if stream:
+                with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                                  headers=server.headers, timeout=300) as r:
+                    chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                              if line.startswith("data: {")]
+                text = "".join(c["text"] for c in chunks)
+                ids = [t for c in chunks for t in c.get("token_ids") or []]
+                stop_reason = chunks[-1].get("stop_reason")
+            else:
+                choice = post(server, "/v1/completions", body).json()["choices"][0]
+                text, ids, stop_reason = choice["text"], choice["token_ids"], choice.get("stop_reason")
+            decoded = tok.decode(ids, skip_special_tokens=True)
+            if stop_reason == ".":
+                cut = decoded.index(".", len(tok.decode(ids[:min_tokens], skip_special_tokens=True)))
+                assert text == decoded[:cut + (1 if include else 0)], (min_tokens, include, text, decoded)
+                # the stop string is in the last token's text
+                assert cut >= len(tok.decode(ids[:-1], skip_special_tokens=True)) - 1
+            else:
+                assert text == decoded, (min_tokens, text, decoded)
+            seen.add((min_tokens > 0 and "." in decoded[:-1], stop_reason))
+    assert (True, ".") in seen or (True, None) in seen  # a "." before min_tokens was kept
+
+
 # ---------------------------------------------------------------- concurrency
 
 

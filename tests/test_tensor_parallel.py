@@ -183,11 +183,22 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _descendants(pid: int) -> list[int]:
+    kids = _children(pid)
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def _tp_workers(pid: int) -> list[int]:
+    """The tensor-parallel worker processes under a server (the engine process starts them)."""
+    return [d for d in _descendants(pid)
+            if b"rlserve.worker.worker_proc" in Path(f"/proc/{d}/cmdline").read_bytes()]
+
+
 def test_dead_worker_takes_the_server_down(demo_model, tmp_path):
     srv = start_server(demo_model, tmp_path / "tp2.log", "--load-format", "dummy", "--served-model-name", "m",
                        "--max-model-len", "128", "--tensor-parallel-size", "2")
     try:
-        (worker,) = _children(srv.process.pid)
+        (worker,) = _tp_workers(srv.process.pid)
         events = []
         body = dict(model="m", prompt=PROMPTS[0], max_tokens=100, ignore_eos=True, stream=True)
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:

@@ -1,7 +1,10 @@
 """The engine core: the step loop (schedule -> execute -> update), request admission,
 pause modes, and applying new weights between steps.
 
-Not thread-safe: exactly one thread drives it (the offline LLM, or the async engine's loop).
+It speaks token ids only: each step returns an EngineCoreOutputs (outputs.py), and the
+front end (the offline LLM in process, the API server over ZeroMQ) detokenizes and
+matches stop strings. Not thread-safe: exactly one thread drives it (the offline LLM, or
+the engine-core process's busy loop, core_proc.py).
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from typing import Iterable
 import torch
 
 from rlserve.config import EngineConfig
-from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.request import (EngineOutput, FinishReason, InvalidRequestError, Request,
-                                    RequestStatus, SamplingParams)
+from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, FinalTokens, Finished, Started
+from rlserve.engine.request import (EngineUnavailableError, FinishReason, InvalidRequestError, Request,
+                                    RequestStatus, SamplingParams, sample_ids, validate_prompt,
+                                    version_spans)
 from rlserve.engine.scheduler import Scheduler
 from rlserve.worker.model_runner import PLACEHOLDER, StepHandle
-from rlserve.model.loader import load_hf_config, resolve_model_path
+from rlserve.model.loader import load_hf_config, load_tokenizer, resolve_model_path
 from rlserve.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -29,24 +33,12 @@ logger = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    kv_cache_capacity_tokens: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    aborted_total: int
-    preemptions_total: int
-    prefix_cache_hit_tokens: int
-    weight_version: int
-    paused: bool
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+def resolve_max_model_len(hf_config, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is not None and requested > limit:
+        raise ValueError(f"max_model_len: {requested} exceeds the model's "
+                         f"max_position_embeddings ({limit})")
+    return requested or limit
 
 
 def _eos_ids(hf_config, tokenizer, path: str) -> frozenset[int]:
@@ -75,27 +67,41 @@ class _InFlight:
     version: int  # the weights it ran on
 
 
+class _StepOut:
+    """What a step produced, gathered as the tokens are accepted."""
+
+    __slots__ = ("ids", "tokens", "logprobs", "any_logprobs", "started", "finished")
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.tokens: list[int] = []
+        self.logprobs: list = []
+        self.any_logprobs = False
+        self.started: list[Started] = []
+        self.finished: list[Finished] = []
+
+    def build(self, version: int) -> EngineCoreOutputs | None:
+        if not (self.ids or self.finished or self.started):
+            return None
+        return EngineCoreOutputs(version, self.ids, self.tokens,
+                                 self.logprobs if self.any_logprobs else None,
+                                 self.started, self.finished)
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, stream: bool = True):
-        """`stream`: every step returns each request's new tokens (the server streams
-        them). False: a request's one output, with all its tokens, comes when it finishes
-        (the offline LLM), which spares building and merging a delta per token."""
+    def __init__(self, config: EngineConfig):
         self.config = config
-        self.stream = stream
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
         hf_config = load_hf_config(self.model_path)
         for key, value in config.hf_overrides.items():
             setattr(hf_config, key, value)
         self.hf_config = hf_config
-        # Benchmarks on bare configs run without a tokenizer (token ids in, token ids out).
+        # Text is the front end's business; here the tokenizer only says which tokens end
+        # a sequence (the offline LLM borrows it). Benchmarks on bare configs skip it.
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
             config.tokenizer or self.model_path)
-        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({limit})")
-        self.max_model_len = config.max_model_len or limit
+        self.max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, self.model_path)
 
@@ -108,7 +114,6 @@ class EngineCore:
             logger.info("captured CUDA graphs in %.1fs", time.perf_counter() - t1)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         # Overlapped scheduling needs a device that runs ahead of the host, and one rank.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda") and self.world_size == 1
@@ -140,48 +145,29 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------------
     def make_requests(self, prompt_token_ids: list[int], params: SamplingParams,
-                      request_id: str) -> list[Request]:
-        """Validate one prompt and expand it into its n sample requests."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt: must contain at least one token", "prompt")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt: {n} tokens, but max_model_len is {self.max_model_len} (the prompt "
-                "and at least one generated token must fit)", "prompt")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"max_tokens: the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len ({self.max_model_len})", "max_tokens")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-        for t in params.stop_token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"stop_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})",
-                    "stop_token_ids")
-        if params.n == 1:
-            return [Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len)]
-        return [Request(f"{request_id}-{i}", prompt_token_ids, params, self.eos_token_ids,
-                        self.max_model_len, group_id=request_id, sample_index=i)
-                for i in range(params.n)]
+                      request_id: str, stream: bool = False) -> list[Request]:
+        """Validate one prompt and expand it into its n sample requests. `stream`: every
+        step reports the request's new token; otherwise it reports everything once, when
+        the request finishes."""
+        validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        return [Request(rid, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
+                        group_id=request_id if params.n > 1 else None, sample_index=i, stream=stream)
+                for i, rid in enumerate(sample_ids(request_id, params.n))]
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.scheduler.requests or any(r.request_id == req.request_id for r in self.held):
             raise InvalidRequestError(f"request_id: {req.request_id!r} is already running", "request_id")
-        p = req.sampling_params
-        if p.detokenize and self.tokenizer is not None:
-            self.detokenizers[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
-                p.skip_special_tokens)
+        if self.scheduler.no_weights:
+            raise EngineUnavailableError(
+                "the weights were dropped by /sleep?level=2: generation resumes after a full "
+                "weight update (POST /update_weights)")
         if self.paused:
             self.held.append(req)
         else:
             self.scheduler.add(req)
 
-    def abort(self, request_ids: Iterable[str]) -> list[EngineOutput]:
+    def abort(self, request_ids: Iterable[str]) -> list[Finished]:
+        """End requests now; unknown (or already finished) ids are ignored."""
         outputs = []
         for rid in request_ids:
             req = self.scheduler.requests.get(rid)
@@ -203,33 +189,21 @@ class EngineCore:
                                              and not self.scheduler.stopped)
 
     # -- the step ----------------------------------------------------------------------
-    def step(self) -> list[EngineOutput]:
-        """One engine step. With overlapped scheduling, this launches step N+1 on the
-        device before bringing back step N's tokens, so the host's work of scheduling and
-        output handling hides behind the device's; step N's outputs are returned."""
-        if not self.async_scheduling:
-            sched = self.scheduler.schedule()
-            if sched.empty:
-                return []
-            result = self.executor.execute_model(sched, self._tables(sched))
-            self._advance(sched, result.prompt_logprobs)
-            outputs: list[EngineOutput] = []
-            version = self.weight_version
-            for item, token, logprob in zip(result.sample_requests, result.token_ids, result.logprobs):
-                self._accept(item.request, token, logprob, version, None, outputs)
-            return outputs
-
+    def step(self) -> EngineCoreOutputs | None:
+        """One engine step: schedule, launch on the device, then process a step's sampled
+        tokens. With overlapped scheduling the step processed is the previous one: step
+        N+1 is queued on the device before step N's tokens are brought back, so the
+        host's scheduling and output handling hide behind the device's work."""
         sched = self.scheduler.schedule()
         launched = None
         if not sched.empty:
-            runner = self.executor.driver.runner
-            prev = self.inflight.handle if self.inflight is not None else None
-            handle = runner.launch(sched, self._tables(sched), prev)
-            index: list[int] = []
-            self._advance(sched, None, index)
-            assert len(index) == len(handle.sample_requests)
-            launched = _InFlight(handle, index, self.weight_version)
-        outputs = self._process(self.inflight) if self.inflight is not None else []
+            overlapped = self.async_scheduling and self.inflight is not None
+            handle = self.executor.launch(sched, self._tables(sched),
+                                          self.inflight.handle if overlapped else None)
+            launched = _InFlight(handle, self._advance(sched), self.weight_version)
+        if not self.async_scheduling:
+            return self._process(launched) if launched is not None else None
+        outputs = self._process(self.inflight) if self.inflight is not None else None
         self.inflight = launched
         return outputs
 
@@ -240,11 +214,12 @@ class EngineCore:
             return self.kv.block_table_array([item.request for item in sched.scheduled])
         return [self.kv.block_table(item.request) for item in sched.scheduled]
 
-    def _advance(self, sched, prompt_logprobs, placeholders: list[int] | None = None) -> None:
-        """The scheduled tokens are computed. With `placeholders` (overlapped scheduling),
-        each request that samples this step gets a PLACEHOLDER for its token, which is not
-        known yet, and the placeholder's index goes to the list, in step order."""
+    def _advance(self, sched) -> list[int]:
+        """The scheduled tokens are computed. Each request that samples this step gets a
+        PLACEHOLDER for its token, which is not known until the step is collected; the
+        placeholders' indexes are returned, in step order."""
         caching, bs = self.kv.enable_prefix_caching, self.kv.block_size
+        placeholders: list[int] = []
         for item in sched.scheduled:
             req = item.request
             start = req.num_computed_tokens
@@ -253,13 +228,11 @@ class EngineCore:
                 self.prompt_tokens_total += min(end, req.num_prompt_tokens) - start
             if caching and start // bs != end // bs:  # a block filled up
                 self.kv.cache_computed_blocks(req)
-            if prompt_logprobs and req.request_id in prompt_logprobs:
-                self._add_prompt_logprobs(req, start, prompt_logprobs[req.request_id])
-            if placeholders is not None:
-                token_ids = req.token_ids
-                if end == len(token_ids):  # the chunk reached the end: it samples
-                    placeholders.append(end)
-                    token_ids.append(PLACEHOLDER)
+            token_ids = req.token_ids
+            if end == len(token_ids):  # the chunk reached the end: it samples
+                placeholders.append(end)
+                token_ids.append(PLACEHOLDER)
+        return placeholders
 
     def _add_prompt_logprobs(self, req: Request, start: int, logprobs) -> None:
         if not req.prompt_logprobs:
@@ -267,17 +240,15 @@ class EngineCore:
         if len(req.prompt_logprobs) == start + 1:  # skip recomputed chunks
             req.prompt_logprobs.extend(logprobs)
 
-    def _process(self, inflight: "_InFlight") -> list[EngineOutput]:
-        result = self.executor.driver.runner.collect(inflight.handle)
+    def _process(self, inflight: "_InFlight") -> EngineCoreOutputs | None:
+        """Bring a launched step's tokens back and turn them into request state and outputs."""
+        result = self.executor.collect(inflight.handle)
         for rid, logprobs in result.prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 self._add_prompt_logprobs(req, inflight.handle.prompt_start[rid], logprobs)
-        outputs: list[EngineOutput] = []
+        out = _StepOut()
         version, finished = inflight.version, RequestStatus.FINISHED
-        # Without streaming or detokenizing, most tokens only need recording: a token that
-        # is not a stop token, not the request's last, and completes no KV block.
-        quick = not self.stream and not self.detokenizers
         bs = self.kv.block_size
         recorded = 0
         for item, token, logprob, index in zip(result.sample_requests, result.token_ids,
@@ -285,7 +256,9 @@ class EngineCore:
             req = item.request
             if req.status is finished:  # finished or aborted meanwhile: the token is discarded
                 continue
-            if (quick and index < req.last_index and (index + 1) % bs
+            # Most tokens of a non-streamed request only need recording: not a stop token,
+            # not its last, and completing no KV block.
+            if (not req.stream and index < req.last_index and (index + 1) % bs
                     and token not in req.stop_ids):
                 req.token_ids[index] = token
                 req.token_versions.append(version)
@@ -293,21 +266,17 @@ class EngineCore:
                     req.logprobs.append(logprob)
                 recorded += 1
                 continue
-            self._accept(req, token, logprob, version, index, outputs)
+            self._accept(req, token, logprob, version, index, out)
         self.generation_tokens_total += recorded
-        return outputs
+        return out.build(version)
 
-    def _accept(self, req: Request, token: int, logprob, version: int, index: int | None,
-                outputs: list[EngineOutput]) -> None:
-        """Record a sampled token (in place of its placeholder when `index` is given),
-        decide whether the request is done, and add its output to `outputs` if there is
-        one: every token when streaming, else the whole request when it finishes."""
+    def _accept(self, req: Request, token: int, logprob, version: int, index: int,
+                out: _StepOut) -> None:
+        """Record a sampled token in place of its placeholder, decide whether the request
+        is done, and report it in `out`: every token of a streamed request, the whole of a
+        non-streamed one when it finishes."""
         token_ids = req.token_ids
-        if index is None:
-            index = len(token_ids)
-            token_ids.append(token)
-        else:
-            token_ids[index] = token
+        token_ids[index] = token
         req.token_versions.append(version)
         if logprob is not None:
             req.logprobs.append(logprob)
@@ -318,93 +287,71 @@ class EngineCore:
         if (kv.enable_prefix_caching and (index + 1) % kv.block_size == 0
                 and req.request_id in kv.blocks):
             kv.cache_computed_blocks(req)
-        p = req.sampling_params
         n_out = index + 1 - req.num_prompt_tokens
+        if req.stream:
+            out.ids.append(req.request_id)
+            out.tokens.append(token)
+            out.logprobs.append(logprob)
+            out.any_logprobs = out.any_logprobs or logprob is not None
+            if n_out == 1:
+                p = req.sampling_params
+                out.started.append(Started(
+                    req.request_id, req.num_cached_tokens,
+                    req.prompt_logprobs if p.prompt_logprobs is not None else None))
         finish, stop_reason = None, None
-        if token in req.stop_ids and n_out >= p.min_tokens:
+        if token in req.stop_ids and n_out >= req.sampling_params.min_tokens:
             finish = FinishReason.STOP
-            if p.ignore_eos or token not in req.eos_token_ids:
+            if req.sampling_params.ignore_eos or token not in req.eos_token_ids:
                 stop_reason = token  # a stop_token_ids hit, not end-of-sequence
-        detok = self.detokenizers.get(req.request_id) if self.detokenizers else None
-        if detok is not None and finish is None:
-            match = detok.add(token)
-            if match is not None and n_out >= p.min_tokens:
-                finish, stop_reason = FinishReason.STOP, match.stop
-        if finish is None and n_out >= req.max_output_tokens:
+        elif n_out >= req.max_output_tokens:
             finish = FinishReason.LENGTH
-        if finish is None:
-            if self.stream:
-                text = detok.take(final=False) if detok is not None else ""
-                outputs.append(self._delta(req, token, logprob, text, version, index))
-            return
-        del token_ids[index + 1:]  # a token the next step sampled is discarded
+        if finish is not None:
+            del token_ids[index + 1:]  # a token the next step sampled is discarded
+            out.finished.append(self._finish(req, finish, stop_reason))
+
+    def _finish(self, req: Request, reason: FinishReason, stop_reason: int | None = None) -> Finished:
         req.status = RequestStatus.FINISHED
-        req.finish_reason, req.stop_reason = finish, stop_reason
+        req.finish_reason, req.stop_reason = reason, stop_reason
         self.scheduler.finish(req)
-        self.detokenizers.pop(req.request_id, None)
-        text = detok.take(final=True) if detok is not None else ""
-        out = (self._delta(req, token, logprob, text, version, index) if self.stream
-               else self._whole_output(req, text, version))
-        out.finish_reason, out.stop_reason = finish, stop_reason
-        outputs.append(out)
+        return Finished(req.request_id, reason.value, stop_reason,
+                        None if req.stream else self._final(req))
 
     @staticmethod
-    def _delta(req: Request, token: int, logprob, text: str, version: int, index: int) -> EngineOutput:
-        """One token's output (the streaming engine); prompt logprobs come with the first."""
-        first = index == req.num_prompt_tokens
-        return EngineOutput(
-            req.request_id, [token], [logprob] if logprob is not None else None, text, version,
-            prompt_logprobs=(req.prompt_logprobs if first and req.sampling_params.prompt_logprobs is not None
-                             else None),
-            num_cached_tokens=req.num_cached_tokens)
-
-    def _whole_output(self, req: Request, text: str, version: int) -> EngineOutput:
-        """Everything a request produced, as one output (the non-streaming engine)."""
+    def _final(req: Request) -> FinalTokens:
+        """Everything a non-streamed request produced."""
         n = len(req.token_versions)  # tokens read back; not one still in flight
         start = req.num_prompt_tokens
         p = req.sampling_params
-        return EngineOutput(
-            req.request_id, req.token_ids[start:start + n],
-            list(req.logprobs) if p.logprobs is not None else None, text, version,
-            prompt_logprobs=req.prompt_logprobs if n and p.prompt_logprobs is not None else None,
-            num_cached_tokens=req.num_cached_tokens, token_versions=list(req.token_versions))
-
-    def _finish(self, req: Request, reason: FinishReason) -> EngineOutput:
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        self.scheduler.finish(req)
-        detok = self.detokenizers.pop(req.request_id, None)
-        text = detok.take(final=True) if detok is not None else ""
-        if not self.stream:
-            out = self._whole_output(req, text, self.weight_version)
-            out.finish_reason = reason
-            return out
-        return EngineOutput(req.request_id, [], None, text, self.weight_version,
-                            finish_reason=reason, num_cached_tokens=req.num_cached_tokens)
+        return FinalTokens(
+            req.token_ids[start:start + n], list(req.logprobs) if p.logprobs is not None else None,
+            [(s.version, s.start, s.end) for s in version_spans(req.token_versions)],
+            req.num_cached_tokens,
+            req.prompt_logprobs if n and p.prompt_logprobs is not None else None)
 
     # -- pause / resume ----------------------------------------------------------------
-    def pause(self, mode: str = "abort", clear_cache: bool = False) -> list[EngineOutput]:
+    def pause(self, mode: str = "abort", clear_cache: bool = False) -> list[Finished]:
         """Stop producing tokens. `abort` ends in-flight requests now; `keep` freezes them
-        with their KV cache; `wait` lets them run on (the caller waits for `drained`)."""
+        with their KV cache; `wait` lets them run on (the caller waits for `drained`).
+        A later pause replaces the mode of an earlier one: `wait` after `keep` lets the
+        frozen requests finish."""
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
         self.paused = True
         self.pause_mode = mode
-        outputs: list[EngineOutput] = []
+        self.scheduler.frozen = mode == "keep"
+        outputs: list[Finished] = []
         if mode == "abort":
             outputs = self.abort(list(self.scheduler.requests))
-        elif mode == "keep":
-            self.scheduler.frozen = True
-            if clear_cache:
-                for req in reversed(list(self.scheduler.running)):
-                    self.scheduler.drop_kv(req)
-                self.kv.reset_prefix_cache()
+        elif mode == "keep" and clear_cache:
+            for req in reversed(list(self.scheduler.running)):
+                self.scheduler.drop_kv(req)
+            self.kv.reset_prefix_cache()
         return outputs
 
     @property
     def drained(self) -> bool:
-        """For `wait` pauses: every request that was in flight has finished."""
-        return not self.has_unfinished() or self.pause_mode == "keep"
+        """Every request that was in flight when generation was paused has finished."""
+        return not self.has_unfinished()
 
     def resume(self) -> None:
         self.paused = False
@@ -419,20 +366,25 @@ class EngineCore:
     def sleeping(self) -> bool:
         return self.scheduler.sleeping
 
-    def sleep(self, level: int = 1) -> list[EngineOutput]:
+    def sleep(self, level: int = 1) -> EngineCoreOutputs | None:
         """Give the device memory back (see Worker.sleep). Running requests keep their
-        tokens and recompute their KV after wake-up; requests that arrive meanwhile wait."""
+        tokens and recompute their KV after wake-up; requests that arrive meanwhile wait.
+        Level 2 drops the weights: nothing runs again until a full update arrives."""
         if level not in (1, 2):
             raise InvalidRequestError(f"level: must be 1 or 2, got {level!r}", "level")
         if self.sleeping:
-            return []
-        outputs = self._process(self.inflight) if self.inflight is not None else []
+            if level == 2 and not self.scheduler.no_weights:
+                self.executor.collective_rpc("sleep", 2)  # deepen: drop the host copy too
+                self.scheduler.no_weights = True
+            return None
+        outputs = self._process(self.inflight) if self.inflight is not None else None
         self.inflight = None
         for req in reversed(list(self.scheduler.running)):  # keeps their order in the queue
             self.scheduler.drop_kv(req)
         self.kv.reset_prefix_cache()
         self.executor.collective_rpc("sleep", level)
         self.scheduler.sleeping = True
+        self.scheduler.no_weights = level == 2
         return outputs
 
     def wake_up(self) -> None:
@@ -456,6 +408,7 @@ class EngineCore:
             raise InvalidRequestError("the server is asleep: POST /wake_up before updating weights",
                                       "update_info")
         self.executor.collective_rpc("apply_staged_weights")
+        self.scheduler.no_weights = False  # an update carries every required weight
         return self._new_version(version)
 
     def _new_version(self, version: int | None) -> int:
@@ -478,9 +431,11 @@ class EngineCore:
             generation_tokens_total=self.generation_tokens_total,
             aborted_total=self.aborted_total,
             preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hit_tokens=self.kv.prefix_hits,
             weight_version=self.weight_version,
-            paused=self.paused)
+            paused=self.paused,
+            sleeping=self.sleeping)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

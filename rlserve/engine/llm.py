@@ -12,7 +12,7 @@ from typing import Sequence
 
 from rlserve.config import EngineConfig
 from rlserve.engine.core import EngineCore
-from rlserve.engine.output_processor import RequestState
+from rlserve.engine.output_processor import OutputProcessor, RequestState
 from rlserve.engine.request import RequestOutput, SamplingParams
 
 
@@ -21,10 +21,13 @@ class LLM:
         if model is None:
             from rlserve.model.demo_model import demo_model_path
             model = demo_model_path()
-        # generate() returns whole results: the engine need not stream per-token deltas.
-        self.engine = EngineCore(EngineConfig(model=model, **kwargs), stream=False)
+        self.engine = EngineCore(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        # generate() returns whole results: the engine reports a request once, when it
+        # finishes, unless its stop strings need the text as it grows (tests set this to
+        # compare with the per-step path the server streams).
+        self._report_every_step = False
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -40,28 +43,28 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params: one per prompt, or a single one for all")
 
-        states: dict[str, RequestState] = {}
-        order: list[str] = []
+        processor = OutputProcessor(self.tokenizer)
         # Validate everything before admitting anything, so a bad prompt leaves no work behind.
         pending = []
         for prompt, p in zip(prompts, params_list):
             text = prompt if isinstance(prompt, str) else None
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = str(next(self._ids))
-            reqs = self.engine.make_requests(ids, p, rid)
-            states[rid] = RequestState(rid, text, ids, p.n, p.logprobs is not None)
-            for child in reqs:
-                pending.append((rid, child))
-            order.append(rid)
-        child_to_parent = {}
-        for rid, child in pending:
-            child_to_parent[child.request_id] = rid
-            self.engine.add_request(child)
+            stream = self._report_every_step or processor.needs_steps(p)
+            pending.append((RequestState(rid, text, ids, p), self.engine.make_requests(ids, p, rid, stream)))
+        for state, reqs in pending:
+            processor.add(state)
+            for req in reqs:
+                self.engine.add_request(req)
 
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                states[child_to_parent[out.request_id]].add(out)
-        return [states[rid].snapshot() for rid in order]
+        engine = self.engine
+        while engine.has_unfinished():
+            out = engine.step()
+            if out is not None:
+                aborts = processor.process(out)
+                if aborts:  # stop strings: the samples ended here
+                    engine.abort(aborts)
+        return [state.output() for state, _ in pending]
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
              chat_template: str | None = None) -> list[RequestOutput]:

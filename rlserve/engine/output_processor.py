@@ -1,54 +1,255 @@
-"""Accumulates engine deltas into the RequestOutput users see (one per prompt, n samples)."""
+"""The front end's side of a step: engine outputs -> per-request state, text, stop strings.
+
+The engine core reports token ids (outputs.py); here they become each sample's tokens,
+logprobs, weight versions and text. A stop string is found here, so the sample ends here
+and the engine is asked to abort it (it may have computed a token or two more, which are
+dropped). The offline LLM and the API server's AsyncEngine both use this, the one in
+process, the other on every message from the engine-core process.
+"""
 
 from __future__ import annotations
 
-from rlserve.engine.request import CompletionOutput, EngineOutput, RequestOutput, TokenLogprob
+import time
+from typing import Callable, Protocol
+
+from rlserve.engine.detokenizer import IncrementalDetokenizer
+from rlserve.engine.outputs import EngineCoreOutputs, FinalTokens, Finished, Started
+from rlserve.engine.request import (CompletionOutput, RequestOutput, SamplingParams, TokenLogprob,
+                                    sample_ids)
 
 
-class RequestState:
-    """Everything produced so far for one prompt and its n samples."""
+class LatencyObserver(Protocol):
+    """Where per-token timings go (the server's Prometheus histograms)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 n: int, want_logprobs: bool):
+    def first_token(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float, count: int) -> None: ...
+    def finished(self, reason: str, seconds: float) -> None: ...
+
+
+class SampleDelta:
+    """What is new in one sample since the consumer last looked."""
+
+    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "first")
+
+    def __init__(self, index: int, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None,
+                 finish_reason: str | None, stop_reason: int | str | None, first: bool):
+        self.index, self.text, self.token_ids, self.logprobs = index, text, token_ids, logprobs
+        self.finish_reason, self.stop_reason, self.first = finish_reason, stop_reason, first
+
+
+class SampleState:
+    """One sample of a request: its tokens and text so far."""
+
+    __slots__ = ("request", "index", "request_id", "token_ids", "logprobs", "token_versions",
+                 "detok", "finish_reason", "stop_reason", "last_time", "sent_tokens", "started",
+                 "sent_all")
+
+    def __init__(self, request: "RequestState", index: int, request_id: str):
+        self.request = request
+        self.index = index
         self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.prompt_logprobs: list[TokenLogprob | None] | None = None
-        self.outputs = [CompletionOutput(i, "", [], [] if want_logprobs else None, None)
-                        for i in range(n)]
-        self.weight_version = 0
-        self.num_cached_tokens = 0
-        self.child_ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
+        self.token_versions: list[int] = []
+        self.detok: IncrementalDetokenizer | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.last_time = 0.0  # when its latest token arrived
+        self.sent_tokens = 0  # tokens the consumer has seen
+        self.started = False  # the consumer has seen something of it
+        self.sent_all = False  # the consumer has seen its end
 
-    def index_of(self, child_id: str) -> int:
-        return 0 if len(self.child_ids) == 1 else int(child_id.rsplit("-", 1)[1])
-
-    def add(self, out: EngineOutput) -> None:
-        c = self.outputs[self.index_of(out.request_id)]
-        c.text += out.new_text
-        c.token_ids.extend(out.new_token_ids)
-        c.token_versions.extend(out.token_versions if out.token_versions is not None
-                                else [out.weight_version] * len(out.new_token_ids))
-        if out.new_logprobs is not None and c.logprobs is not None:
-            c.logprobs.extend(out.new_logprobs)
-        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = list(out.prompt_logprobs)
-        if out.finish_reason is not None:
-            c.finish_reason = out.finish_reason.value
-            c.stop_reason = out.stop_reason
-        self.weight_version = out.weight_version
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok is not None else ""
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.outputs)
+        return self.finish_reason is not None
 
-    def snapshot(self) -> RequestOutput:
-        """A cumulative RequestOutput; lists are copied so later deltas do not leak in."""
-        outs = [CompletionOutput(c.index, c.text, list(c.token_ids),
-                                 None if c.logprobs is None else list(c.logprobs),
-                                 c.finish_reason, c.stop_reason, list(c.token_versions))
-                for c in self.outputs]
+
+class RequestState:
+    """One prompt and its n samples, as the front end assembles them.
+
+    `notify` is called after each engine message that changed the request when `stream`
+    is set, else once, when every sample has finished (or on an error).
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival: float | None = None,
+                 notify: Callable[[], None] | None = None, stream: bool = False):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.notify = notify
+        self.stream = stream
+        self.samples = [SampleState(self, i, rid) for i, rid in enumerate(sample_ids(request_id, params.n))]
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.num_cached_tokens = 0
+        self.weight_version = 0
+        self.num_finished = 0
+        self.error: BaseException | None = None
+        self.first_token_seen = False
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.samples) or self.error is not None
+
+    def deltas(self) -> list[SampleDelta]:
+        """What each sample gained since the last call (text held back near a possible stop
+        string is not out yet); samples with nothing new are left out."""
+        out = []
+        for s in self.samples:
+            if s.sent_all or (s.started and not s.finished and s.sent_tokens == len(s.token_ids)):
+                continue
+            new = s.token_ids[s.sent_tokens:]
+            lps = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+            text = s.detok.take(final=s.finished) if s.detok is not None else ""
+            first = not s.started
+            s.sent_tokens = len(s.token_ids)
+            s.started = True
+            s.sent_all = s.finished
+            out.append(SampleDelta(s.index, text, new, lps, s.finish_reason, s.stop_reason, first))
+        return out
+
+    def output(self) -> RequestOutput:
+        """Everything so far as the offline API's RequestOutput (lists are not copied)."""
+        outs = [CompletionOutput(s.index, s.text, s.token_ids, s.logprobs, s.finish_reason,
+                                 s.stop_reason, s.token_versions) for s in self.samples]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              self.prompt_logprobs, outs, self.finished, self.weight_version,
                              self.num_cached_tokens)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, observer: LatencyObserver | None = None):
+        self.tokenizer = tokenizer
+        self.observer = observer
+        self.samples: dict[str, SampleState] = {}  # engine id of every unfinished sample
+
+    def add(self, state: RequestState) -> None:
+        p = state.params
+        detokenize = p.detokenize and self.tokenizer is not None
+        for s in state.samples:
+            if detokenize:
+                s.detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop,
+                                                 p.include_stop_str_in_output, p.skip_special_tokens,
+                                                 p.min_tokens)
+            self.samples[s.request_id] = s
+
+    @staticmethod
+    def needs_steps(params: SamplingParams) -> bool:
+        """Whether the engine must report this request's tokens every step even when nobody
+        streams them: stop strings are matched here, as the text grows."""
+        return bool(params.stop) and params.detokenize
+
+    def process(self, out: EngineCoreOutputs) -> list[str]:
+        """Take one step's outputs; returns the engine ids of samples a stop string ended,
+        which the engine must abort."""
+        now = time.monotonic()
+        samples = self.samples
+        version = out.version
+        touched: dict[int, RequestState] = {}
+        aborts: list[str] = []
+        for st in out.started:
+            self._started(st)
+        logprobs = out.logprobs
+        for i, (rid, token) in enumerate(zip(out.request_ids, out.token_ids)):
+            s = samples.get(rid)
+            if s is None:  # ended here already (a stop string): the engine catches up
+                continue
+            s.token_ids.append(token)
+            s.token_versions.append(version)
+            if logprobs is not None and s.logprobs is not None:
+                s.logprobs.append(logprobs[i])
+            self._timing(s, 1, now)
+            req = s.request
+            req.weight_version = version
+            touched[id(req)] = req
+            if s.detok is not None:
+                match = s.detok.add(token)
+                if match is not None:
+                    self._finish(s, "stop", match.stop, now)
+                    aborts.append(rid)
+        for f in out.finished:
+            s = samples.get(f.request_id)
+            if s is None:
+                continue
+            if f.final is not None:
+                self._absorb(s, f.final, now)
+            req = s.request
+            req.weight_version = max(req.weight_version, version)
+            touched[id(req)] = req
+            if s.detok is not None:
+                s.detok.finish()
+            self._finish(s, f.reason, f.stop_reason, now)
+        for req in touched.values():
+            if req.notify is not None and (req.stream or req.finished):
+                req.notify()
+        return aborts
+
+    def _started(self, st: Started) -> None:
+        s = self.samples.get(st.request_id)
+        if s is not None:
+            req = s.request
+            req.num_cached_tokens = max(req.num_cached_tokens, st.num_cached_tokens)
+            if st.prompt_logprobs is not None and req.prompt_logprobs is None:
+                req.prompt_logprobs = st.prompt_logprobs
+
+    def _absorb(self, s: SampleState, final: FinalTokens, now: float) -> None:
+        """A non-streamed sample's tokens, all at once."""
+        s.token_ids.extend(final.token_ids)
+        if s.logprobs is not None and final.logprobs is not None:
+            s.logprobs.extend(final.logprobs)
+        for version, start, end in final.version_spans:
+            s.token_versions.extend([version] * (end - start))
+        req = s.request
+        req.num_cached_tokens = max(req.num_cached_tokens, final.num_cached_tokens)
+        if final.prompt_logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = final.prompt_logprobs
+        if final.version_spans:
+            req.weight_version = max(req.weight_version, final.version_spans[-1][0])
+        if s.detok is not None:
+            for token in final.token_ids:
+                s.detok.add(token)
+        self._timing(s, len(final.token_ids), now)
+
+    def _timing(self, s: SampleState, count: int, now: float) -> None:
+        if self.observer is None or not count:
+            return
+        req = s.request
+        if not req.first_token_seen:
+            req.first_token_seen = True
+            self.observer.first_token(now - req.arrival)
+            count -= 1
+            s.last_time = now
+        if count and s.last_time:
+            self.observer.inter_token((now - s.last_time) / count, count)
+        s.last_time = now
+
+    def _finish(self, s: SampleState, reason: str, stop_reason, now: float) -> None:
+        s.finish_reason, s.stop_reason = reason, stop_reason
+        self.samples.pop(s.request_id, None)
+        req = s.request
+        req.num_finished += 1
+        if self.observer is not None:
+            self.observer.finished(reason, now - req.arrival)
+
+    def fail(self, state: RequestState, error: BaseException) -> None:
+        """End a request with an error (the engine refused it, or died)."""
+        state.error = error
+        for s in state.samples:
+            self.samples.pop(s.request_id, None)
+        if state.notify is not None:
+            state.notify()
+
+    def fail_all(self, error: BaseException) -> None:
+        for state in {id(s.request): s.request for s in self.samples.values()}.values():
+            self.fail(state, error)
+
+    def remove(self, state: RequestState) -> list[str]:
+        """Forget a request (its consumer left); returns the engine ids still running."""
+        running = [s.request_id for s in state.samples if self.samples.pop(s.request_id, None)]
+        return running

@@ -18,6 +18,10 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class EngineUnavailableError(RuntimeError):
+    """Generation cannot run now, for a reason the caller can wait out (HTTP 503)."""
+
+
 @dataclass
 class SamplingParams:
     """How to sample. Field names and meanings follow vLLM's SamplingParams.
@@ -86,6 +90,35 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The engine's id of each of a prompt's n samples."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
+                    vocab_size: int) -> None:
+    """What a prompt must satisfy to run; the front end checks before sending, the engine again."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("prompt: must contain at least one token", "prompt")
+    if n >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt: {n} tokens, but max_model_len is {max_model_len} (the prompt "
+            "and at least one generated token must fit)", "prompt")
+    if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"max_tokens: the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) "
+            f"exceeds max_model_len ({max_model_len})", "max_tokens")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
+    for t in params.stop_token_ids:
+        if not 0 <= t < vocab_size:
+            raise InvalidRequestError(
+                f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
+
+
 class TokenLogprob(NamedTuple):
     """Logprob of one sampled token, with its rank and the top-k alternatives."""
 
@@ -119,6 +152,7 @@ class Request:
     max_model_len: int = 2048
     group_id: str | None = None  # parent id when n > 1
     sample_index: int = 0
+    stream: bool = False  # report every token as it comes, not all of them at the end
     arrival_time: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -153,38 +187,8 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
-
-
-@dataclass
-class EngineOutput:
-    """What one engine step produced for one request: a delta, not the whole history."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] | None
-    new_text: str
-    weight_version: int
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first tokens
-    num_cached_tokens: int = 0
-    # Per-token weight versions when the output carries tokens of several steps (the
-    # offline engine's one output per request); None: all are `weight_version`.
-    token_versions: list[int] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass

@@ -50,6 +50,8 @@ class Scheduler:
         # Requests held in place by a `keep` pause: they keep their KV but are not stepped.
         self.frozen = False
         self.sleeping = False  # the device memory is given back: nothing can run
+        self.no_weights = False  # dropped by a level-2 sleep: nothing runs until an update
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
 
     # -- queue management -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -73,7 +75,7 @@ class Scheduler:
 
     @property
     def stopped(self) -> bool:
-        return self.frozen or self.sleeping
+        return self.frozen or self.sleeping or self.no_weights
 
     @property
     def num_unfinished(self) -> int:
@@ -146,6 +148,7 @@ class Scheduler:
             cached: list[int] = []
             if req.num_computed_tokens == 0:
                 cached = self.kv.find_cached_prefix(req)
+                self.prefix_cache_queries += req.num_tokens
             num_computed = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_computed, budget)
             if not self.kv.allocate(req, n, cached):

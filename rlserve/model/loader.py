@@ -32,6 +32,11 @@ def resolve_model_path(model: str) -> str:
                          f"from the hub ({type(e).__name__}: {e})") from e
 
 
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_hf_config(path: str):
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(path)

@@ -14,12 +14,14 @@ from starlette.exceptions import HTTPException
 
 from rlserve import __version__
 from rlserve.config import EngineConfig
-from rlserve.engine.async_engine import EngineDeadError
-from rlserve.engine.request import InvalidRequestError
+from rlserve.engine.messages import ConflictError, EngineDeadError
+from rlserve.engine.request import EngineUnavailableError, InvalidRequestError
 from rlserve.server import routes_openai
+from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS, BodySizeLimit
 from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from rlserve.server.protocol import APIError, VersionResponse
-from rlserve.server.routes_openai import OpenAIServing
+from rlserve.server.serving_chat import ChatServing
+from rlserve.server.serving_completion import CompletionServing
 
 if TYPE_CHECKING:
     from rlserve.engine.async_engine import AsyncEngine
@@ -33,29 +35,39 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | None = None,
                admin_key: str | None = None, url: str | None = None,
-               reject_while_asleep: bool = False) -> FastAPI:
-    """Build the app around a started engine; the app shuts the engine down on exit."""
+               reject_while_asleep: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_prompts: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
+    """Build the app around an engine whose process is starting: the app's start-up waits
+    until the model has loaded, and its shutdown stops the engine."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        info = await engine.start()
+        logger.info("loaded %r (%s on %s, %s) in %.1fs: max_model_len %d, KV cache %d tokens, "
+                    "weight version %d", engine.model_name, info.model_type, info.device, info.dtype,
+                    info.load_seconds, info.max_model_len, info.kv_capacity_tokens, info.weight_version)
+        engine.set_latency_observer(metrics)
+        app.state.completions = CompletionServing(engine, config, metrics, max_prompts)
+        app.state.chat = ChatServing(engine, config, metrics, max_prompts)
+        _limit_max_tokens_in_schema(app, engine.max_model_len)
         if url:
             logger.info("serving %r at %s (OpenAI base URL %s/v1)", engine.model_name, url, url)
         try:
             yield
         finally:
-            engine.shutdown()
+            await engine.shutdown()
 
     app = FastAPI(title="rlserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible rollout server for RL post-training.")
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(config.name)
     app.state.engine = engine
     app.state.config = config
     app.state.api_key = api_key
     app.state.admin_key = admin_key
     app.state.reject_while_asleep = reject_while_asleep
     app.state.metrics = metrics
-    app.state.serving = OpenAIServing(engine, config, metrics)
 
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     _add_error_handlers(app)
     _add_service_routes(app)
     app.include_router(routes_openai.router)
@@ -63,7 +75,6 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
         # The control plane exists only when a weight-transfer backend is configured.
         from rlserve.server.routes_control import add_control_routes
         add_control_routes(app, engine, config)
-    _limit_max_tokens_in_schema(app, engine.max_model_len)
     return app
 
 
@@ -71,8 +82,7 @@ def _add_service_routes(app: FastAPI) -> None:
     @app.get("/health", tags=["service"], response_class=Response)
     async def health() -> Response:
         # Down once the engine loop died, or (even while idle) a tensor-parallel worker did.
-        engine = app.state.engine
-        reason = engine.dead or engine.core.executor.failure
+        reason = app.state.engine.dead
         if reason:
             return _error(503, f"the engine is down: {reason}")
         return Response(status_code=200)
@@ -83,7 +93,9 @@ def _add_service_routes(app: FastAPI) -> None:
 
     @app.get("/metrics", tags=["service"], response_class=Response)
     async def metrics() -> Response:
-        return Response(app.state.metrics.render(), media_type=CONTENT_TYPE)
+        engine = app.state.engine
+        stats = None if engine.dead else await engine.stats()
+        return Response(app.state.metrics.render(stats), media_type=CONTENT_TYPE)
 
 
 # ---------------------------------------------------------------- errors
@@ -137,6 +149,14 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         # Not the caller's fault and not a bug in this request: the engine is gone.
         return _error(503, str(exc), type="service_unavailable")
+
+    @app.exception_handler(EngineUnavailableError)
+    async def engine_unavailable(_: Request, exc: EngineUnavailableError) -> JSONResponse:
+        return _error(503, str(exc), type="service_unavailable")
+
+    @app.exception_handler(ConflictError)
+    async def conflict(_: Request, exc: ConflictError) -> JSONResponse:
+        return _error(409, str(exc), type="conflict_error")
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

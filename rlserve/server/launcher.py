@@ -7,7 +7,6 @@ benchmarks and trainers that bring their own rollout server.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -17,19 +16,8 @@ from pathlib import Path
 
 import requests
 
+from rlserve.process import die_with_parent as _die_with_parent
 from rlserve.weight_transfer.group import get_open_port
-
-try:  # loaded here, not in the forked child, where loading a library is unsafe
-    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-except OSError:
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    """Linux: the server gets SIGTERM if its parent dies without stopping it."""
-    if _prctl is not None:
-        _prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
 
 class ServerProcess:
     """`die_with_parent`: the server ends with this process even when it is killed without

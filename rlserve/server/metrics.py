@@ -3,16 +3,13 @@ observed by the HTTP layer as outputs stream out."""
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from rlserve.engine.request import RequestOutput
-
 if TYPE_CHECKING:
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.engine.outputs import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -24,13 +21,15 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 32
 
 
 class _EngineCollector:
-    """Reads `engine.stats()` on every scrape, so the numbers are never stale."""
+    """The engine's gauges and counters, from the stats the /metrics handler just fetched."""
 
-    def __init__(self, engine: "AsyncEngine"):
-        self._engine = engine
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
-        s = self._engine.stats()
+        s = self.stats
+        if s is None:
+            return
         gauges = [
             ("rlserve_num_requests_running", "Sequences being generated.", s.num_running),
             ("rlserve_num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
@@ -55,11 +54,14 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    """One registry per app, so several apps in one process never clash."""
+    """One registry per app, so several apps in one process never clash. Also the engine's
+    latency observer (output_processor.LatencyObserver): it times tokens as they arrive."""
 
-    def __init__(self, engine: "AsyncEngine"):
+    def __init__(self, model_name: str):
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(engine))
+        self._engine = _EngineCollector()
+        self.registry.register(self._engine)
         self.ttft = Histogram(
             "rlserve_time_to_first_token_seconds", "Time from request arrival to first token.",
             buckets=_TTFT_BUCKETS, registry=self.registry)
@@ -69,49 +71,25 @@ class ServerMetrics:
         self.e2e = Histogram(
             "rlserve_e2e_request_latency_seconds", "Time from request arrival to its last token.",
             buckets=_E2E_BUCKETS, registry=self.registry)
-        self.finished = Counter(
+        self.finished_samples = Counter(
             "rlserve_request_finished", "Finished samples by finish reason.", ["finish_reason"],
             registry=self.registry)
         self.disconnects = Counter(
             "rlserve_client_disconnects", "Requests whose client left before the end.",
             registry=self.registry)
 
-    def render(self) -> bytes:
+    def render(self, stats: "EngineStats | None") -> bytes:
+        self._engine.stats = stats
         return generate_latest(self.registry)
 
-    def timer(self, arrival: float) -> "RequestTimer":
-        return RequestTimer(self, arrival)
+    # -- LatencyObserver -------------------------------------------------------------------
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
 
+    def inter_token(self, seconds: float, count: int) -> None:
+        for _ in range(count):  # tokens that arrive together share the gap
+            self.itl.observe(seconds)
 
-class RequestTimer:
-    """Latency bookkeeping of one engine request (all n samples of one prompt)."""
-
-    def __init__(self, metrics: ServerMetrics, arrival: float):
-        self._m = metrics
-        self._start = arrival  # time.monotonic() when the HTTP request came in
-        self._first_token = False
-        self._seen: dict[int, tuple[int, float]] = {}  # sample index -> (tokens, last arrival)
-
-    def observe(self, out: RequestOutput) -> None:
-        now = time.monotonic()
-        for c in out.outputs:
-            count, last = self._seen.get(c.index, (0, self._start))
-            new = len(c.token_ids) - count
-            if new <= 0:
-                continue
-            if count == 0:
-                if not self._first_token:
-                    self._first_token = True
-                    self._m.ttft.observe(now - self._start)
-                new, last = new - 1, now  # the first token's latency is the TTFT, not a gap
-            if new > 0:
-                gap = (now - last) / new  # tokens that arrive together share the gap
-                for _ in range(new):
-                    self._m.itl.observe(gap)
-            self._seen[c.index] = (len(c.token_ids), now)
-        if out.finished:
-            self._m.e2e.observe(now - self._start)
-            for c in out.outputs:
-                if c.finish_reason:
-                    reason = getattr(c.finish_reason, "value", c.finish_reason)
-                    self._m.finished.labels(finish_reason=reason).inc()
+    def finished(self, reason: str, seconds: float) -> None:
+        self.e2e.observe(seconds)
+        self.finished_samples.labels(finish_reason=reason).inc()

@@ -72,6 +72,9 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = Field(
+        True, description="False: token ids and logprobs only; no text is decoded (text is "
+                          "empty, logprob tokens read 'token_id:<id>').")
     return_token_ids: bool = Field(
         False, description="Add prompt_token_ids and per-choice token_ids to the response.")
     return_weight_versions: bool = Field(

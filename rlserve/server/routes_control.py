@@ -98,8 +98,11 @@ async def pause(request: Request,
                                               "finish; keep: freeze them with their KV cache"),
                 clear_cache: bool = Query(False, description="keep mode: drop frozen requests' "
                                                              "KV so they re-prefill on resume")) -> dict:
-    await _engine(request).pause(mode, clear_cache)
-    return {"status": "paused", "mode": mode}
+    """Answers once its mode holds. `wait` answers when the requests in flight have
+    finished, or with mode `keep` when they cannot run (a keep-pause or sleep came first:
+    they are kept and continue after /resume), or 409 if /resume came first."""
+    answer = await _engine(request).pause(mode, clear_cache)
+    return {"status": "paused", **answer}
 
 
 @router.post("/resume")
@@ -110,7 +113,7 @@ async def resume(request: Request) -> dict:
 
 @router.get("/is_paused")
 async def is_paused(request: Request) -> dict:
-    return {"is_paused": _engine(request).is_paused}
+    return {"is_paused": (await _engine(request).stats()).paused}
 
 
 @router.post("/sleep")
@@ -130,12 +133,12 @@ async def wake_up(request: Request) -> dict:
 
 @router.get("/is_sleeping")
 async def is_sleeping(request: Request) -> dict:
-    return {"is_sleeping": _engine(request).is_sleeping}
+    return {"is_sleeping": (await _engine(request).stats()).sleeping}
 
 
 @router.get("/weight_version")
 async def weight_version(request: Request) -> dict:
-    return {"weight_version": _engine(request).weight_version}
+    return {"weight_version": (await _engine(request).stats()).weight_version}
 
 
 @router.post("/reset_prefix_cache")

@@ -17,7 +17,8 @@ WorkerDiedError, so the engine loop stops and says why.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import functools
 import logging
 import os
 import queue
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import msgpack
 import numpy as np
@@ -35,8 +36,9 @@ import torch
 
 from rlserve.config import EngineConfig
 from rlserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, host_store, tp_device
+from rlserve.process import die_with_parent
 from rlserve.worker.messages import Channel, ChannelClosed, StepEncoder, error_from_reply
-from rlserve.worker.model_runner import ModelRunnerOutput
+from rlserve.worker.model_runner import ModelRunnerOutput, StepHandle
 from rlserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -46,13 +48,6 @@ _POLL_S = 0.2
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel rank is gone (or failed a step); the engine cannot go on."""
-
-
-def _config_to_wire(config: EngineConfig) -> dict[str, Any]:
-    data = dataclasses.asdict(config)
-    if isinstance(config.dtype, torch.dtype):
-        data["dtype"] = str(config.dtype).removeprefix("torch.")
-    return data
 
 
 def _describe_exit(code: int | None) -> str:
@@ -79,7 +74,8 @@ class WorkerProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlserve.worker.worker_proc", "--fd", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), env=env)
+            pass_fds=(theirs.fileno(),), env=env,
+            preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))  # it ignores SIGTERM
         theirs.close()
         self.chan = Channel(ours)
         self.replies: queue.Queue[dict | None] = queue.Queue()
@@ -165,7 +161,7 @@ class Executor:
             # CPU ranks share the cores; more threads than cores makes every rank spin.
             self._saved_threads = torch.get_num_threads()
             torch.set_num_threads(threads)
-        init = {"op": "init", "config": _config_to_wire(config), "model_path": model_path,
+        init = {"op": "init", "config": config.to_wire(), "model_path": model_path,
                 "world_size": self.world_size, "tp_port": store.port, "timeout_s": timeout_s,
                 "num_threads": threads, "log_level": logging.getLogger("rlserve").getEffectiveLevel()}
         for rank in range(1, self.world_size):
@@ -287,12 +283,25 @@ class Executor:
             replies = [self._reply(w) for w in self.workers]
         return [set(r) for r in self._gather(local, replies)]
 
-    def execute_model(self, sched, block_tables: np.ndarray | list[list[int]]) -> ModelRunnerOutput:
+    def launch(self, sched, block_tables: np.ndarray | list[list[int]],
+               prev: StepHandle | None = None) -> StepHandle:
+        """Queue a step on every rank; nothing here waits for the device. `prev`, the step
+        still in flight, supplies the tokens it is sampling (overlapped scheduling)."""
         self.check_health()
-        if self.workers:
-            self._send_all(self._steps.encode(sched, block_tables))
+        with self._step_failures():
+            if self.workers:
+                self._send_all(self._steps.encode(sched, block_tables))
+            return self.driver.runner.launch(sched, block_tables, prev)
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        """A launched step's results on the host: the one wait of a step."""
+        with self._step_failures():
+            return self.driver.runner.collect(handle)
+
+    @contextlib.contextmanager
+    def _step_failures(self) -> Iterator[None]:
         try:
-            return self.driver.execute_model(sched, block_tables)
+            yield
         except Exception as e:
             if not self.workers:
                 raise

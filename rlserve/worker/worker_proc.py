@@ -20,12 +20,12 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 from typing import Any
 
 import torch
 
+from rlserve.process import watch_parent
 from rlserve.worker.messages import Channel, ChannelClosed, StepDecoder, error_reply
 
 logger = logging.getLogger(__name__)
@@ -39,16 +39,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     return value
-
-
-def _watch_parent(parent: int) -> None:
-    """Exit when the engine process is gone, even if blocked inside a collective."""
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="rlserve-parent-watch", daemon=True).start()
 
 
 def _start(init: dict[str, Any]):
@@ -155,9 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one tensor-parallel rank of an rlserve engine")
     parser.add_argument("--fd", type=int, required=True, help="socket to the executor")
     args = parser.parse_args(argv)
-    # Ctrl-C reaches the whole process group; the engine process handles it and stops us.
+    # Ctrl-C and a SIGTERM to the process group reach us too: the engine process stops us
+    # in order (a rank that just vanished would read as a crash). Its death ends us anyway.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent(os.getppid())
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    watch_parent(os.getppid())
     chan = Channel(socket.socket(fileno=args.fd))
     try:
         init = chan.recv()

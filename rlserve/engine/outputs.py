@@ -1,0 +1,79 @@
+"""What the engine core reports after each step, as small typed values.
+
+One `EngineCoreOutputs` per step: the new token of every streamed request that sampled
+(parallel lists, one row per request), and the requests that started, finished or were
+refused. The offline LLM reads it in process; the server's engine-core process sends it
+as one msgpack message per step (msgspec structs: typed and validated on decode, never
+pickle). Text is not the engine's business: the front end detokenizes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from rlserve.engine.request import TokenLogprob
+
+
+class Started(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A streamed request's first token came this step: what the prompt cost."""
+
+    request_id: str
+    num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class FinalTokens(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Everything a non-streamed request produced, sent once when it finishes."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    # [version, start, end): output tokens [start, end) came from weights of `version`
+    version_spans: list[tuple[int, int, int]]
+    num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class Finished(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    reason: str  # stop | length | abort
+    stop_reason: int | None = None  # the stop token id, when one ended it (not eos)
+    final: FinalTokens | None = None  # non-streamed requests only
+
+
+class Rejected(msgspec.Struct, array_like=True):
+    """The engine refused a request it was sent (the front end validates first)."""
+
+    request_id: str
+    message: str
+    param: str | None
+    status: int = 400
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    kv_cache_capacity_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    aborted_total: int
+    preemptions_total: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int
+    weight_version: int
+    paused: bool
+    sleeping: bool
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="step"):
+    version: int  # the weights this step's tokens came from
+    request_ids: list[str] = []  # streamed requests that sampled, one row each
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob | None] | None = None  # None: no row asked for logprobs
+    started: list[Started] = []
+    finished: list[Finished] = []
+    rejected: list[Rejected] = []
+    stats: EngineStats | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.request_ids or self.started or self.finished or self.rejected)

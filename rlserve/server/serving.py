@@ -1,0 +1,290 @@
+"""What completions and chat completions share: checks, prompts, sampling parameters, and
+`Generation`, the engine requests behind one HTTP request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from rlserve.config import EngineConfig
+from rlserve.engine.output_processor import RequestState
+from rlserve.engine.request import InvalidRequestError, SamplingParams, validate_prompt
+from rlserve.server.metrics import ServerMetrics
+from rlserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                     PromptTokensDetails, TokenizeChatRequest, Usage,
+                                     WeightVersionSpan)
+from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
+from rlserve.server.token_strings import TokenStrings
+
+if TYPE_CHECKING:
+    from rlserve.engine.async_engine import AsyncEngine
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str
+
+
+def json_response(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+def usage(prompts: Sequence[Prompt], completion_tokens: int, cached: int) -> Usage:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def version_spans(token_versions: list[int]) -> list[WeightVersionSpan]:
+    from rlserve.engine.request import version_spans as spans
+    return [WeightVersionSpan(version=s.version, start=s.start, end=s.end) for s in spans(token_versions)]
+
+
+class Generation:
+    """The engine requests behind one HTTP request: one per prompt, all n samples each.
+
+    Whoever serves the HTTP request waits on it (`wait`, `finished`) and reads each
+    request's state; `close` ends whatever still runs (the client left, or an error).
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, prompts: list[Prompt],
+                 params: SamplingParams, arrival: float, stream: bool):
+        for p in prompts:  # all checked before any is sent
+            validate_prompt(p.token_ids, params, engine.max_model_len, engine.vocab_size)
+        self.engine = engine
+        self.changed = asyncio.Event()
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.states: list[RequestState] = []
+        try:
+            for p, rid in zip(prompts, ids):
+                self.states.append(engine.add_request(
+                    p.token_ids, params, request_id=rid, prompt=p.text, arrival=arrival,
+                    notify=self.changed.set, stream=stream))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.states)
+
+    def _raise_error(self) -> None:
+        for s in self.states:
+            if s.error is not None:
+                raise s.error
+
+    async def wait(self) -> None:
+        """Until some request changed; raises a request's error."""
+        await self.changed.wait()
+        self.changed.clear()
+        self._raise_error()
+
+    async def until_started(self) -> None:
+        """Until every request has produced something (or ended): an invalid request
+        then fails before a stream's 200 is sent."""
+        while not all(s.finished or any(x.token_ids for x in s.samples) for s in self.states):
+            await self.wait()
+        self._raise_error()
+
+    async def until_finished(self) -> None:
+        while not self.finished:
+            await self.wait()
+        self._raise_error()
+
+    def close(self) -> None:
+        for s in self.states:
+            self.engine.release(s)
+
+
+class OpenAIServing:
+    """Request handling shared by the routes: validation, prompts, sampling parameters."""
+
+    def __init__(self, engine: "AsyncEngine", config: EngineConfig, metrics: ServerMetrics,
+                 max_prompts: int = DEFAULT_MAX_PROMPTS):
+        self.max_prompts = max_prompts
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.tokens = TokenStrings(engine.tokenizer)
+        self.created = int(time.time())
+        self.vocab_size = engine.vocab_size
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    # ------------------------------------------------------------ checks and inputs
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model: {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        for t in ids:
+            if t >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"{param}: token id {t} is out of range; the vocabulary has "
+                    f"{self.vocab_size} tokens", param)
+
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except (TypeError, ValueError) as e:  # e.g. lone surrogates the tokenizer refuses
+            raise InvalidRequestError(f"{param}: cannot be tokenized ({e})", param) from e
+
+    async def encode_async(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """`encode`, on a thread when the text is long: the event loop keeps serving."""
+        if len(text) < LARGE_TEXT_CHARS:
+            return self.encode(text, add_special_tokens, param)
+        return await asyncio.to_thread(self.encode, text, add_special_tokens, param)
+
+    def decode(self, ids: Sequence[int], param: str) -> str:
+        self.check_ids(ids, param)
+        try:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise InvalidRequestError(f"{param}: cannot be decoded ({e})", param) from e
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool, kwargs: dict[str, Any] | None) -> str:
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message: cannot be combined with add_generation_prompt",
+                "continue_final_message")
+        template = self.config.chat_template
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "messages: this model has no chat template; start the server with "
+                "--chat-template", "messages")
+        conversation = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):  # text parts only: the schema refuses others
+                content = "".join(p.text for p in content)
+            entry: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                entry["name"] = m.name
+            conversation.append(entry)
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, chat_template=template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(kwargs or {}))
+        except Exception as e:  # template errors are caused by the messages sent
+            raise InvalidRequestError(f"messages: the chat template failed: {e}",
+                                      "messages") from e
+
+    def chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> Prompt:
+        text = self.render_chat(body.messages, body.add_generation_prompt,
+                                body.continue_final_message, body.chat_template_kwargs)
+        # The template already wrote the special tokens it wants.
+        return Prompt(self.encode(text, False, "messages"), text)
+
+    async def chat_prompt_async(self, body: ChatCompletionRequest | TokenizeChatRequest) -> Prompt:
+        """`chat_prompt`, on a thread when the messages are long."""
+        size = sum(len(m.content) if isinstance(m.content, str) else
+                   sum(len(p.text) for p in m.content or []) for m in body.messages)
+        if size < LARGE_TEXT_CHARS:
+            return self.chat_prompt(body)
+        return await asyncio.to_thread(self.chat_prompt, body)
+
+    @staticmethod
+    def refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                raise InvalidRequestError(f"{name}: not supported; leave it unset or 0", name)
+        if body.logit_bias:
+            raise InvalidRequestError("logit_bias: not supported", "logit_bias")
+        if body.stop and not body.detokenize:
+            raise InvalidRequestError("stop: stop strings need detokenize (leave it true, or use "
+                                      "stop_token_ids)", "stop")
+
+    def sampling_params(self, body: CompletionRequest | ChatCompletionRequest,
+                        max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        limit = self.engine.max_model_len
+        if max_tokens is not None and max_tokens > limit:
+            param = "max_completion_tokens" if getattr(body, "max_completion_tokens",
+                                                       None) else "max_tokens"
+            raise InvalidRequestError(
+                f"{param}: {max_tokens} is more than max_model_len ({limit})", param)
+        top_k = body.top_k if body.top_k is not None else -1
+        if top_k >= self.vocab_size:
+            top_k = -1  # keeping every token is the same as no top-k
+        return SamplingParams(
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=top_k,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            detokenize=body.detokenize,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+
+    # ------------------------------------------------------------ responses
+
+    async def respond(self, generation: Generation, events: AsyncIterator[str] | None,
+                      build) -> Response:
+        """Stream `events` when given, else wait for the end and `build` the body."""
+        if events is None:
+            try:
+                await generation.until_finished()
+                return json_response(build())
+            finally:
+                generation.close()
+        try:
+            await generation.until_started()
+        except BaseException:
+            generation.close()
+            raise
+        return StreamingResponse(self._closing(events, generation), media_type="text/event-stream")
+
+    async def _closing(self, events: AsyncIterator[str], generation: Generation) -> AsyncIterator[str]:
+        """SSE body: the events, then [DONE]; whatever happens, the engine requests end."""
+        import anyio
+        import logging
+        ended = False
+        try:
+            try:
+                async for event in events:
+                    yield event
+            except Exception as e:  # the 200 is already sent: report in-band, as OpenAI does
+                if isinstance(e, InvalidRequestError):
+                    err = APIError(400, str(e), param=e.param, code=400)
+                elif type(e).__name__ in ("EngineDeadError", "EngineUnavailableError"):
+                    err = APIError(503, str(e), type="service_unavailable", code=503)
+                else:
+                    logging.getLogger(__name__).exception("stream failed")
+                    err = APIError(500, f"internal error: {e}", type="server_error", code=500)
+                yield sse(err.body)
+            ended = True
+            yield "data: [DONE]\n\n"
+        finally:
+            if not ended:
+                self.metrics.disconnects.inc()
+            # A gone client cancels this generator; a shielded scope lets the aborts complete.
+            with anyio.CancelScope(shield=True):
+                await events.aclose()  # type: ignore[attr-defined]
+                generation.close()

@@ -1,0 +1,149 @@
+"""/v1/completions: prompts (text or token ids, one or a batch) -> choices, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator, Sequence
+
+from fastapi.responses import Response
+
+from rlserve.engine.output_processor import RequestState, SampleDelta
+from rlserve.engine.request import InvalidRequestError, TokenLogprob
+from rlserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from rlserve.server.serving import Generation, OpenAIServing, Prompt, sse, usage, version_spans
+from rlserve.server.token_strings import floor_logprob
+
+
+class CompletionServing(OpenAIServing):
+    async def create(self, body: CompletionRequest, arrival: float) -> Response:
+        self.check_model(body.model)
+        self.refuse_unsupported(body)
+        if body.suffix:
+            raise InvalidRequestError("suffix: not supported", "suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise InvalidRequestError("best_of: only best_of == n is supported", "best_of")
+        prompts = await self._prompts(body.prompt, body.detokenize)
+        k = body.logprobs
+        params = self.sampling_params(body, body.max_tokens, k,
+                                      prompt_logprobs=k if body.echo and k is not None else None)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        generation = Generation(self.engine, request_id, prompts, params, arrival, body.stream)
+        events = (self._events(body, request_id, created, prompts, generation) if body.stream else None)
+        return await self.respond(generation, events,
+                                  lambda: self._body(body, request_id, created, prompts, generation))
+
+    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]], detokenize: bool,
+                       ) -> list[Prompt]:
+        """One prompt (a string or a token-id list) or a batch of them; never empty. Token
+        prompts are decoded for `echo` unless the request skips detokenization."""
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            items: list[str | list[int]] = [prompt]  # type: ignore[list-item]
+        else:
+            items = list(prompt)  # type: ignore[arg-type]
+        if len(items) > self.max_prompts:
+            raise InvalidRequestError(f"prompt: {len(items)} prompts in one request, the limit is "
+                                      f"{self.max_prompts} (--max-prompts-per-request)", "prompt")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                prompts.append(Prompt(await self.encode_async(item, True, "prompt"), item))
+            elif detokenize:
+                prompts.append(Prompt(list(item), self.decode(item, "prompt")))
+            else:
+                self.check_ids(item, "prompt")
+                prompts.append(Prompt(list(item), ""))
+            if not prompts[-1].token_ids:  # a string can tokenize to nothing
+                raise InvalidRequestError("prompt: must not be empty", "prompt")
+        return prompts
+
+    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None], k: int,
+                  offset: int, as_ids: bool, text_offsets: bool) -> tuple[CompletionLogprobs, int]:
+        """`text_offsets`: where each token starts in the choice's text (0 without text)."""
+        out = CompletionLogprobs()
+        for tid, lp in zip(token_ids, logprobs):
+            out.tokens.append(self.tokens.text(tid, as_ids))
+            out.text_offset.append(offset)
+            if text_offsets:
+                offset += len(self.tokens.text(tid))
+            if lp is None:  # the first prompt token has no logprob
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            top = {self.tokens.text(t, as_ids): floor_logprob(v) for t, v in lp.top[:k]}
+            top.setdefault(self.tokens.text(tid, as_ids), floor_logprob(lp.logprob))
+            out.token_logprobs.append(floor_logprob(lp.logprob))
+            out.top_logprobs.append(top)
+        return out, offset
+
+    def _choice(self, body: CompletionRequest, index: int, prompt: Prompt, state: RequestState,
+                delta: SampleDelta, offsets: dict[int, int] | None = None) -> CompletionChoice:
+        """One choice of a body or a chunk: `delta` holds what is new in it."""
+        echo = body.echo and delta.first
+        text = (prompt.text if echo else "") + delta.text
+        choice = CompletionChoice(index=index, text=text, finish_reason=delta.finish_reason)
+        if body.logprobs is not None:
+            ids: list[int] = list(delta.token_ids)
+            lps: list[TokenLogprob | None] = list(delta.logprobs or [])
+            if echo:
+                ids = prompt.token_ids + ids
+                prompt_lps = list(state.prompt_logprobs or [])
+                lps = prompt_lps + [None] * (len(prompt.token_ids) - len(prompt_lps)) + lps
+            as_ids = body.return_tokens_as_token_ids or not body.detokenize
+            choice.logprobs, offset = self._logprobs(ids, lps, body.logprobs,
+                                                     offsets.get(index, 0) if offsets else 0, as_ids,
+                                                     body.detokenize)
+            if offsets is not None:
+                offsets[index] = offset
+        if body.return_token_ids:
+            choice.token_ids = delta.token_ids
+            if delta.first:
+                choice.prompt_token_ids = prompt.token_ids
+        if delta.finish_reason is not None:
+            choice.stop_reason = delta.stop_reason
+            if body.return_weight_versions:
+                choice.weight_version_spans = version_spans(state.samples[delta.index].token_versions)
+        return choice
+
+    def _body(self, body: CompletionRequest, request_id: str, created: int, prompts: list[Prompt],
+              generation: Generation) -> CompletionResponse:
+        choices = []
+        for i, (prompt, state) in enumerate(zip(prompts, generation.states)):
+            for delta in state.deltas():
+                choices.append(self._choice(body, i * body.n + delta.index, prompt, state, delta))
+        states = generation.states
+        return CompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices,
+            usage=usage(prompts, sum(len(s.token_ids) for st in states for s in st.samples),
+                        sum(st.num_cached_tokens for st in states)),
+            weight_version=max(st.weight_version for st in states))
+
+    async def _events(self, body: CompletionRequest, request_id: str, created: int,
+                      prompts: list[Prompt], generation: Generation) -> AsyncIterator[str]:
+        offsets: dict[int, int] = {}
+        wants_tokens = body.logprobs is not None or body.return_token_ids
+        version = self.engine.weight_version
+        while True:
+            parts = []
+            for i, state in enumerate(generation.states):
+                version = max(version, state.weight_version)
+                for delta in state.deltas():
+                    if not (delta.text or delta.finish_reason or delta.first
+                            or (delta.token_ids and wants_tokens)):
+                        continue
+                    choice = self._choice(body, i * body.n + delta.index, prompts[i], state, delta, offsets)
+                    parts.append(sse(CompletionResponse(id=request_id, created=created,
+                                                        model=self.model_name, choices=[choice],
+                                                        weight_version=version)))
+            if parts:
+                yield "".join(parts)
+            if generation.finished:
+                break
+            await generation.wait()
+        if body.stream_options and body.stream_options.include_usage:
+            states = generation.states
+            u = usage(prompts, sum(len(s.token_ids) for st in states for s in st.samples),
+                      sum(st.num_cached_tokens for st in states))
+            yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                         choices=[], usage=u, weight_version=version))
