@@ -7,59 +7,20 @@
     python benchmarks/throughput.py --model qwen3-0.6b --transformers  # side by side
     python benchmarks/throughput.py --model smollm2 --device cpu --num-seqs 8 --max-len 128
 
---model takes a preset (qwen3-0.6b, llama-3.1-8b, smollm2) or an HF directory.
+--model takes a preset (qwen3-0.6b, llama-3.1-8b, qwen3-8b, tiny, smollm2) or an HF directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
-import tempfile
 import time
 
 import torch
 
-PRESETS = {
-    # The published configs of these architectures; weights are dummy.
-    "qwen3-0.6b": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
-        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
-        attention_bias=False, torch_dtype="bfloat16", eos_token_id=151645, bos_token_id=151643),
-    "llama-3.1-8b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
-        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                          high_freq_factor=4.0, original_max_position_embeddings=8192),
-        attention_bias=False, mlp_bias=False, torch_dtype="bfloat16", eos_token_id=128001,
-        bos_token_id=128000),
-    "qwen3-8b": dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
-        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
-        attention_bias=False, torch_dtype="bfloat16", eos_token_id=151645, bos_token_id=151643),
-}
-
-
-def model_dir(name: str) -> str:
-    """A preset becomes a directory holding only its config.json."""
-    if name == "smollm2":
-        from rlserve.model.demo_model import demo_model_path
-        return demo_model_path()
-    if name not in PRESETS:
-        return name
-    path = os.path.join(tempfile.gettempdir(), f"rlserve-preset-{name}")
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(PRESETS[name], f)
-    return path
+from rlserve.model.presets import PRESETS, model_dir  # noqa: F401  (the benchmarks' presets)
 
 
 def workload(num_seqs: int, min_len: int, max_len: int, max_out: int, seed: int = 0):
