@@ -13,7 +13,7 @@ from typing import Sequence
 from rlserve.config import EngineConfig
 from rlserve.engine.core import EngineCore
 from rlserve.engine.output_processor import RequestState
-from rlserve.engine.request import RequestOutput, SamplingParams
+from rlserve.engine.request import RequestOutput, SamplingParams, check_cache_salt
 
 
 class LLM:
@@ -31,8 +31,12 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists), returned in input order."""
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists), returned in input order.
+
+        `cache_salt`: these prompts share prefix-cache blocks only with requests of the same salt.
+        """
+        check_cache_salt(cache_salt)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -51,6 +55,7 @@ class LLM:
             reqs = self.engine.make_requests(ids, p, rid)
             states[rid] = RequestState(rid, text, ids, p.n, p.logprobs is not None)
             for child in reqs:
+                child.cache_salt = cache_salt
                 pending.append((rid, child))
             order.append(rid)
         child_to_parent = {}
