@@ -32,6 +32,17 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _key(env: str):
+    """A key: never empty, which would look set but turn authentication off."""
+    def parse(value: str) -> str:
+        if not value.strip():
+            raise argparse.ArgumentTypeError(
+                f"the key is empty (an unset shell variable? {env} counts too); give a non-empty "
+                f"key, or leave the flag out and {env} unset to serve without one")
+        return value
+    return parse
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except the unset ones (None says nothing useful)."""
 
@@ -54,10 +65,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     net.add_argument("--port", type=int, default=8000)
     net.add_argument("--served-model-name", default=None,
                      help="name clients use in `model` (default: MODEL)")
-    net.add_argument("--api-key", default=os.environ.get("RLSERVE_API_KEY"),
+    # A string default goes through `type` too: an empty variable is refused as the flag is.
+    net.add_argument("--api-key", type=_key("RLSERVE_API_KEY"), default=os.environ.get("RLSERVE_API_KEY"),
                      help="require 'Authorization: Bearer KEY' (or set RLSERVE_API_KEY)")
-    net.add_argument("--admin-key", default=os.environ.get("RLSERVE_ADMIN_KEY"),
-                     help="key for the weight-update control endpoints (or RLSERVE_ADMIN_KEY)")
+    net.add_argument("--admin-key", type=_key("RLSERVE_ADMIN_KEY"), default=os.environ.get("RLSERVE_ADMIN_KEY"),
+                     help="key for the weight-update control endpoints (or RLSERVE_ADMIN_KEY); "
+                          "without it they answer loopback clients only")
+    net.add_argument("--allow-remote-control", action="store_true",
+                     help="without --admin-key, open the control endpoints to every client "
+                          "instead of loopback ones only")
     net.add_argument("--chat-template", default=None,
                      help="Jinja chat template, as a file path or inline "
                           "(default: the tokenizer's)")
@@ -153,14 +169,15 @@ def serve(args: argparse.Namespace) -> int:
                 "weight version %d", engine.model_name, time.perf_counter() - t0,
                 engine.max_model_len, stats.kv_cache_capacity_tokens, stats.weight_version)
     if config.weight_transfer is not None:
-        logger.info("weight transfer: %s backend; control endpoints %s",
-                    config.weight_transfer.backend,
-                    "need the admin key" if args.admin_key else "are open (no --admin-key)")
+        from rlserve.server.security import describe_control_access
+        logger.info("weight transfer: %s backend; control endpoints %s", config.weight_transfer.backend,
+                    describe_control_access(args.admin_key, args.allow_remote_control))
 
     shown_host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
     url = f"http://{shown_host}:{args.port}"
     app = create_app(engine, config, api_key=args.api_key, admin_key=args.admin_key, url=url,
-                     reject_while_asleep=args.reject_while_asleep)
+                     reject_while_asleep=args.reject_while_asleep,
+                     allow_remote_control=args.allow_remote_control)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_keep_alive=30)
     return 0

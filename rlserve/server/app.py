@@ -33,7 +33,7 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | None = None,
                admin_key: str | None = None, url: str | None = None,
-               reject_while_asleep: bool = False) -> FastAPI:
+               reject_while_asleep: bool = False, allow_remote_control: bool = False) -> FastAPI:
     """Build the app around a started engine; the app shuts the engine down on exit."""
 
     @asynccontextmanager
@@ -52,6 +52,7 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     app.state.config = config
     app.state.api_key = api_key
     app.state.admin_key = admin_key
+    app.state.allow_remote_control = allow_remote_control  # see rlserve/server/security.py
     app.state.reject_while_asleep = reject_while_asleep
     app.state.metrics = metrics
     app.state.serving = OpenAIServing(engine, config, metrics)
