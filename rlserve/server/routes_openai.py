@@ -701,8 +701,9 @@ class OpenAIServing:
     # ------------------------------------------------------------ the rest
 
     def models(self) -> ModelList:
+        # `root` is the served name too: the directory the weights came from is nobody's business.
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created,
-                                         root=self.config.model,
+                                         root=self.model_name,
                                          max_model_len=self.engine.max_model_len)])
 
     def tokenize(self, body: TokenizeRequest | TokenizeChatRequest) -> TokenizeResponse:
