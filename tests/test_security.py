@@ -1,7 +1,9 @@
-"""Who may call the control plane, against real servers bound to every address.
+"""Who may call the control plane, against real servers.
 
-A "remote" client is this machine reached at its own non-loopback address (the server sees
-that address, not 127.0.0.1); no traffic leaves the machine.
+A "remote" client is a loopback connection carrying `X-Forwarded-For: 203.0.113.7`: the
+server (uvicorn trusts that header from loopback peers, as a reverse proxy on the same
+machine sends it) sees the client at 203.0.113.7, exactly as it would a client on another
+machine. Every byte stays on the loopback interface; 203.0.113.7 is only a header value.
 """
 
 from __future__ import annotations
@@ -16,25 +18,19 @@ import pytest
 
 from conftest import start_server, stop_server
 from rlserve.server.routes_control import router
-from rlserve.weight_transfer import get_ip
 
 API_KEY = "user-key"
 ADMIN_KEY = "admin-key"
 GLOO = json.dumps({"backend": "gloo", "timeout_s": 15})
+REMOTE_IP = "203.0.113.7"  # a documentation address (RFC 5737): never a real peer
+REMOTE = {"X-Forwarded-For": REMOTE_IP}
 # Every control route, as registered: a new one is covered without editing this list.
 CONTROL = sorted((method, route.path) for route in router.routes for method in route.methods)
 POSTS = [path for method, path in CONTROL if method == "POST"]
 
 
-def _remote_ip() -> str:
-    ip = get_ip()
-    if ip.startswith("127.") or ip == "::1":
-        pytest.skip("this machine has no non-loopback address to reach itself as a remote client")
-    return ip
-
-
 def _client() -> httpx.Client:
-    # trust_env=False: never through a proxy from the environment, so never off this machine.
+    # trust_env=False: never through a proxy from the environment: only loopback traffic.
     return httpx.Client(trust_env=False, timeout=60)
 
 
@@ -45,11 +41,10 @@ def _state(http: httpx.Client, base: str) -> tuple[bool, bool]:
 
 @pytest.fixture(scope="module")
 def open_server(demo_model, tmp_path_factory):
-    """Weight transfer, an API key and no admin key, listening on every address."""
+    """Weight transfer, an API key and no admin key."""
     log = tmp_path_factory.mktemp("sec") / "server.log"
     srv = start_server(demo_model, log, "--load-format", "dummy", "--weight-transfer-config", GLOO,
-                       "--served-model-name", "m", "--host", "0.0.0.0", api_key=API_KEY)
-    srv.url = srv.url.replace("0.0.0.0", "127.0.0.1")
+                       "--served-model-name", "m", api_key=API_KEY)
     yield srv
     stop_server(srv)
 
@@ -60,19 +55,18 @@ def test_startup_log_says_control_is_loopback_only(open_server):
 
 def test_remote_client_gets_403_on_every_control_endpoint(open_server):
     """With --api-key alone (even when it is sent), a remote client is refused; loopback works."""
-    remote_ip = _remote_ip()
-    remote = f"http://{remote_ip}:{open_server.port}"
+    base = open_server.url
     with _client() as http:
         for method, path in CONTROL:
-            for headers in ({}, open_server.headers):
-                r = http.request(method, f"{remote}{path}", json={}, headers=headers)
+            for headers in (REMOTE, REMOTE | open_server.headers):
+                r = http.request(method, f"{base}{path}", json={}, headers=headers)
                 assert r.status_code == 403, (method, path, r.text)
                 message = r.json()["error"]["message"]
                 assert "loopback clients only" in message and "--admin-key" in message, message
-                assert remote_ip in message  # the server saw the remote address
-        assert _state(http, open_server.url) == (False, False)  # nothing was done
+                assert REMOTE_IP in message  # the server saw the remote address
+        assert _state(http, base) == (False, False)  # nothing was done
         # The OpenAI endpoints stay the API key's business.
-        r = http.get(f"{remote}/v1/models", headers=open_server.headers)
+        r = http.get(f"{base}/v1/models", headers=REMOTE | open_server.headers)
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "m"
 
 
@@ -139,28 +133,28 @@ def test_responses_name_the_served_model_not_its_path(open_server, demo_model):
     (("--allow-remote-control",), False),
 ], ids=["admin-key", "allow-remote-control"])
 def test_admin_key_or_flag_opens_control_to_the_network(demo_model, tmp_path, flags, remote_needs_key):
-    remote_ip = _remote_ip()
     srv = start_server(demo_model, tmp_path / "server.log", "--load-format", "dummy",
-                       "--weight-transfer-config", GLOO, "--host", "0.0.0.0", "--max-model-len", "64", *flags)
+                       "--weight-transfer-config", GLOO, "--max-model-len", "64", *flags)
     try:
-        remote = f"http://{remote_ip}:{srv.port}"
-        key = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        base = srv.url
         with _client() as http:
             if remote_needs_key:
-                assert http.get(f"{remote}/is_paused").status_code == 401
-                assert http.post(f"{remote}/pause", headers={"Authorization": "Bearer wrong"}).status_code == 401
+                assert http.get(f"{base}/is_paused", headers=REMOTE).status_code == 401
+                assert http.get(f"{base}/is_paused").status_code == 401  # loopback needs it too
+                wrong = REMOTE | {"Authorization": "Bearer wrong"}
+                assert http.post(f"{base}/pause", headers=wrong).status_code == 401
                 assert "need the admin key" in srv.log.read_text()
             else:
                 assert "open to every client" in srv.log.read_text()
-            headers = key if remote_needs_key else {}
-            assert http.post(f"{remote}/pause", headers=headers).status_code == 200
-            assert http.get(f"{remote}/is_paused", headers=headers).json()["is_paused"] is True
-            assert http.post(f"{remote}/resume", headers=headers, json={}).status_code == 200
+            headers = REMOTE | ({"Authorization": f"Bearer {ADMIN_KEY}"} if remote_needs_key else {})
+            assert http.post(f"{base}/pause", headers=headers).status_code == 200
+            assert http.get(f"{base}/is_paused", headers=headers).json()["is_paused"] is True
+            assert http.post(f"{base}/resume", headers=headers, json={}).status_code == 200
             # Still no browser cross-origin request, key or not.
-            r = http.post(f"{remote}/pause", content=b"", headers={
+            r = http.post(f"{base}/pause", content=b"", headers={
                 **headers, "Origin": "http://evil.example", "Content-Type": "text/plain"})
             assert r.status_code == 403
-            assert http.get(f"{remote}/is_paused", headers=headers).json()["is_paused"] is False
+            assert http.get(f"{base}/is_paused", headers=headers).json()["is_paused"] is False
     finally:
         stop_server(srv)
 

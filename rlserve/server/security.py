@@ -12,7 +12,10 @@ default, in three checks made before any route runs (`require_control_access`):
   resolves to 127.0.0.1 (DNS rebinding) is not taken for a local client.
   `--allow-remote-control` opens them to every client instead, without a key.
 
-Behind a reverse proxy on the same machine every client looks local: set `--admin-key`.
+The client's address is the one uvicorn reports: the peer's, or the `X-Forwarded-For`
+a loopback peer (a reverse proxy on this machine) sends (`FORWARDED_ALLOW_IPS` widens whom
+uvicorn believes). A local proxy that sends no such header makes every client look local:
+behind one, set `--admin-key`.
 """
 
 from __future__ import annotations
