@@ -59,7 +59,8 @@ def _is_loopback(host: str | None) -> bool:
 
 @functools.cache
 def _own_host_names() -> frozenset[str]:
-    names = {"localhost", socket.gethostname().lower(), socket.getfqdn().lower()}
+    # Not getfqdn(): it asks DNS, which may hang where there is none, and this runs on the event loop.
+    names = {"localhost", socket.gethostname().lower()}
     return frozenset(n for n in names if n)
 
 
