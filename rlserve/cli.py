@@ -31,6 +31,17 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _key(env: str):
+    """A key: never empty, which would look set but turn authentication off."""
+    def parse(value: str) -> str:
+        if not value.strip():
+            raise argparse.ArgumentTypeError(
+                f"the key is empty (an unset shell variable? {env} counts too); give a non-empty "
+                f"key, or leave the flag out and {env} unset to serve without one")
+        return value
+    return parse
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows defaults, except the unset ones (None says nothing useful)."""
 
@@ -53,10 +64,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     net.add_argument("--port", type=int, default=8000)
     net.add_argument("--served-model-name", default=None,
                      help="name clients use in `model` (default: MODEL)")
-    net.add_argument("--api-key", default=os.environ.get("RLSERVE_API_KEY"),
+    # A string default goes through `type` too: an empty variable is refused as the flag is.
+    net.add_argument("--api-key", type=_key("RLSERVE_API_KEY"), default=os.environ.get("RLSERVE_API_KEY"),
                      help="require 'Authorization: Bearer KEY' (or set RLSERVE_API_KEY)")
-    net.add_argument("--admin-key", default=os.environ.get("RLSERVE_ADMIN_KEY"),
-                     help="key for the weight-update control endpoints (or RLSERVE_ADMIN_KEY)")
+    net.add_argument("--admin-key", type=_key("RLSERVE_ADMIN_KEY"), default=os.environ.get("RLSERVE_ADMIN_KEY"),
+                     help="key for the weight-update control endpoints (or RLSERVE_ADMIN_KEY); "
+                          "without it they answer loopback clients only")
+    net.add_argument("--allow-remote-control", action="store_true",
+                     help="without --admin-key, open the control endpoints to every client "
+                          "instead of loopback ones only")
     net.add_argument("--chat-template", default=None,
                      help="Jinja chat template, as a file path or inline "
                           "(default: the tokenizer's)")
@@ -153,11 +169,12 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"rlserve serve: {e}") from None
 
     if config.weight_transfer is not None:
-        logger.info("weight transfer: %s backend; control endpoints %s",
-                    config.weight_transfer.backend,
-                    "need the admin key" if args.admin_key else "are open (no --admin-key)")
+        from rlserve.server.security import describe_control_access
+        logger.info("weight transfer: %s backend; control endpoints %s", config.weight_transfer.backend,
+                    describe_control_access(args.admin_key, args.allow_remote_control))
     return lifecycle.serve(config, lifecycle.ServeOptions(
         host=args.host, port=args.port, api_key=args.api_key, admin_key=args.admin_key,
+        allow_remote_control=args.allow_remote_control,
         reject_while_asleep=args.reject_while_asleep, max_body_bytes=args.max_request_body_bytes,
         max_prompts=args.max_prompts_per_request, log_level=args.log_level,
         grace_s=args.shutdown_grace_period, linger_s=args.engine_death_linger,

@@ -383,3 +383,114 @@ def test_step_upload_keeps_dtypes_shapes_and_alignment():
     for a, t, dtype in zip(parts, runner.upload(parts), dtypes):
         assert t.dtype == dtype and tuple(t.shape) == a.shape and (t.numpy() == a).all()
         assert t.data_ptr() % 64 == 0
+
+
+# -- prefix-cache keys: a hit is verified, salts isolate -------------------------------
+
+def _kv_prefill(kv, req) -> list[int]:
+    """Admit `req` as the scheduler does (prefix lookup, allocate), compute its prompt and
+    register its full blocks; the prefix-cache hits it got."""
+    cached = kv.find_cached_prefix(req)
+    assert kv.allocate(req, req.num_tokens - len(cached) * kv.block_size, cached)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_computed_blocks(req)
+    return cached
+
+
+def _kv_request(rid: str, tokens: list[int], salt: str | None = None):
+    from rlserve.engine.request import Request
+    return Request(rid, tokens, SamplingParams(max_tokens=8), max_model_len=1024, cache_salt=salt)
+
+
+@pytest.mark.parametrize("forced_key", ["constant", "tokens_only"])
+def test_prefix_key_collision_never_serves_another_prompts_blocks(monkeypatch, forced_key):
+    """Keys forced to collide: every prompt's blocks under one key, or a block's key blind to
+    what came before it. A lookup finds only blocks holding its own tokens after its own
+    prefix, or nothing."""
+    from rlserve.engine import kv_cache
+    from rlserve.engine.kv_cache import KVCacheManager
+    if forced_key == "constant":
+        monkeypatch.setattr(kv_cache, "block_key", lambda parent, token_bytes: b"same")
+    else:
+        monkeypatch.setattr(kv_cache, "block_key", lambda parent, token_bytes: token_bytes)
+    bs = 4
+    kv = KVCacheManager(num_blocks=64, block_size=bs, enable_prefix_caching=True)
+    a, b, c = [1] * bs, [2] * bs, [3] * bs
+    z = _kv_request("z", c + b + [9])  # blocks [c, b]: b's key (tokens only) is also x's
+    x = _kv_request("x", a + b + [9])  # blocks [a, b]
+    assert _kv_prefill(kv, z) == []
+    assert _kv_prefill(kv, x) == []
+    for rid, prompt, want in [("w", a + b + [5], kv.block_table(x)[:1]),  # x's first block only
+                              ("y", b + b + [5], []),
+                              ("v", c + [7] * bs + [5], kv.block_table(z)[:1])]:
+        hits = kv.find_cached_prefix(_kv_request(rid, prompt))
+        if forced_key == "constant":  # one key: only z's first block is cached at all
+            want = kv.block_table(z)[:1] if prompt[:bs] == c else []
+        assert hits == want, (rid, hits, want)
+        for i, block in enumerate(hits):  # whatever hit holds exactly these tokens
+            owner = x if block in kv.block_table(x) else z
+            assert owner.token_ids[:(i + 1) * bs] == prompt[:(i + 1) * bs]
+
+
+def test_prefix_cache_salts_isolate_and_same_salt_hits():
+    from rlserve.engine.kv_cache import KVCacheManager
+    bs = 4
+    kv = KVCacheManager(num_blocks=64, block_size=bs, enable_prefix_caching=True)
+    prompt = list(range(1, 3 * bs + 2))  # three full blocks and one more token
+    assert _kv_prefill(kv, _kv_request("t1", prompt, "tenant-1")) == []
+    assert kv.find_cached_prefix(_kv_request("t2", prompt, "tenant-2")) == []
+    assert kv.find_cached_prefix(_kv_request("none", prompt)) == []
+    again = _kv_request("t1-again", prompt, "tenant-1")
+    assert len(_kv_prefill(kv, again)) == 3
+    # And the other way: unsalted blocks are not served to a salted request.
+    assert _kv_prefill(kv, _kv_request("u", prompt)) == []
+    assert kv.find_cached_prefix(_kv_request("t3", prompt, "tenant-3")) == []
+    assert len(kv.find_cached_prefix(_kv_request("u-again", prompt))) == 3
+
+
+def test_prefix_cache_chains_through_a_duplicate_block():
+    """Two requests computed the same prompt at once (only the first one's blocks are
+    cached); the second's later blocks are still found after the first's."""
+    from rlserve.engine.kv_cache import KVCacheManager
+    bs = 4
+    kv = KVCacheManager(num_blocks=64, block_size=bs, enable_prefix_caching=True)
+    prompt = list(range(1, 2 * bs + 2))
+    first, second = _kv_request("a", prompt), _kv_request("b", prompt)
+    for r in (first, second):  # both admitted before either registered a block
+        assert kv.allocate(r, r.num_tokens)
+    for r in (first, second):
+        r.num_computed_tokens = r.num_tokens
+        kv.cache_computed_blocks(r)
+    second.token_ids.extend([50] * bs)  # its own output fills block 2
+    assert kv.allocate(second, bs)
+    second.num_computed_tokens = second.num_tokens
+    kv.cache_computed_blocks(second)
+    hits = kv.find_cached_prefix(_kv_request("c", second.token_ids + [1]))
+    assert hits == kv.block_table(first)[:2] + kv.block_table(second)[2:3]
+
+
+def test_cache_salt_through_the_engine(llm, monkeypatch):
+    """Offline API: the same salt and prompt hit, another salt (or none) does not; with every
+    key forced equal, outputs are those of an uncached run."""
+    from rlserve.engine import kv_cache
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = PROMPTS[7] * 4  # two full blocks and more
+    others = [PROMPTS[5] * 4, PROMPTS[1] * 4]
+    llm.reset_prefix_cache()
+    first = llm.generate([prompt], params, cache_salt="tenant-a")[0]
+    same = llm.generate([prompt], params, cache_salt="tenant-a")[0]
+    other = llm.generate([prompt], params, cache_salt="tenant-b")[0]
+    unsalted, *uncached = llm.generate([prompt, *others], params)
+    assert first.num_cached_tokens == 0 and same.num_cached_tokens == 32
+    assert other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
+    assert same.outputs[0].token_ids == other.outputs[0].token_ids == first.outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        llm.generate([prompt], params, cache_salt="")
+
+    llm.reset_prefix_cache()
+    monkeypatch.setattr(kv_cache, "block_key", lambda parent, token_bytes: b"same")
+    llm.generate([prompt], params)
+    collided = llm.generate(others, params)
+    assert all(o.num_cached_tokens == 0 for o in collided)
+    assert [o.outputs[0].token_ids for o in collided] == [o.outputs[0].token_ids for o in uncached]
+    llm.reset_prefix_cache()

@@ -21,7 +21,7 @@ from rlserve.engine.messages import EngineDeadError, EngineReady
 from rlserve.engine.output_processor import LatencyObserver, OutputProcessor, RequestState
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
 from rlserve.engine.request import (EngineUnavailableError, InvalidRequestError, RequestOutput,
-                                    SamplingParams, validate_prompt)
+                                    SamplingParams, check_cache_salt, validate_prompt)
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +92,17 @@ class AsyncEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                     request_id: str | None = None, prompt: str | None = None,
                     arrival: float | None = None, notify: Callable[[], None] | None = None,
-                    stream: bool = False) -> RequestState:
+                    stream: bool = False, cache_salt: str | None = None) -> RequestState:
         """Validate and send one prompt (all its n samples). `notify` is called as its
         state changes: after every engine step with `stream`, else once, at the end."""
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        check_cache_salt(cache_salt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already running", "request_id")
         state = RequestState(request_id, prompt, prompt_token_ids, params, arrival, notify, stream)
         self.client.add_request(request_id, prompt_token_ids, params,
-                                stream or OutputProcessor.needs_steps(params))
+                                stream or OutputProcessor.needs_steps(params), cache_salt)
         self.processor.add(state)
         self.requests[request_id] = state
         return state

@@ -145,13 +145,16 @@ class EngineCore:
 
     # -- requests ----------------------------------------------------------------------
     def make_requests(self, prompt_token_ids: list[int], params: SamplingParams,
-                      request_id: str, stream: bool = False) -> list[Request]:
+                      request_id: str, stream: bool = False,
+                      cache_salt: str | None = None) -> list[Request]:
         """Validate one prompt and expand it into its n sample requests. `stream`: every
         step reports the request's new token; otherwise it reports everything once, when
-        the request finishes."""
+        the request finishes. `cache_salt`: prefix-cache blocks are shared only with
+        requests of the same salt."""
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
         return [Request(rid, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
-                        group_id=request_id if params.n > 1 else None, sample_index=i, stream=stream)
+                        group_id=request_id if params.n > 1 else None, sample_index=i, stream=stream,
+                        cache_salt=cache_salt)
                 for i, rid in enumerate(sample_ids(request_id, params.n))]
 
     def add_request(self, req: Request) -> None:

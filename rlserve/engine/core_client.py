@@ -176,10 +176,10 @@ class EngineCoreClient:
             raise EngineDeadError(f"the engine is down: {self.dead}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    stream: bool) -> None:
+                    stream: bool, cache_salt: str | None = None) -> None:
         self._check_alive()
         self._input.send(self._encode(AddRequest(request_id, prompt_token_ids, params, stream,
-                                                 self.client_index)), copy=False)
+                                                 self.client_index, cache_salt)), copy=False)
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:

@@ -178,7 +178,7 @@ class EngineCoreProc:
     def _add(self, m: AddRequest) -> None:
         core = self.core
         try:
-            reqs = core.make_requests(m.prompt_token_ids, m.params, m.request_id, m.stream)
+            reqs = core.make_requests(m.prompt_token_ids, m.params, m.request_id, m.stream, m.cache_salt)
             for req in reqs:
                 core.add_request(req)
         except (InvalidRequestError, EngineUnavailableError) as e:

@@ -2,9 +2,14 @@
 
 A request owns a list of block ids; token i of the request lives in slot
 `blocks[i // block_size] * block_size + i % block_size`. A block full of computed tokens is
-registered under a chained hash (hash of the previous block's hash and this block's
-tokens), so a later request whose prompt starts the same way reuses it. Freed blocks keep
-their hash until they are reallocated, least recently freed first.
+registered under a chained key (a 128-bit BLAKE2b of the previous block's key and this
+block's token bytes; the first block's parent is the request's `cache_salt`, if any), so a
+later request whose prompt starts the same way, with the same salt, reuses it. Freed blocks
+keep their key until they are reallocated, least recently freed first.
+
+A key only finds a candidate: a hit is served only if the block holds the same tokens and
+was computed after the very block (or salt) the request's previous hit is, so even a
+collision of keys never serves another prompt's KV cache.
 
 The block lists are mirrored in one 2-D array (BlockTables), kept up to date as blocks
 are added and freed, which is what each step hands to the model runner.
@@ -12,11 +17,31 @@ are added and freed, which is what each step hands to the model runner.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
+from typing import Union
 
 import numpy as np
 
 from rlserve.engine.request import Request
+
+
+# What a cached block was computed after: the id of its parent block's contents (an int,
+# see BlockPool.content_id), or for a request's first block its salt (None: no salt).
+Parent = Union[int, str, None]
+
+
+def block_key(parent_key: bytes, token_bytes: bytes) -> bytes:
+    """The prefix-cache key of a block: 128 bits over its parent's key and its tokens."""
+    return hashlib.blake2b(parent_key + token_bytes, digest_size=16).digest()
+
+
+def root_key(cache_salt: str | None) -> bytes:
+    """The parent key of a request's first block: empty, or a key of its salt."""
+    if cache_salt is None:
+        return b""
+    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"rlserve-salt").digest()
 
 
 class BlockPool:
@@ -25,8 +50,14 @@ class BlockPool:
             raise ValueError("the KV cache has no blocks: raise the memory budget")
         self.num_blocks = num_blocks
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # key -> block id
+        # What each registered block holds, checked on every hit: its token bytes, what it
+        # was computed after, and an id for its contents that its children name as parent.
+        self.block_tokens: list[bytes | None] = [None] * num_blocks
+        self.block_parent: list[Parent] = [None] * num_blocks
+        self.content_id: list[int] = [0] * num_blocks
+        self._next_content_id = 1
         # Blocks with ref_cnt 0, in eviction order (oldest first).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
 
@@ -41,6 +72,8 @@ class BlockPool:
             if self.cached.get(h) == block:
                 del self.cached[h]
             self.block_hash[block] = None
+            self.block_tokens[block] = None
+            self.content_id[block] = 0  # its cached children can no longer match
         self.ref_cnt[block] = 1
         return block
 
@@ -54,14 +87,38 @@ class BlockPool:
         if self.ref_cnt[block] == 0:
             self.free_queue[block] = None
 
-    def register(self, block: int, h: int) -> None:
-        if h not in self.cached:
-            self.cached[h] = block
-            self.block_hash[block] = h
+    def lookup(self, key: bytes, token_bytes: bytes, parent: Parent) -> int | None:
+        """The cached block under `key` if it holds `token_bytes` computed after `parent`."""
+        block = self.cached.get(key)
+        if block is None or self.block_tokens[block] != token_bytes or self.block_parent[block] != parent:
+            return None
+        return block
+
+    def register(self, block: int, key: bytes, token_bytes: bytes, parent: Parent) -> int:
+        """Cache `block`'s contents under `key`; the id its children name as their parent.
+
+        A key already cached for the same contents keeps the first block, and the id is that
+        block's (so later hits chain through it). A key cached for other contents (a
+        collision) leaves the cache as it is: the block gets an id no cached block has.
+        """
+        other = self.cached.get(key)
+        if other is not None and self.block_tokens[other] == token_bytes and self.block_parent[other] == parent:
+            return self.content_id[other]
+        cid = self._next_content_id
+        self._next_content_id += 1
+        if other is None:
+            self.cached[key] = block
+            self.block_hash[block] = key
+            self.block_tokens[block] = token_bytes
+            self.block_parent[block] = parent
+            self.content_id[block] = cid
+        return cid
 
     def reset_hashes(self) -> None:
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        self.block_tokens = [None] * self.num_blocks
+        self.content_id = [0] * self.num_blocks
 
 
 class BlockTables:
@@ -107,13 +164,23 @@ class BlockTables:
         return self.array[idx, :width]
 
 
+class _Chain:
+    """A request's registered full blocks: how many, and the last one's key and content id."""
+
+    __slots__ = ("num_blocks", "key", "parent")
+
+    def __init__(self, num_blocks: int, key: bytes, parent: Parent):
+        self.num_blocks, self.key, self.parent = num_blocks, key, parent
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.blocks: dict[str, list[int]] = {}
-        self.hashes: dict[str, list[int]] = {}  # chained hashes of the request's full blocks
+        self.chains: dict[str, _Chain] = {}  # where each request's registered blocks end
+        self._pack = struct.Struct(f"<{block_size}i").pack  # a block's tokens as bytes
         self.rows: dict[str, int] = {}  # request id -> its row in `tables`
         self.tables = BlockTables()
         self.prefix_hits = 0
@@ -129,9 +196,6 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size
 
-    def _block_hash(self, parent: int | None, tokens: list[int]) -> int:
-        return hash((parent, tuple(tokens)))
-
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks matching the start of the request's tokens.
 
@@ -139,16 +203,18 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return []
-        bs = self.block_size
+        bs, pool, pack, tokens = self.block_size, self.pool, self._pack, req.token_ids
         max_blocks = (req.num_tokens - 1) // bs
         hits: list[int] = []
-        parent = None
+        key, parent = root_key(req.cache_salt), req.cache_salt
         for i in range(max_blocks):
-            parent = self._block_hash(parent, req.token_ids[i * bs:(i + 1) * bs])
-            block = self.pool.cached.get(parent)
+            token_bytes = pack(*tokens[i * bs:(i + 1) * bs])
+            key = block_key(key, token_bytes)
+            block = pool.lookup(key, token_bytes, parent)
             if block is None:
                 break
             hits.append(block)
+            parent = pool.content_id[block]
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * bs
         return hits
@@ -167,7 +233,12 @@ class KVCacheManager:
             for b in cached:
                 self.pool.touch(b)
             blocks = self.blocks[req.request_id] = list(cached)
-            self.hashes[req.request_id] = [self.pool.block_hash[b] for b in cached]
+            if cached:
+                last = cached[-1]
+                chain = _Chain(len(cached), self.pool.block_hash[last], self.pool.content_id[last])
+            else:
+                chain = _Chain(0, root_key(req.cache_salt), req.cache_salt)
+            self.chains[req.request_id] = chain
             row = self.rows[req.request_id] = self.tables.new_row()
             start = 0
         else:
@@ -188,23 +259,26 @@ class KVCacheManager:
         """Register the blocks that the request has now completely computed."""
         if not self.enable_prefix_caching or req.request_id in self.uncacheable:
             return
-        blocks, hashes = self.blocks[req.request_id], self.hashes[req.request_id]
+        chain = self.chains[req.request_id]
         bs = self.block_size
-        if req.num_computed_tokens // bs <= len(hashes):
+        if req.num_computed_tokens // bs <= chain.num_blocks:
             return  # the common case: no block filled up since the last call
-        known = len(req.token_ids)
-        while known and req.token_ids[known - 1] < 0:  # tokens still being sampled
+        blocks, tokens = self.blocks[req.request_id], req.token_ids
+        known = len(tokens)
+        while known and tokens[known - 1] < 0:  # tokens still being sampled
             known -= 1
         num_full = min(min(req.num_computed_tokens, known) // bs, len(blocks))
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_full):
-            parent = self._block_hash(parent, req.token_ids[i * bs:(i + 1) * bs])
-            hashes.append(parent)
-            self.pool.register(blocks[i], parent)
+        key, parent, pack, register = chain.key, chain.parent, self._pack, self.pool.register
+        for i in range(chain.num_blocks, num_full):
+            token_bytes = pack(*tokens[i * bs:(i + 1) * bs])
+            key = block_key(key, token_bytes)
+            parent = register(blocks[i], key, token_bytes, parent)
+        if num_full > chain.num_blocks:
+            chain.num_blocks, chain.key, chain.parent = num_full, key, parent
 
     def free(self, req: Request) -> None:
         blocks = self.blocks.pop(req.request_id, None)
-        self.hashes.pop(req.request_id, None)
+        self.chains.pop(req.request_id, None)
         row = self.rows.pop(req.request_id, None)
         if row is not None:
             self.tables.release(row)

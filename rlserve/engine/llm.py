@@ -13,7 +13,7 @@ from typing import Sequence
 from rlserve.config import EngineConfig
 from rlserve.engine.core import EngineCore
 from rlserve.engine.output_processor import OutputProcessor, RequestState
-from rlserve.engine.request import RequestOutput, SamplingParams
+from rlserve.engine.request import RequestOutput, SamplingParams, check_cache_salt
 
 
 class LLM:
@@ -34,8 +34,12 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists), returned in input order."""
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists), returned in input order.
+
+        `cache_salt`: these prompts share prefix-cache blocks only with requests of the same salt.
+        """
+        check_cache_salt(cache_salt)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -51,7 +55,8 @@ class LLM:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = str(next(self._ids))
             stream = self._report_every_step or processor.needs_steps(p)
-            pending.append((RequestState(rid, text, ids, p), self.engine.make_requests(ids, p, rid, stream)))
+            pending.append((RequestState(rid, text, ids, p),
+                            self.engine.make_requests(ids, p, rid, stream, cache_salt)))
         for state, reqs in pending:
             processor.add(state)
             for req in reqs:

@@ -30,6 +30,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     stream: bool  # report its tokens every step (else once, when it finishes)
     client: int = 0  # the API server it came from: its outputs go back there
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

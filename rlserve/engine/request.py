@@ -141,6 +141,13 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+def check_cache_salt(salt: object) -> None:
+    """A salt is absent (None) or a non-empty string: an empty one would look set but isolate nothing."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequestError(f"cache_salt: must be a non-empty string when given, got {salt!r}",
+                                  "cache_salt")
+
+
 @dataclass(eq=False)  # identity: the scheduler looks requests up in its queues
 class Request:
     """One sequence being generated. A prompt with n > 1 becomes n requests of one group."""
@@ -154,8 +161,11 @@ class Request:
     sample_index: int = 0
     stream: bool = False  # report every token as it comes, not all of them at the end
     arrival_time: float = field(default_factory=time.monotonic)
+    # Prefix-cache isolation (vLLM's name): only requests with the same salt share blocks.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
+        check_cache_salt(self.cache_salt)
         self.token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0

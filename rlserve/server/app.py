@@ -35,8 +35,9 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | None = None,
                admin_key: str | None = None, url: str | None = None,
-               reject_while_asleep: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_prompts: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
+               reject_while_asleep: bool = False, allow_remote_control: bool = False,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompts: int = DEFAULT_MAX_PROMPTS,
+               ) -> FastAPI:
     """Build the app around an engine whose process is starting: the app's start-up waits
     until the model has loaded, and its shutdown stops the engine."""
 
@@ -64,6 +65,7 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     app.state.config = config
     app.state.api_key = api_key
     app.state.admin_key = admin_key
+    app.state.allow_remote_control = allow_remote_control  # see rlserve/server/security.py
     app.state.reject_while_asleep = reject_while_asleep
     app.state.metrics = metrics
 

@@ -79,6 +79,9 @@ class _SamplingRequest(_Request):
         False, description="Add prompt_token_ids and per-choice token_ids to the response.")
     return_weight_versions: bool = Field(
         False, description="Add per-choice weight_version_spans: which weights made which tokens.")
+    cache_salt: str | None = Field(
+        None, min_length=1, description="Prefix-cache isolation: blocks are shared only with "
+                                        "requests of the same salt.")
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]

@@ -8,13 +8,13 @@
     GET  /is_paused, GET /weight_version, POST /reset_prefix_cache
     POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping
 
-These routes exist only when a weight-transfer backend is configured; `--admin-key`
-guards them with a bearer token.
+These routes exist only when a weight-transfer backend is configured. They answer only
+loopback clients, or with `--admin-key` only requests bearing it, and never cross-origin
+browser requests: see rlserve/server/security.py.
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlserve.config import EngineConfig
 from rlserve.server.protocol import APIError
+from rlserve.server.security import require_control_access
 
 
 class InitWeightTransferRequest(BaseModel):
@@ -36,18 +37,7 @@ class UpdateWeightsRequest(BaseModel):
                     "packed_num_buffers, weight_version (optional)")
 
 
-def _require_admin(request: Request) -> None:
-    key = request.app.state.admin_key
-    if not key:
-        return
-    auth = request.headers.get("authorization", "")
-    token = auth[7:] if auth.lower().startswith("bearer ") else ""
-    if not hmac.compare_digest(token.encode(), key.encode()):
-        raise APIError(401, "control endpoints need the admin key: Authorization: Bearer <admin-key>",
-                       type="authentication_error")
-
-
-router = APIRouter(tags=["weight updates"], dependencies=[Depends(_require_admin)])
+router = APIRouter(tags=["weight updates"], dependencies=[Depends(require_control_access)])
 
 
 def _engine(request: Request):

@@ -48,7 +48,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)], responses=ERRORS)
 async def list_models(request: Request) -> Response:
     serving = request.app.state.completions
     return json_response(ModelList(data=[ModelCard(
-        id=serving.model_name, created=serving.created, root=request.app.state.config.model,
+        id=serving.model_name, created=serving.created, root=serving.model_name,
         max_model_len=serving.engine.max_model_len)]))
 
 

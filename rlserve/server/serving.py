@@ -59,7 +59,7 @@ class Generation:
     """
 
     def __init__(self, engine: "AsyncEngine", request_id: str, prompts: list[Prompt],
-                 params: SamplingParams, arrival: float, stream: bool):
+                 params: SamplingParams, arrival: float, stream: bool, cache_salt: str | None = None):
         for p in prompts:  # all checked before any is sent
             validate_prompt(p.token_ids, params, engine.max_model_len, engine.vocab_size)
         self.engine = engine
@@ -70,7 +70,7 @@ class Generation:
             for p, rid in zip(prompts, ids):
                 self.states.append(engine.add_request(
                     p.token_ids, params, request_id=rid, prompt=p.text, arrival=arrival,
-                    notify=self.changed.set, stream=stream))
+                    notify=self.changed.set, stream=stream, cache_salt=cache_salt))
         except BaseException:
             self.close()
             raise

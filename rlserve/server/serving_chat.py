@@ -35,7 +35,8 @@ class ChatServing(OpenAIServing):
         params = self.sampling_params(body, max_tokens, k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        generation = Generation(self.engine, request_id, [prompt], params, arrival, body.stream)
+        generation = Generation(self.engine, request_id, [prompt], params, arrival, body.stream,
+                                body.cache_salt)
         events = self._events(body, request_id, created, prompt, generation) if body.stream else None
         return await self.respond(generation, events,
                                   lambda: self._body(body, request_id, created, prompt, generation))

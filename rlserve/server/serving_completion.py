@@ -29,7 +29,8 @@ class CompletionServing(OpenAIServing):
                                       prompt_logprobs=k if body.echo and k is not None else None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        generation = Generation(self.engine, request_id, prompts, params, arrival, body.stream)
+        generation = Generation(self.engine, request_id, prompts, params, arrival, body.stream,
+                                body.cache_salt)
         events = (self._events(body, request_id, created, prompts, generation) if body.stream else None)
         return await self.respond(generation, events,
                                   lambda: self._body(body, request_id, created, prompts, generation))
