@@ -12,7 +12,8 @@ Same GPU (colocated): `IPCWeightTransferEngine` shares CUDA IPC handles instead 
 
 from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
 from .gloo import GlooWeightTransferEngine
-from .group import DEFAULT_TIMEOUT_S, TransferGroup, get_ip, get_open_port
+from .address import get_ip, get_open_port
+from .group import DEFAULT_TIMEOUT_S, TransferGroup
 from .ipc import IPCHandles, IPCReceiver, IPCSender, IPCWeightTransferEngine
 from .nccl import NCCLWeightTransferEngine
 from .packing import (
