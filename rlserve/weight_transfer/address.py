@@ -47,7 +47,7 @@ def address_problem(address: object) -> str | None:
     except ValueError:
         ip = None
     if ip is not None:
-        if ip.is_unspecified or ip.is_multicast or ip.is_reserved:
+        if ip.is_unspecified or ip.is_multicast or (ip.is_reserved and not ip.is_loopback):
             return f"{address!r} is not a unicast address a trainer can listen on"
         return None
     name = address[:-1] if address.endswith(".") else address

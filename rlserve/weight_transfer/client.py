@@ -34,8 +34,9 @@ from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DE
 class PushResult:
     num_bytes: int
     seconds: float  # pause to resume, as the trainer sees it
-    transfer_seconds: float
+    transfer_seconds: float  # the update as the trainer sees it: sent, received and loaded
     weight_versions: list[int]  # one per server
+    send_seconds: float | None = None  # this process's trainer_send_weights alone (nccl, gloo)
 
     @property
     def gb_per_second(self) -> float:
@@ -186,9 +187,10 @@ class WeightSyncClient:
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
              pause_mode: str = "keep", packed: bool | None = None,
              packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-             packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> PushResult:
+             packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS, checksum: bool = True) -> PushResult:
         """Pause every server, send the tensors, load them, resume. All or nothing per server:
-        a failure leaves that server on its previous weights and raises here."""
+        a failure leaves that server on its previous weights and raises here.
+        `checksum=False` sends no bucket checksums (nccl, gloo; for measuring their cost)."""
         if self.group is None and self._sizes is None:
             raise WeightTransferError("call init() before push()")
         if packed is None:
@@ -213,30 +215,33 @@ class WeightSyncClient:
                 self._check(self._post(u, "/pause", params={"mode": pause_mode}))
                 paused.append(u)
             t1 = time.perf_counter()
+            send_seconds = None
             if self.backend == "ipc":
                 results = self._send_ipc(tensors, version)
             else:
-                results = self._send_collective(tensors, update_info, packed, packed_buffer_size_bytes,
-                                                packed_num_buffers)
+                results, send_seconds = self._send_collective(
+                    tensors, update_info, packed, packed_buffer_size_bytes, packed_num_buffers, checksum)
             t2 = time.perf_counter()
         finally:
             for u in paused:
                 self._check(self._post(u, "/resume"))
         return PushResult(num_bytes, time.perf_counter() - t0, t2 - t1,
-                          [r["weight_version"] for r in results])
+                          [r["weight_version"] for r in results], send_seconds)
 
     def _send_collective(self, tensors, update_info, packed, packed_buffer_size_bytes,
-                         packed_num_buffers) -> list[dict]:
+                         packed_num_buffers, checksum) -> tuple[list[dict], float]:
         """Every server's /update_weights in a thread while this process broadcasts."""
         calls = [_Call(self._post, u, "/update_weights", {"update_info": update_info})
                  for u in self.urls]
         send_error = None
+        started = time.perf_counter()
         try:
             self.engine.trainer_send_weights(iterator=iter(tensors), group=self.group, packed=packed,
                                              packed_buffer_size_bytes=packed_buffer_size_bytes,
-                                             packed_num_buffers=packed_num_buffers)
+                                             packed_num_buffers=packed_num_buffers, checksum=checksum)
         except Exception as e:
             send_error = e
+        send_seconds = time.perf_counter() - started
         results, errors = [], []
         for c in calls:
             try:
@@ -245,7 +250,7 @@ class WeightSyncClient:
                 errors.append(str(e))
         if errors or send_error is not None:
             raise WeightTransferError("; ".join(errors) or str(send_error)) from send_error
-        return results
+        return results, send_seconds
 
     def _send_ipc(self, tensors, version: int | None) -> list[dict]:
         """Each server copies from this process's memory; its answer means the copy is done."""

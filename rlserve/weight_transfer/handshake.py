@@ -38,6 +38,7 @@ from .group import BROKEN, TransferGroup
 
 VOID = "void"
 REFUSAL_GRACE_S = 2.0  # how long a refusal waits for a trainer to tell
+GO_MARGIN_S = 2.0
 
 
 def key(rank: int, turn: int, what: str) -> str:
@@ -122,9 +123,12 @@ def receiver_handshake(group: TransferGroup, refusal: str | None,
         # The trainer gave up on that turn before we answered: pair with its next one.
     if problem is not None:
         raise InvalidUpdateError(problem)
-    text = group.await_key(key(r, turn, "go"), group.timeout_s, "the trainer's go-ahead")
+    # The trainer gives every rank up to timeout_s (from its offer, before our verdict) to
+    # answer, then says go either way: a little longer here covers its last steps.
+    go_wait = group.timeout_s + GO_MARGIN_S
+    text = group.await_key(key(r, turn, "go"), go_wait, "the trainer's go-ahead")
     if text is None:
-        raise group._fail(f"no go-ahead from the trainer within {group.timeout_s:g}s")
+        raise group._fail(f"no go-ahead from the trainer within {go_wait:g}s")
     try:
         go = json.loads(text)
         ok, error = go["ok"], go.get("error")

@@ -20,6 +20,7 @@ import contextlib
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .checksum import checksum_into
@@ -33,6 +34,15 @@ def describe(k: int, n: int, bucket: Bucket, metas: Sequence[TensorMeta]) -> str
     names = [metas[s.index].name for s in bucket.slots]
     shown = ", ".join(names[:_NAMES_SHOWN]) + (f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else "")
     return f"bucket {k + 1}/{n} ({bucket.nbytes} bytes: {shown})"
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src (uint8). Host to host in numpy: one thread, GIL released; torch's parallel
+    copy contends with the engine's (and other processes') threads, 20x slower when busy."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src, non_blocking=dst.device.type == "cuda")
 
 
 class _Lanes:
@@ -98,7 +108,7 @@ def send_buckets(group: TransferGroup, metas: Sequence[TensorMeta], tensors: Seq
                     buf = ring[slot][: bucket.nbytes]
                     for s in bucket.slots:
                         if s.nbytes:
-                            buf[s.offset: s.offset + s.nbytes].copy_(as_bytes(tensors[s.index]), non_blocking=cuda)
+                            _copy_bytes(buf[s.offset: s.offset + s.nbytes], as_bytes(tensors[s.index]))
                 if checksum:
                     checksum_into(buf, sums[k])
                 ready = lanes.mark()
