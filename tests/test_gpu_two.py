@@ -51,6 +51,7 @@ class Trainer:
     def __init__(self, path: str):
         self.proc = subprocess.Popen([sys.executable, AGENT, path, "nccl", "cuda:1"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
+        assert self.answer() == {"ready": True}
 
     def send(self, **cmd) -> None:
         self.proc.stdin.write(json.dumps(cmd) + "\n")

@@ -50,6 +50,7 @@ class Agent:
     def __init__(self, checkpoint: str):
         self.proc = subprocess.Popen([sys.executable, AGENT, checkpoint], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
+        assert self.answer(120) == {"ready": True}
 
     def send(self, **cmd) -> None:
         self.proc.stdin.write(json.dumps(cmd) + "\n")

@@ -516,3 +516,23 @@ def test_frames_are_read_exactly_or_refused():
         a.sendall(b"GET / HTTP/1.1\r\n\r\n")
         with pytest.raises(FrameError, match="expected a frame header"):
             _recv_frame_into(b, 3, view)
+
+
+def test_a_peer_that_closes_its_group_is_noticed_at_once():
+    params = make_params()
+    info = update_info(params)
+
+    def send_later(g):
+        time.sleep(0.5)
+        GlooWeightTransferEngine.trainer_send_weights(iterator=params.items(), group=g)
+
+    def close_later(g):
+        time.sleep(0.5)
+        g.close()
+
+    started = time.monotonic()
+    got = _in_threads(2, [lambda g: g.close()], TIMEOUT_S, send_later)  # the server re-inits elsewhere
+    assert got[0][0] == "WeightTransferError" and "closed" in got[0][1]
+    got = _in_threads(2, [lambda g: receive_weights(g, info, expected_params())], TIMEOUT_S, close_later)
+    assert got[1][0] == "WeightTransferError" and "closed" in got[1][1]
+    assert time.monotonic() - started < TIMEOUT_S  # neither waited for its timeout

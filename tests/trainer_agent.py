@@ -4,9 +4,10 @@
     {"op": "push", "packed": true, "bucket_bytes": N, "scale": 0.0, "fault": null, "at": 2}
     {"op": "exit"}
 
-It answers one JSON line per command: {"ok": true, "seconds": s} or {"error": type name,
-"message": ..., "seconds": s}. The weights are a checkpoint's tensors (safetensors, in key
-order) each times (1 + scale). A fault makes this trainer misbehave for one push:
+Once loaded it prints {"ready": true}; then it answers one JSON line per command:
+{"ok": true, "seconds": s} or {"error": type name, "message": ..., "seconds": s}. The
+weights are a checkpoint's tensors (safetensors, in key order), each times (1 + scale).
+A fault makes this trainer misbehave for one push:
 
     short / long / altered   bucket broadcast number `at` (from 1) carries half its bytes,
                              twice its bytes, or one byte flipped (after its checksum)
@@ -68,6 +69,7 @@ def main() -> None:
     engine = NCCLWeightTransferEngine if backend == "nccl" else GlooWeightTransferEngine
     base = load_file(path)
     group = None
+    print(json.dumps({"ready": True}), flush=True)  # imports and checkpoint done: commands answer fast
     real_broadcast, real_offer, real_set = TransferGroup.broadcast, handshake._offer, TransferGroup.set
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -45,11 +45,21 @@ def key(rank: int, turn: int, what: str) -> str:
     return f"r{rank}/t{turn}/{what}"
 
 
-def keys_peers_await(group: TransferGroup) -> list[str]:
-    """The keys this rank's peers wait on next: where a failure is written so they see it."""
+def tell_peers(group: TransferGroup, store, value: str) -> None:
+    """Write `value` (a failure) into the keys this rank's peers wait on next, so they stop
+    waiting at once: the trainer's next plan for each rank (and a pending go), or this
+    receiver's next verdict. Turns the peer has voided are stepped over."""
+    def first_open(rank: int, turn: int, what: str) -> None:
+        for t in range(turn, turn + 64):
+            if store.compare_set(key(rank, t, what), "", value).decode(errors="replace") != VOID:
+                return
+
     if group.rank == 0:
-        return [k for r, t in group.turns.items() for k in (key(r, t, "plan"), key(r, t - 1, "go"))]
-    return [key(group.rank, group.turn, "verdict")]
+        for r, t in group.turns.items():
+            first_open(r, t, "plan")
+            store.compare_set(key(r, t - 1, "go"), "", value)
+    else:
+        first_open(group.rank, group.turn, "verdict")
 
 
 class TrainerPlan(NamedTuple):

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .checksum import checksum_into
+from .errors import WeightTransferError
 from .group import TransferGroup
 from .packing import Bucket, TensorMeta, as_bytes, ring_buffer_bytes
 
@@ -76,6 +77,35 @@ class _Lanes:
 def send_buckets(group: TransferGroup, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor],
                  buckets: Sequence[Bucket], depth: int, checksum: bool) -> None:
     """Broadcast every non-empty bucket (then the checksums) and wait until all went out."""
+    with _failing_breaks(group):
+        _send_buckets(group, metas, tensors, buckets, depth, checksum)
+
+
+def receive_buckets(group: TransferGroup, metas: Sequence[TensorMeta], buckets: Sequence[Bucket],
+                    staging: Sequence[torch.dtype], device: torch.device, checksum: bool
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """Receive every non-empty bucket into staging tensors on `device` and verify it."""
+    with _failing_breaks(group):
+        return _receive_buckets(group, metas, buckets, staging, device, checksum)
+
+
+@contextlib.contextmanager
+def _failing_breaks(group: TransferGroup):
+    """Whatever fails mid-transfer leaves queued collectives behind: abort them (their
+    watchdog would end the process otherwise) and tell the peers."""
+    try:
+        yield
+    except WeightTransferError:
+        raise
+    except Exception as e:
+        raise group._fail(f"{type(e).__name__}: {e}") from e
+    except BaseException:  # KeyboardInterrupt and the like: stop the transfer, keep the exception
+        group._fail("interrupted")
+        raise
+
+
+def _send_buckets(group: TransferGroup, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor],
+                  buckets: Sequence[Bucket], depth: int, checksum: bool) -> None:
     live = [b for b in buckets if b.nbytes]
     if not live:
         return
@@ -92,7 +122,7 @@ def send_buckets(group: TransferGroup, metas: Sequence[TensorMeta], tensors: Seq
             lanes.side.wait_stream(caller)
             torch.cuda.current_stream(dev).wait_stream(caller)
         ring = [torch.empty(ring_buffer_bytes(live), dtype=torch.uint8, device=dev) for _ in range(ring_size)]
-        sums = torch.zeros(len(live), dtype=torch.int64, device=dev)
+        sums = torch.empty(len(live), dtype=torch.int64, device=dev)  # every entry is written
         for k, bucket in enumerate(live):
             slot = None
             with lanes.side_work():
@@ -129,10 +159,9 @@ def send_buckets(group: TransferGroup, metas: Sequence[TensorMeta], tensors: Seq
             group.wait(work, what)
 
 
-def receive_buckets(group: TransferGroup, metas: Sequence[TensorMeta], buckets: Sequence[Bucket],
-                    staging: Sequence[torch.dtype], device: torch.device, checksum: bool
-                    ) -> list[tuple[str, torch.Tensor]]:
-    """Receive every non-empty bucket into staging tensors on `device` and verify it."""
+def _receive_buckets(group: TransferGroup, metas: Sequence[TensorMeta], buckets: Sequence[Bucket],
+                     staging: Sequence[torch.dtype], device: torch.device, checksum: bool
+                     ) -> list[tuple[str, torch.Tensor]]:
     live = [b for b in buckets if b.nbytes]
     lanes, dev = _Lanes(group), group.device
     out: list[torch.Tensor | None] = [None] * len(metas)
@@ -141,13 +170,10 @@ def receive_buckets(group: TransferGroup, metas: Sequence[TensorMeta], buckets: 
         return device == dev and all(staging[s.index] == metas[s.index].dtype for s in bucket.slots)
 
     casts = [b for b in live if not b.direct and not as_views(b)]
-    ring = [torch.empty(ring_buffer_bytes(casts), dtype=torch.uint8, device=dev) for _ in range(2 if casts else 0)]
     free: list = [None, None]
     used = 0
     works: list[tuple[object, str]] = []
     pending: deque = deque()
-    mine = torch.zeros(len(live), dtype=torch.int64, device=dev)
-    theirs = torch.zeros(len(live), dtype=torch.int64, device=dev)
 
     def unpack(k: int, bucket: Bucket, buf: torch.Tensor, work, slot: int | None) -> None:
         lanes.side_waits(work, describe(k, len(live), bucket, metas))
@@ -165,6 +191,11 @@ def receive_buckets(group: TransferGroup, metas: Sequence[TensorMeta], buckets: 
                 buf.record_stream(lanes.side)  # freed after this function; the cast reads it first
 
     with torch.no_grad(), group.streams():
+        # Allocated here, on the group's stream: nothing queues behind the caller's work.
+        ring = [torch.empty(ring_buffer_bytes(casts), dtype=torch.uint8, device=dev)
+                for _ in range(2 if casts else 0)]
+        mine = torch.empty(len(live), dtype=torch.int64, device=dev)  # every entry is written
+        theirs = torch.empty(len(live), dtype=torch.int64, device=dev)
         for k, bucket in enumerate(live):
             slot = None
             if bucket.direct or as_views(bucket):
@@ -188,13 +219,12 @@ def receive_buckets(group: TransferGroup, metas: Sequence[TensorMeta], buckets: 
             group.wait(work, what)
         if lanes.side is not None:
             lanes.side.synchronize()
-    if checksum and live:
-        bad = (mine != theirs).nonzero().flatten().tolist()
-        if bad:
-            first = describe(bad[0], len(live), live[bad[0]], metas)
-            more = f" (and {len(bad) - 1} more bucket(s))" if len(bad) > 1 else ""
-            raise group._fail(f"{first} does not match the trainer's checksum{more}: it arrived short, "
-                              "long or altered; nothing was applied")
+        bad = (mine != theirs).nonzero().flatten().tolist() if checksum and live else []
+    if bad:
+        first = describe(bad[0], len(live), live[bad[0]], metas)
+        more = f" (and {len(bad) - 1} more bucket(s))" if len(bad) > 1 else ""
+        raise group._fail(f"{first} does not match the trainer's checksum{more}: it arrived short, "
+                          "long or altered; nothing was applied")
     # Zero-byte tensors never travel.
     return [(m.name, t if t is not None else torch.empty(m.shape, dtype=staging[k], device=device))
             for k, (m, t) in enumerate(zip(metas, out))]
