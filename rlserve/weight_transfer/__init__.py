@@ -6,8 +6,13 @@ Trainer side, as in the seed script::
     group = NCCLWeightTransferEngine.trainer_init(dict(master_address=..., master_port=..., world_size=...))
     NCCLWeightTransferEngine.trainer_send_weights(iterator=model.named_parameters(), group=group, packed=True)
 
-Server side: `receiver_init` per worker, then `receive_weights` per update.
+Server side: `receiver_init` per worker, then `receive_weights` per update (or `refuse`,
+for an update the server turns down before looking at it).
 Same GPU (colocated): `IPCWeightTransferEngine` shares CUDA IPC handles instead (ipc.py).
+
+Modules: group (store + data plane, bounded and abortable), handshake (pairing each push
+with each rank's request), pipeline (packing, overlap, checksums), tcp (the CPU data
+plane), packing (the bucket plan), checksum, address (master_address), client.
 """
 
 from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError

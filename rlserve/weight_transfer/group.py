@@ -76,6 +76,7 @@ class TransferGroup:
         self.session = ""
         self.pg = self.hub = self.link = self._store = self._base = None
         self.stream = self.side_stream = None  # CUDA: this group's work never runs on the caller's stream
+        self.host_ring: list[torch.Tensor] = []  # the trainer's packing buffers in host memory (pipeline.py)
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
         if connect:
@@ -219,7 +220,7 @@ class TransferGroup:
                 return self.hub.send(tensor)
             return self.link.recv(tensor)
         except Exception as e:
-            raise self._fail(f"broadcast could not start: {e}") from e
+            raise self.fail(f"broadcast could not start: {e}") from e
 
     def wait(self, work, what: str, timeout_s: float | None = None) -> None:
         """Block until `work` is through, at most timeout_s (default: the group's) without
@@ -239,17 +240,17 @@ class TransferGroup:
                     finished = False
             except Exception as e:
                 if self._cancelled.is_set():
-                    raise self._fail(f"{what}: {self.broken}") from e
-                raise self._fail(f"{what} failed after {time.monotonic() - started:.1f}s: {e}") from e
+                    raise self.fail(f"{what}: {self.broken}") from e
+                raise self.fail(f"{what} failed after {time.monotonic() - started:.1f}s: {e}") from e
             if finished:
                 return
             if self._cancelled.is_set():
-                raise self._fail(f"{what}: {self.broken}")
+                raise self.fail(f"{what}: {self.broken}")
             peer = self.peer_failure()
             if peer is not None:
-                raise self._fail(f"{what}: {peer}")
+                raise self.fail(f"{what}: {peer}")
             if time.monotonic() >= deadline:
-                raise self._fail(f"{what} timed out after {time.monotonic() - started:.1f}s "
+                raise self.fail(f"{what} timed out after {time.monotonic() - started:.1f}s "
                                  f"(timeout {timeout_s:g}s)")
 
     # --- control-plane store -------------------------------------------------
@@ -258,14 +259,14 @@ class TransferGroup:
         try:
             self._store.set(key, value)
         except Exception as e:
-            raise self._fail(f"store set {key!r} failed: {e}") from e
+            raise self.fail(f"store set {key!r} failed: {e}") from e
 
     def cas(self, key: str, value: str) -> str:
         """Write `value` unless the key exists; return what the key holds now."""
         try:
             return self._store.compare_set(key, "", value).decode(errors="replace")
         except Exception as e:
-            raise self._fail(f"store compare_set {key!r} failed: {e}") from e
+            raise self.fail(f"store compare_set {key!r} failed: {e}") from e
 
     def await_key(self, key: str, timeout_s: float, what: str) -> str | None:
         """The key's value once it exists, or None after timeout_s. A value saying a peer's
@@ -279,10 +280,10 @@ class TransferGroup:
             return None  # timed out: the caller decides what a no-show means
         except Exception as e:
             if self._cancelled.is_set():
-                raise self._fail(f"waiting for {what}: {self.broken}") from e
-            raise self._fail(f"waiting for {what} failed after {time.monotonic() - started:.1f}s: {e}") from e
+                raise self.fail(f"waiting for {what}: {self.broken}") from e
+            raise self.fail(f"waiting for {what} failed after {time.monotonic() - started:.1f}s: {e}") from e
         if value.startswith(BROKEN):
-            raise self._fail(f"waiting for {what}: {value[len(BROKEN):]}")
+            raise self.fail(f"waiting for {what}: {value[len(BROKEN):]}")
         return value
 
     def peer_failure(self) -> str | None:
@@ -308,7 +309,7 @@ class TransferGroup:
             raise WeightTransferError(f"transfer group {self.master} is unusable ({self.broken}); "
                                       "initialise the weight transfer again")
 
-    def _fail(self, message: str) -> WeightTransferError:
+    def fail(self, message: str) -> WeightTransferError:
         """Any transport failure desynchronises the peers: poison the group, tell them."""
         message = f"rank {self.rank}/{self.world_size} at {self.master}: {message}"
         first = self.broken is None
@@ -350,6 +351,7 @@ class TransferGroup:
     def close(self) -> None:
         self.abort("closed")
         self._store = self._base = None
+        self.host_ring = []
 
     def __repr__(self) -> str:
         state = "ok" if self.broken is None else "broken"

@@ -118,7 +118,7 @@ def receiver_handshake(group: TransferGroup, refusal: str | None,
                     f"the trainer's plan did not arrive within {wait_s:g}s (is trainer_send_weights running? "
                     f"rank {r}/{group.world_size} at {group.master}); nothing changed and the group is still usable")
         if text.startswith(BROKEN):
-            raise group._fail(f"the trainer: {text[len(BROKEN):]}")
+            raise group.fail(f"the trainer: {text[len(BROKEN):]}")
         plan = _parse_plan(text)
         problem = refusal or (plan if isinstance(plan, str) else judge(plan))
         answer = json.dumps({"ok": problem is None, "error": problem})
@@ -127,9 +127,9 @@ def receiver_handshake(group: TransferGroup, refusal: str | None,
         if got == answer:
             break
         if got.startswith(BROKEN):
-            raise group._fail(f"the trainer: {got[len(BROKEN):]}")
+            raise group.fail(f"the trainer: {got[len(BROKEN):]}")
         if got != VOID:
-            raise group._fail(f"unexpected value at {key(r, turn, 'verdict')}: {got[:80]!r}")
+            raise group.fail(f"unexpected value at {key(r, turn, 'verdict')}: {got[:80]!r}")
         # The trainer gave up on that turn before we answered: pair with its next one.
     if problem is not None:
         raise InvalidUpdateError(problem)
@@ -138,14 +138,14 @@ def receiver_handshake(group: TransferGroup, refusal: str | None,
     go_wait = group.timeout_s + GO_MARGIN_S
     text = group.await_key(key(r, turn, "go"), go_wait, "the trainer's go-ahead")
     if text is None:
-        raise group._fail(f"no go-ahead from the trainer within {go_wait:g}s")
+        raise group.fail(f"no go-ahead from the trainer within {go_wait:g}s")
     try:
         go = json.loads(text)
         ok, error = go["ok"], go.get("error")
         if not isinstance(ok, bool):
             raise TypeError(f"ok must be true or false, got {ok!r}")
     except (ValueError, TypeError, KeyError) as e:
-        raise group._fail(f"the trainer's go message is malformed ({type(e).__name__}: {e}): "
+        raise group.fail(f"the trainer's go message is malformed ({type(e).__name__}: {e}): "
                           f"{text[:80]!r}") from e
     if not ok:
         if go.get("refused", True):
@@ -178,8 +178,8 @@ def _offer(group: TransferGroup, rank: int, text: str) -> None:
             group.turns[rank] += 1
             continue
         if got.startswith(BROKEN):
-            raise group._fail(f"receiver rank {rank}: {got[len(BROKEN):]}")
-        raise group._fail(f"unexpected value at {plan_key}: {got[:80]!r}")
+            raise group.fail(f"receiver rank {rank}: {got[len(BROKEN):]}")
+        raise group.fail(f"unexpected value at {plan_key}: {got[:80]!r}")
 
 
 def trainer_handshake(group: TransferGroup, message: Mapping[str, Any], wait_s: float | None = None) -> None:
@@ -213,12 +213,12 @@ def trainer_handshake(group: TransferGroup, message: Mapping[str, Any], wait_s: 
             refused = False
             continue
         if got.startswith(BROKEN):
-            raise group._fail(f"receiver rank {r}: {got[len(BROKEN):]}")
+            raise group.fail(f"receiver rank {r}: {got[len(BROKEN):]}")
         try:
             verdict = json.loads(got)
             ok = verdict["ok"]
         except (ValueError, TypeError, KeyError) as e:
-            raise group._fail(f"receiver rank {r} sent a malformed verdict: {got[:80]!r}") from e
+            raise group.fail(f"receiver rank {r} sent a malformed verdict: {got[:80]!r}") from e
         answered[r] = turn
         if not ok and str(verdict.get("error")) not in errors:
             errors.append(str(verdict.get("error")))

@@ -98,10 +98,22 @@ def _failing_breaks(group: TransferGroup):
     except WeightTransferError:
         raise
     except Exception as e:
-        raise group._fail(f"{type(e).__name__}: {e}") from e
+        raise group.fail(f"{type(e).__name__}: {e}") from e
     except BaseException:  # KeyboardInterrupt and the like: stop the transfer, keep the exception
-        group._fail("interrupted")
+        group.fail("interrupted")
         raise
+
+
+def _ring(group: TransferGroup, nbytes: int, count: int) -> list[torch.Tensor]:
+    """The trainer's packing buffers. Host memory is kept on the group from one push to the
+    next: fresh pages cost a fault each (a 512 MiB buffer, ~0.2 s). CUDA's caching allocator
+    already reuses its blocks, and the trainer gets them back between pushes."""
+    if group.device.type != "cpu":
+        return [torch.empty(nbytes, dtype=torch.uint8, device=group.device) for _ in range(count)]
+    kept = group.host_ring
+    if len(kept) < count or any(b.numel() < nbytes for b in kept[:count]):
+        kept[:] = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+    return [b[:nbytes] for b in kept[:count]]
 
 
 def _send_buckets(group: TransferGroup, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor],
@@ -121,7 +133,7 @@ def _send_buckets(group: TransferGroup, metas: Sequence[TensorMeta], tensors: Se
         if caller is not None:  # the tensors were written on the caller's stream
             lanes.side.wait_stream(caller)
             torch.cuda.current_stream(dev).wait_stream(caller)
-        ring = [torch.empty(ring_buffer_bytes(live), dtype=torch.uint8, device=dev) for _ in range(ring_size)]
+        ring = _ring(group, ring_buffer_bytes(live), ring_size)
         sums = torch.empty(len(live), dtype=torch.int64, device=dev)  # every entry is written
         for k, bucket in enumerate(live):
             slot = None
@@ -223,7 +235,7 @@ def _receive_buckets(group: TransferGroup, metas: Sequence[TensorMeta], buckets:
     if bad:
         first = describe(bad[0], len(live), live[bad[0]], metas)
         more = f" (and {len(bad) - 1} more bucket(s))" if len(bad) > 1 else ""
-        raise group._fail(f"{first} does not match the trainer's checksum{more}: it arrived short, "
+        raise group.fail(f"{first} does not match the trainer's checksum{more}: it arrived short, "
                           "long or altered; nothing was applied")
     # Zero-byte tensors never travel.
     return [(m.name, t if t is not None else torch.empty(m.shape, dtype=staging[k], device=device))

@@ -105,9 +105,6 @@ class Frames:
     def __init__(self, futures: list[Future]):
         self.futures = futures
 
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures)
-
     def wait(self, timeout_s: float) -> bool:
         """True once every frame is through; False if the time ran out first."""
         deadline = time.monotonic() + timeout_s
