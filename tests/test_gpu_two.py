@@ -6,16 +6,12 @@ Skipped with fewer than two GPUs.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from trainer_agent import TrainerProcess
 from rlserve.weight_transfer import (ExpectedParam, WeightTransferError, get_open_port, receive_weights,
                                      receiver_init)
 
@@ -25,7 +21,6 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
 
-AGENT = str(Path(__file__).with_name("trainer_agent.py"))
 TIMEOUT_S = 20.0
 BUCKET = 16 << 20
 
@@ -44,36 +39,15 @@ def checkpoint(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
         tensors[f"layers.{i}.scale"] = torch.randn((), generator=g).to(torch.float16)
     path = tmp_path_factory.mktemp("ckpt") / "model.safetensors"
     save_file(tensors, str(path))
-    return str(path), tensors
+    # safetensors keeps keys sorted: that is the order the trainer sends in.
+    return str(path), {n: tensors[n] for n in sorted(tensors)}
 
 
-class Trainer:
-    def __init__(self, path: str):
-        self.proc = subprocess.Popen([sys.executable, AGENT, path, "nccl", "cuda:1"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.answer() == {"ready": True}
-
-    def send(self, **cmd) -> None:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def answer(self, timeout_s: float = 120) -> dict | None:
-        box: dict = {}
-        t = threading.Thread(target=lambda: box.setdefault("line", self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(timeout_s)
-        return json.loads(box["line"]) if box.get("line") else None
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.send(op="exit")
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def Trainer(path: str) -> TrainerProcess:
+    return TrainerProcess(path, "nccl", "cuda:1")
 
 
-def connect(trainer: Trainer):
+def connect(trainer: TrainerProcess):
     port = get_open_port()
     trainer.send(op="init", port=port, timeout_s=TIMEOUT_S)
     group = receiver_init("nccl", dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2),
@@ -97,7 +71,7 @@ def expected(tensors) -> dict[str, ExpectedParam]:
     return {n: ExpectedParam(tuple(t.shape)) for n, t in tensors.items()}
 
 
-def receive(group, trainer: Trainer, tensors, **cmd):
+def receive(group, trainer: TrainerProcess, tensors, **cmd):
     trainer.send(op="push", packed=True, bucket_bytes=BUCKET, **cmd)
     try:
         out = receive_weights(group, update_info(tensors), expected(tensors), device="cuda:0")
@@ -108,8 +82,6 @@ def receive(group, trainer: Trainer, tensors, **cmd):
 
 def test_packed_push_between_two_gpus_is_bit_exact_and_checksummed(checkpoint):
     path, tensors = checkpoint
-    # safetensors keeps keys sorted: that is the order the trainer sends in.
-    tensors = {n: tensors[n] for n in sorted(tensors)}
     trainer = Trainer(path)
     try:
         group = connect(trainer)
@@ -131,7 +103,6 @@ def test_packed_push_between_two_gpus_is_bit_exact_and_checksummed(checkpoint):
 
 def test_trainer_killed_mid_push_fails_within_the_timeout_then_a_fresh_init_works(checkpoint):
     path, tensors = checkpoint
-    tensors = {n: tensors[n] for n in sorted(tensors)}
     trainer = Trainer(path)
     try:
         group = connect(trainer)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import math
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,10 +19,10 @@ import pytest
 from safetensors import safe_open
 
 from conftest import start_server, stop_server
+from trainer_agent import TrainerProcess
 from rlserve.weight_transfer import get_open_port
 
 TIMEOUT_S = 6.0  # the server's transfer timeout
-AGENT = str(Path(__file__).with_name("trainer_agent.py"))
 PROMPT = "The capital of France is"
 BUCKET = 32 << 20  # SmolLM2's 540 MB in float32: 17 packed buckets
 
@@ -44,33 +42,11 @@ def server(demo_model, tmp_path_factory):
     stop_server(srv)
 
 
-class Agent:
-    """The trainer process: one command at a time, answers as dicts."""
-
-    def __init__(self, checkpoint: str):
-        self.proc = subprocess.Popen([sys.executable, AGENT, checkpoint], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.answer(120) == {"ready": True}
-
-    def send(self, **cmd) -> None:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
+class Agent(TrainerProcess):
     def answer(self, timeout_s: float = 60) -> dict:
-        box = {}
-        t = threading.Thread(target=lambda: box.setdefault("line", self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(timeout_s)
-        assert box.get("line"), f"the trainer did not answer within {timeout_s}s (exit code {self.proc.poll()})"
-        return json.loads(box["line"])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.send(op="exit")
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        answer = super().answer(timeout_s)
+        assert answer, f"the trainer did not answer within {timeout_s}s (exit code {self.proc.poll()})"
+        return answer
 
 
 @pytest.fixture

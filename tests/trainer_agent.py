@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -30,6 +32,36 @@ from safetensors.torch import load_file
 
 from rlserve.weight_transfer import (GlooWeightTransferEngine, NCCLWeightTransferEngine, TransferGroup,
                                      handshake)
+
+class TrainerProcess:
+    """The tests' handle on this script running as a process."""
+
+    def __init__(self, checkpoint: str, *backend_and_device: str):
+        self.proc = subprocess.Popen([sys.executable, __file__, checkpoint, *backend_and_device],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.answer(180) == {"ready": True}
+
+    def send(self, **cmd) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout_s: float = 120) -> dict | None:
+        """The next answer, or None when the process ended (or said nothing in timeout_s)."""
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("line", self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout_s)
+        return json.loads(box["line"]) if box.get("line") else None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.send(op="exit")
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
 
 PLAN_FAULTS = {"plan-not-json": "this is not json", "plan-list": "[1, 2, 3]",
                "plan-missing": '{"checksum": true}'}

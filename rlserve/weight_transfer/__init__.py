@@ -31,7 +31,8 @@ from .packing import (
     plan_digest,
 )
 from .client import PushResult, WeightSyncClient
-from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, receiver_init, refuse
+from .handshake import refuse
+from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, receiver_init
 
 __all__ = [
     "DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "DEFAULT_TIMEOUT_S",

@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from rlserve.distributed import abort_process_group
 
-from .address import get_ip, get_open_port, local_ip_towards, resolve, wait_listening  # noqa: F401 (re-exported)
+from .address import get_ip, get_open_port, resolve, wait_listening  # noqa: F401 (get_*: re-exported)
 from .errors import InvalidUpdateError, WeightTransferError
-from .tcp import FrameError, Frames, TcpHub, TcpLink
+from .tcp import Frames, TcpHub, TcpLink
 
 DEFAULT_TIMEOUT_S = 120.0
 BACKENDS = ("nccl", "gloo")

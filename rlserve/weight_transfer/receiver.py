@@ -21,7 +21,7 @@ import torch
 from .address import address_problem
 from .errors import InvalidUpdateError
 from .group import DEFAULT_TIMEOUT_S, TransferGroup
-from .handshake import TrainerPlan, receiver_handshake, refuse  # noqa: F401 (refuse is re-exported)
+from .handshake import TrainerPlan, receiver_handshake
 from .packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
