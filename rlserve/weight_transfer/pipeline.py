@@ -1,10 +1,11 @@
 """Moving a plan's buckets over the data plane, overlapped, with checksums.
 
-Trainer: bucket k+1 is packed (into one of `depth` ring buffers) and checksummed while
-bucket k is on the wire. On CUDA the packing runs on the group's side stream and the
-broadcasts on its main stream, ordered by events only: the host queues the whole push
-without waiting for the device, and checks completion at the end. On CPU (the TCP data
-plane) the sends run on one thread per receiver while this thread packs.
+Trainer: bucket k+1 is packed (into one of `depth` ring buffers) while bucket k is on
+the wire, and each bucket is checksummed while it is being sent. On CUDA packing and
+checksums run on the group's side stream and the broadcasts on its main stream, ordered
+by events only: the host queues the whole push without waiting for the device, and
+checks completion at the end. On CPU (the TCP data plane) the sends run on one thread
+per receiver while this thread packs and checksums.
 
 Receiver: a bucket whose tensors arrive in their staging dtype is received into a buffer
 of its own and handed out as views (no unpack copy); one that needs a cast goes through
@@ -151,12 +152,13 @@ def _send_buckets(group: TransferGroup, metas: Sequence[TensorMeta], tensors: Se
                     for s in bucket.slots:
                         if s.nbytes:
                             _copy_bytes(buf[s.offset: s.offset + s.nbytes], as_bytes(tensors[s.index]))
-                if checksum:
-                    checksum_into(buf, sums[k])
                 ready = lanes.mark()
             if ready is not None:
                 torch.cuda.current_stream(dev).wait_event(ready)
             work = group.broadcast(buf)
+            if checksum:  # reads the buffer while the broadcast does (the side stream's order
+                with lanes.side_work():  # keeps the next packing into it behind this)
+                    checksum_into(buf, sums[k])
             if cuda:
                 work.wait()  # the main stream waits for the send: the slot's buffer is free after it
                 if slot is not None:
