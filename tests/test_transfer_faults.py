@@ -140,6 +140,10 @@ def test_damaged_bucket_fails_the_update_and_old_weights_keep_serving(server, ag
     else:  # one tensor per bucket: the third in the checkpoint's order
         assert info["names"][2] in message, message
     assert seconds < TIMEOUT_S + 5, seconds
+    # The trainer hears of it too: its push raises (for a flipped byte, the server's words).
+    assert trainer.get("error") == "WeightTransferError", trainer
+    if fault == "altered":
+        assert "does not match the trainer's checksum" in trainer["message"], trainer
     assert httpx.get(f"{url}/health").status_code == 200  # the server is up
     assert state(url) == before  # same version, same tokens, same logprobs
     # A fresh init and a good push then work.

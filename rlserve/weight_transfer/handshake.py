@@ -15,6 +15,10 @@ Turn t of rank r, keys in the group's store:
 3. trainer  -> r{r}/t{t}/go       {"ok": bool, "error": message, "refused": bool}, once
    every rank answered, so a rank that said ok does not wait for bytes another refused
 4. the buckets, then one int64 checksum per bucket, on the data plane.
+5. receiver -> r{r}/t{t}/done     "ok" once every bucket arrived and matched its checksum
+   (or it read a go that says no); the trainer's push returns only then (a receiver that
+   fails writes its error there), so the trainer hears of a damaged bucket too, and never
+   leaves (taking the store it hosts along) while a receiver still reads the go.
 
 A receiver that refuses (bad update_info, a plan that does not match it, or a refusal
 the server made before the handshake: asleep, a bad weight_version) still waits up to
@@ -59,6 +63,7 @@ def tell_peers(group: TransferGroup, store, value: str) -> None:
             first_open(r, t, "plan")
             store.compare_set(key(r, t - 1, "go"), "", value)
     else:
+        store.compare_set(key(group.rank, group.turn - 1, "done"), "", value)
         first_open(group.rank, group.turn, "verdict")
 
 
@@ -66,6 +71,7 @@ class TrainerPlan(NamedTuple):
     digest: str
     plan: Mapping[str, Any]
     checksum: bool
+    turn: int = -1  # the receiver's turn it was agreed in (for `report_done`)
 
 
 def _parse_plan(text: str) -> TrainerPlan | str:
@@ -148,11 +154,17 @@ def receiver_handshake(group: TransferGroup, refusal: str | None,
         raise group.fail(f"the trainer's go message is malformed ({type(e).__name__}: {e}): "
                           f"{text[:80]!r}") from e
     if not ok:
+        report_done(group, turn)  # read: the trainer may go (and take its store along)
         if go.get("refused", True):
             raise InvalidUpdateError(str(error or "refused by another receiving rank"))
         raise WeightTransferError(f"{error}; nothing changed and the group is still usable")
     assert isinstance(plan, TrainerPlan)
-    return plan
+    return plan._replace(turn=turn)
+
+
+def report_done(group: TransferGroup, turn: int) -> None:
+    """Every bucket of `turn` arrived and matched: the trainer's push may return."""
+    group.set(key(group.rank, turn, "done"), "ok")
 
 
 def refuse(group: TransferGroup, message: str) -> None:
@@ -182,8 +194,10 @@ def _offer(group: TransferGroup, rank: int, text: str) -> None:
         raise group.fail(f"unexpected value at {plan_key}: {got[:80]!r}")
 
 
-def trainer_handshake(group: TransferGroup, message: Mapping[str, Any], wait_s: float | None = None) -> None:
+def trainer_handshake(group: TransferGroup, message: Mapping[str, Any], wait_s: float | None = None
+                      ) -> dict[int, int]:
     """Offer `message` to every receiving rank and collect their verdicts; then say go.
+    Returns each rank's turn, for `await_done`. (Only ranks that said ok wait for the go.)
 
     Raises UpdateRefusedError with the receivers' messages when any refused, and
     WeightTransferError when one did not answer; the group stays usable in both cases.
@@ -219,16 +233,28 @@ def trainer_handshake(group: TransferGroup, message: Mapping[str, Any], wait_s: 
             ok = verdict["ok"]
         except (ValueError, TypeError, KeyError) as e:
             raise group.fail(f"receiver rank {r} sent a malformed verdict: {got[:80]!r}") from e
-        answered[r] = turn
-        if not ok and str(verdict.get("error")) not in errors:
+        if ok:
+            answered[r] = turn
+        elif str(verdict.get("error")) not in errors:
             errors.append(str(verdict.get("error")))
     if "cancel" in message:
-        return
+        return answered
     go = json.dumps({"ok": not errors, "error": "; ".join(errors) or None, "refused": refused})
     for r, turn in answered.items():
         group.set(key(r, turn, "go"), go)
     if errors:
+        await_done(group, answered)  # the ranks that said ok have read the no
         raise (UpdateRefusedError if refused else WeightTransferError)("; ".join(errors))
+    return answered
+
+
+def await_done(group: TransferGroup, turns: Mapping[int, int]) -> None:
+    """Wait until every rank confirmed its buckets (a rank that failed says why)."""
+    for r, turn in turns.items():
+        got = group.await_key(key(r, turn, "done"), group.timeout_s, f"receiver rank {r}'s confirmation")
+        if got != "ok":
+            raise group.fail(f"receiver rank {r} did not confirm the update within {group.timeout_s:g}s"
+                             if got is None else f"receiver rank {r} answered {got[:80]!r} for its confirmation")
 
 
 def cancel(group: TransferGroup, message: str) -> None:
@@ -242,6 +268,6 @@ def cancel(group: TransferGroup, message: str) -> None:
 def _forget(group: TransferGroup, rank: int, turn: int) -> None:
     """Drop the keys of the turns before `turn`: rank answered `turn`, so it is done with them."""
     for t in range(group.forgotten.get(rank, 0), turn):
-        for what in ("plan", "verdict", "go"):
+        for what in ("plan", "verdict", "go", "done"):
             group.delete(key(rank, t, what))
     group.forgotten[rank] = max(group.forgotten.get(rank, 0), turn)

@@ -21,7 +21,7 @@ import torch
 from .address import address_problem
 from .errors import InvalidUpdateError
 from .group import DEFAULT_TIMEOUT_S, TransferGroup
-from .handshake import TrainerPlan, receiver_handshake
+from .handshake import TrainerPlan, receiver_handshake, report_done
 from .packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -250,4 +250,6 @@ def receive_weights(
     device = group.device if device is None else torch.device(device)
     staging = [expected[m.name].dtype or target_dtype or m.dtype for m in metas]
     buckets = plan_buckets(metas, info.packed, info.packed_buffer_size_bytes)
-    return receive_buckets(group, metas, buckets, staging, device, plan.checksum)
+    staged = receive_buckets(group, metas, buckets, staging, device, plan.checksum)
+    report_done(group, plan.turn)
+    return staged

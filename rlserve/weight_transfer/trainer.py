@@ -19,7 +19,7 @@ import torch
 
 from .errors import InvalidUpdateError
 from .group import DEFAULT_TIMEOUT_S, TransferGroup
-from .handshake import cancel, trainer_handshake
+from .handshake import await_done, cancel, trainer_handshake
 from .packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -71,7 +71,9 @@ def send_weights(
     post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None,
     checksum: bool = True,
 ) -> None:
-    """Broadcast (name, tensor) pairs to every receiver; raises UpdateRefusedError on refusal.
+    """Broadcast (name, tensor) pairs to every receiver; returns once every receiver has
+    them, checked. Raises UpdateRefusedError on a refusal (the receivers' message), and
+    WeightTransferError when the transfer fails, a damaged bucket on a receiver included.
 
     The iterator is materialised first (references only, no copies) because the plan
     needs every name, dtype and shape before the first byte moves. If that fails (or the
@@ -87,13 +89,14 @@ def send_weights(
     except Exception as e:
         cancel(group, f"{type(e).__name__}: {e}")
         raise
-    trainer_handshake(group, {
+    turns = trainer_handshake(group, {
         "digest": plan_digest(metas, packed, packed_buffer_size_bytes),
         "plan": plan_json(metas, packed, packed_buffer_size_bytes),
         "checksum": bool(checksum),
     })
     buckets = plan_buckets(metas, packed, packed_buffer_size_bytes)
     send_buckets(group, metas, tensors, buckets, int(packed_num_buffers), checksum)
+    await_done(group, turns)
 
 
 class TrainerEngine:
