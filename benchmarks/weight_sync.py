@@ -2,12 +2,20 @@
 
 Starts `rlserve serve` on the model's config with dummy weights and the chosen backend,
 builds a trainer-side model of the same architecture, and pushes it with WeightSyncClient.
+Over nccl and gloo it first times a plain broadcast of the same bytes (in --bucket-mib
+pieces) between the trainer's device and a peer process on the server's device, and
+reports each push against it; --checksum-cost also pushes without bucket checksums.
 
-    python benchmarks/weight_sync.py --model smollm2 --backend gloo --device cpu
-    python benchmarks/weight_sync.py --model qwen3-0.6b --backend nccl --device cuda   # 2 GPUs
+    python benchmarks/weight_sync.py --model smollm2 --backend gloo --device cpu --checksum-cost
+    python benchmarks/weight_sync.py --model qwen3-8b --backend nccl --device cuda:1 --server-device cuda:0 \
+        --bucket-mib 1024 256 --checksum-cost                                        # 2 GPUs
     python benchmarks/weight_sync.py --model qwen3-8b --backend ipc    # trainer and server on one GPU
 
 --model takes a preset of benchmarks/throughput.py or an HF directory.
+
+Columns: "send" is the trainer's trainer_send_weights (handshake, packing, checksums,
+the broadcasts, until they are through); "update" is the whole /update_weights as the
+trainer sees it (the server has received, verified and loaded the weights).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -24,7 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from throughput import model_dir  # noqa: E402
 
 from rlserve.server.launcher import ServerProcess  # noqa: E402
-from rlserve.weight_transfer import WeightSyncClient, get_open_port  # noqa: E402
+from rlserve.weight_transfer import TransferGroup, WeightSyncClient, get_open_port, receiver_init  # noqa: E402
 
 
 def any_tokenizer(path: str) -> str:
@@ -53,19 +62,81 @@ def start_server(path: str, args, port: int) -> ServerProcess:
     return ServerProcess(path, *flags, port=port, timeout_s=600)
 
 
+def pieces(buf: torch.Tensor, piece_bytes: int) -> list[torch.Tensor]:
+    return [buf[i: i + piece_bytes] for i in range(0, buf.numel(), piece_bytes)]
+
+
+def plain_broadcasts(group: TransferGroup, buf: torch.Tensor, piece_bytes: int) -> None:
+    """Every piece of `buf` broadcast (or received) back to back, then waited for."""
+    with group.streams():
+        works = [group.broadcast(p) for p in pieces(buf, piece_bytes)]
+        for w in works:
+            group.wait(w, "a plain broadcast")
+
+
+def peer(args) -> None:
+    """The baseline's receiving side, in its own process on the server's device."""
+    group = receiver_init(args.backend, dict(master_address="127.0.0.1", master_port=args.peer, rank_offset=1,
+                                             world_size=2), device=args.server_device, timeout_s=600)
+    buf = torch.empty(args.peer_bytes, dtype=torch.uint8, device=group.device)
+    tick = torch.zeros(1, dtype=torch.uint8, device=group.device)
+    for _ in range(args.repeats):
+        for mib in args.bucket_mib:
+            with group.streams():
+                group.wait(group.broadcast(tick), "the start signal")
+            plain_broadcasts(group, buf, mib << 20)
+    group.close()
+
+
+def baseline(args, size: int) -> dict[int, float]:
+    """Best time of a plain broadcast of `size` bytes in pieces of each --bucket-mib."""
+    port = get_open_port()
+    cmd = [sys.executable, __file__, "--peer", str(port), "--peer-bytes", str(size), "--backend", args.backend,
+           "--server-device", args.server_device, "--repeats", str(args.repeats),
+           "--bucket-mib", *map(str, args.bucket_mib)]
+    proc = subprocess.Popen(cmd)
+    try:
+        group = TransferGroup(args.backend, "127.0.0.1", port, 0, 2,
+                              args.device if args.backend == "nccl" else "cpu", timeout_s=600)
+        buf = torch.ones(size, dtype=torch.uint8, device=group.device)
+        tick = torch.zeros(1, dtype=torch.uint8, device=group.device)
+        best: dict[int, float] = {}
+        for _ in range(args.repeats):
+            for mib in args.bucket_mib:
+                with group.streams():
+                    group.wait(group.broadcast(tick), "the start signal")
+                t0 = time.perf_counter()
+                plain_broadcasts(group, buf, mib << 20)
+                best[mib] = min(best.get(mib, float("inf")), time.perf_counter() - t0)
+        group.close()
+        del buf
+        if group.device.type == "cuda":
+            torch.cuda.empty_cache()
+    finally:
+        proc.wait(timeout=120)
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl", "ipc"])
-    p.add_argument("--device", default="cpu", help="the trainer's device")
+    p.add_argument("--device", default="cpu", help="the trainer's device (nccl: the GPU its tensors are on)")
     p.add_argument("--server-device", default=None, help="default: cpu for gloo, cuda:0 for nccl")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bucket-mib", type=int, nargs="*", default=[512])
+    p.add_argument("--checksum-cost", action="store_true", help="also push without bucket checksums")
+    p.add_argument("--no-baseline", action="store_true", help="skip the plain broadcast")
+    p.add_argument("--peer", type=int, help=argparse.SUPPRESS)  # the baseline's receiving process
+    p.add_argument("--peer-bytes", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.backend == "ipc":  # colocated: both on the one GPU, in the model's own dtype
         args.device, args.dtype = "cuda", "bfloat16" if args.dtype == "float32" else args.dtype
     args.server_device = args.server_device or ("cpu" if args.backend == "gloo" else "cuda:0")
+    if args.peer is not None:
+        peer(args)
+        return
     path = model_dir(args.model)
     args.skip_tokenizer = not os.path.exists(os.path.join(path, "tokenizer_config.json"))
 
@@ -77,26 +148,35 @@ def main() -> None:
     size = sum(t.numel() * t.element_size() for _, t in tensors)
     print(f"{args.model}: {len(tensors)} tensors, {size / 1e9:.3f} GB in {args.dtype}, "
           f"backend {args.backend}, trainer on {args.device}, server on {args.server_device}")
+    plain = {}
+    if args.backend != "ipc" and not args.no_baseline:
+        plain = baseline(args, size)
+        for mib, seconds in plain.items():
+            print(f"{f'plain broadcast, {mib} MiB pieces':>34}: {seconds:.4f} s = {size / seconds / 1e9:.1f} GB/s "
+                  f"(best of {args.repeats})")
 
     port = get_open_port()
     server = start_server(path, args, port)
     try:
-        client = WeightSyncClient(f"http://127.0.0.1:{port}", backend=args.backend)
+        client = WeightSyncClient(f"http://127.0.0.1:{port}", backend=args.backend,
+                                  device=args.device if args.backend == "nccl" else None)
         client.init()
         if args.backend == "ipc":
             bench_ipc(client, tensors, size, args.repeats)
             return
-        for packed in (True, False):
-            for mib in args.bucket_mib if packed else [0]:
-                times = []
-                for i in range(args.repeats):
-                    r = client.push(tensors, packed=packed, packed_buffer_size_bytes=(mib or 512) << 20)
-                    times.append(r)
-                best = min(times, key=lambda r: r.seconds)
-                label = f"packed, {mib} MiB buckets" if packed else "unpacked"
-                print(f"{label:>26}: transfer {best.transfer_seconds:.3f} s = {best.gb_per_second:.2f} GB/s; "
-                      f"pause-push-resume {best.seconds:.3f} s (best of {args.repeats}; "
-                      f"first {times[0].seconds:.3f} s)")
+        runs = [(True, mib, True) for mib in args.bucket_mib] + [(False, 0, True)]
+        if args.checksum_cost:
+            runs += [(packed, mib, False) for packed, mib, _ in runs]
+        for packed, mib, checksum in runs:
+            times = [client.push(tensors, packed=packed, packed_buffer_size_bytes=(mib or 512) << 20,
+                                 checksum=checksum) for _ in range(args.repeats)]
+            best = min(times, key=lambda r: r.send_seconds)
+            label = (f"packed, {mib} MiB buckets" if packed else "unpacked") + ("" if checksum else ", no checksum")
+            ref = plain.get(mib) if packed else None
+            vs = f" = {best.send_seconds / ref:.2f}x the plain broadcast" if ref else ""
+            print(f"{label:>34}: send {best.send_seconds:.4f} s ({size / best.send_seconds / 1e9:.1f} GB/s){vs}; "
+                  f"update {best.transfer_seconds:.4f} s; pause-push-resume {best.seconds:.4f} s "
+                  f"(best of {args.repeats}; first send {times[0].send_seconds:.4f} s)")
     finally:
         server.stop()
 

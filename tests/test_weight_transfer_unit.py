@@ -409,3 +409,130 @@ def test_init_fails_fast_and_clearly():
         with pytest.raises(WeightTransferError, match="init failed"):  # port taken
             GlooWeightTransferEngine.trainer_init(
                 dict(master_address="127.0.0.1", master_port=port, world_size=2, timeout_s=1.0))
+
+
+# --- checksums --------------------------------------------------------------------
+
+def test_checksum_sees_every_word_and_the_tail():
+    from rlserve.weight_transfer.checksum import ROW_WORDS, checksum
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 7, 8, 13, 8 * ROW_WORDS, 8 * ROW_WORDS * 3 + 21):
+        buf = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        base = checksum(buf)
+        assert checksum(buf.clone()) == base
+        # Any byte, any bit (the top bit of a word included): the value changes.
+        for pos in {0, n // 2, n - 1, min(n - 1, 8 * ROW_WORDS)}:
+            for bit in (0, 7):
+                flipped = buf.clone()
+                flipped[pos] ^= 1 << bit
+                assert checksum(flipped) != base, (n, pos, bit)
+    # Rows swapped, a shorter or a longer buffer: different.
+    buf = torch.randint(0, 256, (8 * ROW_WORDS * 2,), dtype=torch.uint8, generator=g)
+    swapped = torch.cat([buf[8 * ROW_WORDS:], buf[: 8 * ROW_WORDS]])
+    assert checksum(swapped) != checksum(buf)
+    assert checksum(buf[:-8]) != checksum(buf)
+    assert checksum(torch.cat([buf, buf[:8]])) != checksum(buf)
+
+
+def test_checksum_does_not_depend_on_alignment_or_where_it_runs():
+    from rlserve.weight_transfer.checksum import ROW_WORDS, checksum, device_checksum_into
+    g = torch.Generator().manual_seed(3)
+    for n in (5, 10_003, 8 * ROW_WORDS * 5 + 3):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        padded = torch.cat([torch.zeros(3, dtype=torch.uint8), data])
+        assert checksum(padded[3:]) == checksum(data)  # a view at an odd address
+        # The host (numpy) and device (torch ops; CUDA's code, run here on the CPU) agree.
+        out = torch.zeros(1, dtype=torch.int64)
+        device_checksum_into(data, out)
+        assert int(out) == checksum(data)
+    big = torch.full((8 * ROW_WORDS * 3,), 0x7F, dtype=torch.uint8)  # sums that wrap around
+    out = torch.zeros(1, dtype=torch.int64)
+    device_checksum_into(big, out)
+    assert int(out) == checksum(big)
+
+
+# --- failures before the first byte -----------------------------------------------
+
+def test_trainer_failing_before_sending_cancels_at_once():
+    params = make_params()
+    info = update_info(params)
+
+    def broken_iterator():
+        yield "embed.weight", params["embed.weight"]
+        raise RuntimeError("the optimizer step blew up")
+
+    spread = [(n, t) for n, t in params.items()] + [("meta.weight", torch.empty(2, device="meta"))]
+    for items, error, fragment in [(broken_iterator(), "RuntimeError", "the optimizer step blew up"),
+                                   (iter(spread), "ValueError", "spread over several devices (cpu, meta)")]:
+        started = time.monotonic()
+        got = _in_threads(2, [lambda g: receive_weights(g, info, expected_params())], TIMEOUT_S,
+                          lambda g: GlooWeightTransferEngine.trainer_send_weights(iterator=items, group=g))
+        assert got[0] == (error, got[0][1]) and fragment in got[0][1]
+        assert got[1][0] == "InvalidUpdateError" and "the trainer cancelled this update" in got[1][1]
+        assert fragment in got[1][1]
+        assert time.monotonic() - started < TIMEOUT_S / 2
+
+
+def test_a_rank_that_never_answers_is_named_and_the_other_stops():
+    params = make_params()
+    info = update_info(params)
+    got = _in_threads(3, [lambda g: receive_weights(g, info, expected_params()), lambda g: time.sleep(2.5)], 2.0,
+                      lambda g: GlooWeightTransferEngine.trainer_send_weights(iterator=params.items(), group=g))
+    assert got[0][0] == "WeightTransferError"
+    assert "the verdict of receiver rank 2 did not arrive" in got[0][1] and "still usable" in got[0][1]
+    assert got[1][0] == "WeightTransferError" and "receiver rank 2" in got[1][1]
+
+
+def test_master_address_must_be_a_host_or_unicast_ip():
+    from rlserve.weight_transfer.address import address_problem
+    for good in ["127.0.0.1", "10.1.2.3", "::1", "[::1]", "trainer-0", "node7.cluster.local", "localhost."]:
+        assert address_problem(good) is None, good
+    for bad in ["", None, 5, "not a host!", "999.1.1.1", "1.2.3", "0.0.0.0", "::", "224.0.0.1",
+                "255.255.255.255", "-bad-.example", "a..b", "x" * 64 + ".com"]:
+        assert address_problem(bad), bad
+    with pytest.raises(InvalidUpdateError, match="master_address"):
+        InitInfo.parse(dict(master_address="0.0.0.0", master_port=1234, rank_offset=1, world_size=2))
+
+
+# --- the TCP data plane ----------------------------------------------------------
+
+def test_frames_are_read_exactly_or_refused():
+    from rlserve.weight_transfer.tcp import HEADER, MAGIC, FrameError, _recv_frame_into
+    a, b = socket.socketpair()
+    with a, b:
+        buf = torch.zeros(1024, dtype=torch.uint8)
+        guard = buf[1000:].clone()
+        view = memoryview(buf.numpy())[:1000]
+        for number, length, payload, fragment in [
+            (0, 2000, b"x" * 2000, "carries 2000 bytes, 1000 were announced"),  # long: never read
+            (1, 500, b"y" * 500, "carries 500 bytes, 1000 were announced"),  # short
+            (7, 1000, b"z" * 1000, "expected frame #2, got frame #7"),
+        ]:
+            a.sendall(HEADER.pack(MAGIC, number, length) + payload)
+            with pytest.raises(FrameError, match=fragment):
+                _recv_frame_into(b, [0, 1, 2][number if number < 3 else 2], view)
+            b.recv(len(payload))  # drop what was refused
+        assert torch.equal(buf[1000:], guard) and int(buf[:1000].sum()) == 0  # nothing written
+        a.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        with pytest.raises(FrameError, match="expected a frame header"):
+            _recv_frame_into(b, 3, view)
+
+
+def test_a_peer_that_closes_its_group_is_noticed_at_once():
+    params = make_params()
+    info = update_info(params)
+
+    def send_later(g):
+        time.sleep(0.5)
+        GlooWeightTransferEngine.trainer_send_weights(iterator=params.items(), group=g)
+
+    def close_later(g):
+        time.sleep(0.5)
+        g.close()
+
+    started = time.monotonic()
+    got = _in_threads(2, [lambda g: g.close()], TIMEOUT_S, send_later)  # the server re-inits elsewhere
+    assert got[0][0] == "WeightTransferError" and "closed" in got[0][1]
+    got = _in_threads(2, [lambda g: receive_weights(g, info, expected_params())], TIMEOUT_S, close_later)
+    assert got[1][0] == "WeightTransferError" and "closed" in got[1][1]
+    assert time.monotonic() - started < TIMEOUT_S  # neither waited for its timeout

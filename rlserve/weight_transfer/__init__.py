@@ -6,13 +6,19 @@ Trainer side, as in the seed script::
     group = NCCLWeightTransferEngine.trainer_init(dict(master_address=..., master_port=..., world_size=...))
     NCCLWeightTransferEngine.trainer_send_weights(iterator=model.named_parameters(), group=group, packed=True)
 
-Server side: `receiver_init` per worker, then `receive_weights` per update.
+Server side: `receiver_init` per worker, then `receive_weights` per update (or `refuse`,
+for an update the server turns down before looking at it).
 Same GPU (colocated): `IPCWeightTransferEngine` shares CUDA IPC handles instead (ipc.py).
+
+Modules: group (store + data plane, bounded and abortable), handshake (pairing each push
+with each rank's request), pipeline (packing, overlap, checksums), tcp (the CPU data
+plane), packing (the bucket plan), checksum, address (master_address), client.
 """
 
 from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
 from .gloo import GlooWeightTransferEngine
-from .group import DEFAULT_TIMEOUT_S, TransferGroup, get_ip, get_open_port
+from .address import get_ip, get_open_port
+from .group import DEFAULT_TIMEOUT_S, TransferGroup
 from .ipc import IPCHandles, IPCReceiver, IPCSender, IPCWeightTransferEngine
 from .nccl import NCCLWeightTransferEngine
 from .packing import (
@@ -25,7 +31,8 @@ from .packing import (
     plan_digest,
 )
 from .client import PushResult, WeightSyncClient
-from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, receiver_init, refuse
+from .handshake import refuse
+from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, receiver_init
 
 __all__ = [
     "DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "DEFAULT_TIMEOUT_S",

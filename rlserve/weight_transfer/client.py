@@ -8,6 +8,11 @@ It performs the seed script's choreography (HTTP calls in threads while this pro
 broadcasts) for one server or several replicas, which then share one transfer group.
 With backend="ipc" (trainer and servers on one GPU) there is no group: each server opens
 this process's CUDA IPC handles once and copies from them on every push.
+
+Devices: a push goes out from the device its tensors are on (tensors spread over several
+devices are refused). NCCL binds a group to one GPU: give `device=` (constructor or
+init), or let the first push form the group on its tensors' GPU; a later push from
+another GPU forms a new group there.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from typing import Iterable
 import requests
 import torch
 
+from rlserve.weight_transfer.address import get_ip, get_open_port
 from rlserve.weight_transfer.errors import UpdateRefusedError, WeightTransferError
-from rlserve.weight_transfer.group import get_ip, get_open_port
 from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 
 
@@ -29,8 +34,9 @@ from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DE
 class PushResult:
     num_bytes: int
     seconds: float  # pause to resume, as the trainer sees it
-    transfer_seconds: float
+    transfer_seconds: float  # the update as the trainer sees it: sent, received and loaded
     weight_versions: list[int]  # one per server
+    send_seconds: float | None = None  # this process's trainer_send_weights alone (nccl, gloo)
 
     @property
     def gb_per_second(self) -> float:
@@ -100,7 +106,8 @@ def post_update(url: str, update_info: dict, admin_key: str | None = None,
 class WeightSyncClient:
     def __init__(self, base_urls: str | list[str], backend: str = "nccl", *,
                  admin_key: str | None = None, timeout_s: float = 300.0,
-                 master_address: str | None = None, master_port: int | None = None):
+                 master_address: str | None = None, master_port: int | None = None,
+                 device: torch.device | str | None = None):
         self.urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         self.urls = [u.rstrip("/") for u in self.urls]
         self.backend = backend
@@ -112,6 +119,8 @@ class WeightSyncClient:
         if admin_key:
             self.session.headers["Authorization"] = f"Bearer {admin_key}"
         self.group = None
+        self.device = None if device is None else torch.device(device)
+        self._sizes: list[int] | None = None  # the servers' world sizes, once asked
 
     def _post(self, url: str, path: str, json: dict | None = None, params: dict | None = None):
         return self.session.post(f"{url}{path}", json=json, params=params, timeout=self.timeout_s)
@@ -119,16 +128,28 @@ class WeightSyncClient:
     def _check(self, r: requests.Response) -> dict:
         return answer(r)
 
-    def init(self) -> None:
+    def init(self, device: torch.device | str | None = None) -> None:
         """Form one transfer group: this trainer at rank 0, each server's workers after it.
-        ipc: no group; each server gets its own export of the handles."""
+        ipc: no group; each server gets its own export of the handles. nccl without a
+        device (here or in the constructor): the first push forms it on its tensors' GPU."""
+        if device is not None:
+            self.device = torch.device(device)
         if self.backend == "ipc":
             for u in self.urls:
                 self._check(self._post(u, "/init_weight_transfer_engine", {"init_info": {}}))
             self.group = [self.engine.trainer_init() for _ in self.urls]
             return
-        sizes = [self._check(self.session.get(f"{u}/get_world_size", timeout=30))["world_size"]
-                 for u in self.urls]
+        self._sizes = [self._check(self.session.get(f"{u}/get_world_size", timeout=30))["world_size"]
+                       for u in self.urls]
+        if self.backend == "nccl" and self.device is None:
+            return
+        self._form_group()
+
+    def _form_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        sizes = self._sizes
         world_size = 1 + sum(sizes)
         address = self.master_address or get_ip()
         port = self.master_port or get_open_port()
@@ -139,7 +160,8 @@ class WeightSyncClient:
                  for u, off in zip(self.urls, offsets)]
         try:
             self.group = self.engine.trainer_init(dict(master_address=address, master_port=port,
-                                                       world_size=world_size, timeout_s=self.timeout_s))
+                                                       world_size=world_size, timeout_s=self.timeout_s),
+                                                  device=self.device)
         finally:
             errors = []
             for c in calls:
@@ -150,19 +172,34 @@ class WeightSyncClient:
         if errors:
             raise WeightTransferError("; ".join(errors))
 
+    def _group_for(self, tensors) -> None:
+        """NCCL: the group lives on the tensors' GPU (formed, or formed again, here)."""
+        from rlserve.weight_transfer.trainer import tensors_device
+        device = tensors_device([t for _, t in tensors])
+        if self.backend != "nccl" or device is None:
+            return
+        if device.type != "cuda":
+            raise ValueError(f"the nccl backend sends CUDA tensors; these are on {device}")
+        if self.group is None or self.group.device != device:
+            self.device = device
+            self._form_group()
+
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
              pause_mode: str = "keep", packed: bool | None = None,
              packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-             packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> PushResult:
+             packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS, checksum: bool = True) -> PushResult:
         """Pause every server, send the tensors, load them, resume. All or nothing per server:
-        a failure leaves that server on its previous weights and raises here."""
-        if self.group is None:
+        a failure leaves that server on its previous weights and raises here.
+        `checksum=False` sends no bucket checksums (nccl, gloo; for measuring their cost)."""
+        if self.group is None and self._sizes is None:
             raise WeightTransferError("call init() before push()")
         if packed is None:
             # Measured (benchmarks/RESULTS.md): over gloo on CPU one broadcast per tensor
             # beats packing, whose host copies cost more than they save.
             packed = self.backend != "gloo"
         tensors = [(n, t.detach()) for n, t in named_tensors]
+        if self.backend != "ipc":
+            self._group_for(tensors)
         update_info = dict(names=[n for n, _ in tensors],
                            dtype_names=[str(t.dtype).split(".")[-1] for _, t in tensors],
                            shapes=[list(t.shape) for _, t in tensors], packed=packed,
@@ -178,30 +215,33 @@ class WeightSyncClient:
                 self._check(self._post(u, "/pause", params={"mode": pause_mode}))
                 paused.append(u)
             t1 = time.perf_counter()
+            send_seconds = None
             if self.backend == "ipc":
                 results = self._send_ipc(tensors, version)
             else:
-                results = self._send_collective(tensors, update_info, packed, packed_buffer_size_bytes,
-                                                packed_num_buffers)
+                results, send_seconds = self._send_collective(
+                    tensors, update_info, packed, packed_buffer_size_bytes, packed_num_buffers, checksum)
             t2 = time.perf_counter()
         finally:
             for u in paused:
                 self._check(self._post(u, "/resume"))
         return PushResult(num_bytes, time.perf_counter() - t0, t2 - t1,
-                          [r["weight_version"] for r in results])
+                          [r["weight_version"] for r in results], send_seconds)
 
     def _send_collective(self, tensors, update_info, packed, packed_buffer_size_bytes,
-                         packed_num_buffers) -> list[dict]:
+                         packed_num_buffers, checksum) -> tuple[list[dict], float]:
         """Every server's /update_weights in a thread while this process broadcasts."""
         calls = [_Call(self._post, u, "/update_weights", {"update_info": update_info})
                  for u in self.urls]
         send_error = None
+        started = time.perf_counter()
         try:
             self.engine.trainer_send_weights(iterator=iter(tensors), group=self.group, packed=packed,
                                              packed_buffer_size_bytes=packed_buffer_size_bytes,
-                                             packed_num_buffers=packed_num_buffers)
+                                             packed_num_buffers=packed_num_buffers, checksum=checksum)
         except Exception as e:
             send_error = e
+        send_seconds = time.perf_counter() - started
         results, errors = [], []
         for c in calls:
             try:
@@ -210,7 +250,7 @@ class WeightSyncClient:
                 errors.append(str(e))
         if errors or send_error is not None:
             raise WeightTransferError("; ".join(errors) or str(send_error)) from send_error
-        return results
+        return results, send_seconds
 
     def _send_ipc(self, tensors, version: int | None) -> list[dict]:
         """Each server copies from this process's memory; its answer means the copy is done."""

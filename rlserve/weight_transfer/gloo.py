@@ -1,6 +1,7 @@
-"""gloo backend (CPU tensors, any host): trainer-side entry points.
+"""gloo backend (CPU, any host): trainer-side entry points.
 
-Same API as the NCCL engine; tensors on other devices are copied to CPU on send.
+Same API as the NCCL engine; the bytes move over framed TCP streams (tcp.py), and
+tensors on a GPU are copied to host memory on send.
 """
 
 from __future__ import annotations
@@ -14,5 +15,5 @@ class GlooWeightTransferEngine(TrainerEngine):
     backend = "gloo"
 
     @classmethod
-    def device(cls) -> torch.device:
-        return torch.device("cpu")
+    def device(cls, device: torch.device | str | None = None) -> torch.device:
+        return torch.device("cpu")  # the group's buffers; the tensors may live anywhere

@@ -1,73 +1,58 @@
 """A stateless trainer<->server transfer group.
 
-Built from a TCPStore and a process group constructed directly, so it never
-touches torch.distributed's default group (the trainer may be using that one to
-train). Rank 0 is the trainer and hosts the store; receivers are ranks 1..N-1.
-Every blocking call is bounded by `timeout_s` and fails with
-`WeightTransferError`; after a transport failure the group is marked broken and
-must be initialised again (same or new port).
+A TCPStore (hosted by the trainer, rank 0) carries the control messages; the bytes move
+over NCCL (a process group constructed directly, so torch.distributed's default group,
+which the trainer may be training with, is never touched) or, for the CPU backend
+"gloo", over framed TCP streams (tcp.py says why not gloo itself). Receivers are ranks
+1..N-1.
+
+Every wait is bounded by `timeout_s`, forming the group included: the connect runs on a
+helper thread and the caller gives up at the deadline whatever the master does (accepts
+and never answers, speaks HTTP, ...), or at once when `abort()` is called from another
+thread. After a transport failure the group is marked broken and must be initialised
+again; the failing side also writes the failure into the keys its peers wait on next,
+so they fail at once instead of at their timeout.
 """
 
 from __future__ import annotations
 
-import socket
+import contextlib
+import threading
 import time
+import traceback
 import uuid
-from collections import deque
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rlserve.distributed import abort_process_group
 
+from .address import get_ip, get_open_port, resolve, wait_listening  # noqa: F401 (get_*: re-exported)
 from .errors import InvalidUpdateError, WeightTransferError
+from .tcp import Frames, TcpHub, TcpLink
 
 DEFAULT_TIMEOUT_S = 120.0
 BACKENDS = ("nccl", "gloo")
+PROTOCOL = 2  # the control protocol between trainer and receivers (handshake.py)
+CONNECT_MARGIN_S = 1.0  # a connect gives up this long after timeout_s at the latest
 _SESSION_KEY = "rlserve/session"
+_DATA_PORT_KEY = "data_port"
+BROKEN = "broken:"  # prefix of a value that says the writer's group failed
+_POLL_S = 0.2  # how often a long wait looks at the store for a peer's failure
 
 
-def get_ip() -> str:
-    """This host's outbound IP address (no packet is sent), else 127.0.0.1."""
-    return _local_ip_towards("8.8.8.8")
-
-
-def get_open_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _local_ip_towards(address: str) -> str:
-    # Connecting a UDP socket only picks the route; it sends nothing.
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((address, 80))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def _wait_listening(address: str, port: int, deadline: float) -> None:
-    """Poll until the master accepts connections: TCPStore's own connect retries
-    can overrun their timeout severalfold when nobody listens yet."""
-    while True:
-        try:
-            with socket.create_connection((address, port), timeout=1.0):
-                return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise WeightTransferError(f"nothing accepts connections at {address}:{port} "
-                                          f"(is the trainer's trainer_init running?): {e}") from e
-            time.sleep(0.1)
+def broken_key(rank: int) -> str:
+    return f"broken/{rank}"
 
 
 class TransferGroup:
-    """One rank's handle on the group: store, process group, update counter."""
+    """One rank's handle on the group: store, data plane, turn counters (handshake.py)."""
 
     def __init__(self, backend: str, master_address: str, master_port: int, rank: int,
-                 world_size: int, device: torch.device | str, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 world_size: int, device: torch.device | str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 connect: bool = True):
         if backend not in BACKENDS:
             raise InvalidUpdateError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if not (isinstance(world_size, int) and world_size >= 2):
@@ -77,96 +62,239 @@ class TransferGroup:
         if not timeout_s > 0:
             raise InvalidUpdateError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.backend, self.rank, self.world_size = backend, rank, world_size
+        self.address, self.port = master_address, int(master_port)
         self.master = f"{master_address}:{master_port}"
         self.device = torch.device(device)
+        if backend == "gloo":
+            self.device = torch.device("cpu")  # the TCP data plane moves host memory
         self.timeout_s = float(timeout_s)  # may be lowered after init: later calls use it
-        self.seq = 0  # updates attempted on this group; both sides count in lockstep
+        # Turns (handshake.py): a receiver's next turn; the trainer's next turn per rank.
+        self.turn = 0
+        self.turns = {r: 0 for r in range(1, world_size)}
+        self.forgotten: dict[int, int] = {}  # trainer: per rank, turns below this have no keys left
         self.broken: str | None = None
-        self.pg = self._store = None
-        started = time.monotonic()
-        try:
-            if rank != 0:
-                _wait_listening(master_address, int(master_port), started + self.timeout_s)
-            base = dist.TCPStore(master_address, int(master_port), None, rank == 0, self.timeout,
-                                 wait_for_workers=False)
-            # A fresh session id per trainer_init keeps keys of distinct inits apart.
-            if rank == 0:
-                self.session = uuid.uuid4().hex[:12]
-                base.set(_SESSION_KEY, self.session)
-            else:
-                base.wait([_SESSION_KEY], self.timeout)
-                self.session = base.get(_SESSION_KEY).decode()
-            self._store = dist.PrefixStore(f"rlserve/{self.session}/ctl", base)
-            pg_store = dist.PrefixStore(f"rlserve/{self.session}/pg", base)
-            self.pg = self._make_pg(pg_store, master_address)
-            # One tiny broadcast proves every rank is connected (and makes NCCL
-            # build its communicator now instead of inside the first update).
-            probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
-            self.wait(self.broadcast(probe), "the connectivity probe")
-        except Exception as e:  # store/pg constructors raise assorted RuntimeErrors
-            self.close()
-            hint = ("did every server worker join via /init_weight_transfer_engine?" if rank == 0
-                    else "is the trainer's trainer_init running with the same world_size?")
-            raise WeightTransferError(
-                f"{backend} transfer group init failed at {self.master} (rank {rank}/{world_size}) "
-                f"after {time.monotonic() - started:.1f}s (timeout {self.timeout_s:g}s; {hint}): {e}") from e
+        self.session = ""
+        self.pg = self.hub = self.link = self._store = self._base = None
+        self.stream = self.side_stream = None  # CUDA: this group's work never runs on the caller's stream
+        self.host_ring: list[torch.Tensor] = []  # the trainer's packing buffers in host memory (pipeline.py)
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        if connect:
+            self.connect()
 
     @property
     def timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout_s)
 
-    def _make_pg(self, store, master_address: str):
+    @property
+    def peers(self) -> list[int]:
+        return list(self.turns) if self.rank == 0 else [0]
+
+    # --- forming the group ---------------------------------------------------
+
+    def connect(self) -> "TransferGroup":
+        """Join the group; returns within timeout_s (+ CONNECT_MARGIN_S) or raises."""
+        started = time.monotonic()
+        box: dict[str, BaseException] = {}
+
+        def run() -> None:
+            try:
+                self._connect(started + self.timeout_s)
+            except BaseException as e:
+                box["error"] = e
+
+        t = threading.Thread(target=run, name=f"rlserve-transfer-connect-r{self.rank}", daemon=True)
+        t.start()
+        deadline = started + self.timeout_s + CONNECT_MARGIN_S
+        while t.is_alive() and time.monotonic() < deadline and not self._cancelled.is_set():
+            t.join(0.05)
+        error = box.get("error")
+        if not t.is_alive() and error is None and not self._cancelled.is_set():
+            return self
+        # A connect still blocked inside the store or NCCL tears down what it made when
+        # it returns (see _keep); nothing waits for it.
+        reason = self.broken if self._cancelled.is_set() and self.broken else None
+        self._cancelled.set()
+        self.broken = self.broken or "its init failed"
+        self._teardown()
+        self._store = self._base = None  # the trainer's store frees its port
+        if error is not None:
+            traceback.clear_frames(error.__traceback__)  # nor may the frames in the error keep it
+        if isinstance(error, InvalidUpdateError):
+            raise error
+        hint = ("did every server worker join via /init_weight_transfer_engine?" if self.rank == 0
+                else "is the trainer's trainer_init running with the same world_size?")
+        why = reason or (str(error) if error is not None else "no answer")
+        raise WeightTransferError(
+            f"{self.backend} transfer group init failed at {self.master} (rank {self.rank}/{self.world_size}) "
+            f"after {time.monotonic() - started:.1f}s (timeout {self.timeout_s:g}s; {hint}): {why}") from error
+
+    def _keep(self, **parts: Any) -> None:
+        """Attach what the connect thread made, unless the caller has given up meanwhile."""
+        with self._lock:
+            for name, value in parts.items():
+                setattr(self, name, value)
+            cancelled = self._cancelled.is_set()
+        if cancelled:
+            self._teardown()
+            raise WeightTransferError("cancelled")
+
+    def _left(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0 or self._cancelled.is_set():
+            raise WeightTransferError("cancelled" if self._cancelled.is_set() else "timed out")
+        return left
+
+    def _connect(self, deadline: float) -> None:
+        address, port, trainer = self.address, self.port, self.rank == 0
+        if not trainer:
+            resolve(address, port, self._left(deadline))
+            wait_listening(address, port, deadline, self._cancelled)
+        base = dist.TCPStore(address, port, None, trainer, timedelta(seconds=self._left(deadline)),
+                             wait_for_workers=False)
+        self._keep(_base=base)
+        if trainer:
+            session = uuid.uuid4().hex[:12]
+            base.set(_SESSION_KEY, f"{PROTOCOL}:{session}")
+        else:
+            base.wait([_SESSION_KEY], timedelta(seconds=self._left(deadline)))
+            value = base.get(_SESSION_KEY).decode(errors="replace")
+            protocol, _, session = value.rpartition(":")
+            if protocol != str(PROTOCOL):
+                raise WeightTransferError(
+                    f"the trainer speaks weight-transfer protocol {protocol or 1}, this server {PROTOCOL}: "
+                    "run the same rlserve version on both sides")
+        store = dist.PrefixStore(f"rlserve/{session}/ctl", base)
+        self._keep(session=session, _store=store)
         if self.backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = self.timeout
-            # Bind to the interface that reaches the master: the default device
-            # resolves the hostname, which is often 127.0.1.1 on Debian hosts.
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_ip_towards(master_address))]
-            return dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
+            if trainer:
+                hub = TcpHub(self.timeout_s)
+                self._keep(hub=hub)
+                store.set(_DATA_PORT_KEY, str(hub.port))
+                hub.accept(range(1, self.world_size), session, deadline, self._cancelled)
+            else:
+                store.wait([_DATA_PORT_KEY], timedelta(seconds=self._left(deadline)))
+                data_port = int(store.get(_DATA_PORT_KEY))
+                self._keep(link=TcpLink(address, data_port, session, self.rank, deadline, self.timeout_s))
+        else:
+            self._keep(pg=self._make_nccl_pg(dist.PrefixStore(f"rlserve/{session}/pg", base)))
+        # One tiny broadcast proves every rank is connected (and makes NCCL build its
+        # communicator now instead of inside the first update).
+        with self.streams():
+            probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            self.wait(self.broadcast(probe), "the connectivity probe", timeout_s=self._left(deadline))
+
+    def _make_nccl_pg(self, store):
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise WeightTransferError("the nccl backend needs a CUDA build of torch")
         if self.device.type != "cuda":
             raise WeightTransferError(f"the nccl backend needs a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.stream = torch.cuda.Stream(self.device)
+        self.side_stream = torch.cuda.Stream(self.device)
         opts = dist.ProcessGroupNCCL.Options()
         # Our own waits fire first and abort the group; the watchdog is a backstop.
         opts._timeout = timedelta(seconds=self.timeout_s + 60)
-        return dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
+        with torch.cuda.device(self.device):
+            return dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
 
-    # --- collectives -------------------------------------------------------
+    # --- the data plane ------------------------------------------------------
+
+    def streams(self):
+        """NCCL: make this group's stream current, so transfers never wait on (or hold up)
+        the work the caller's thread queues on its own stream (the engine's steps)."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
-        """Start an async broadcast; pass the result to `wait`."""
+        """Start sending (rank 0) or receiving (others) one buffer; pass the result to `wait`.
+        NCCL: enqueued on the caller's current stream; gloo: a contiguous CPU uint8 tensor."""
         self.check_usable()
         try:
-            return self.pg.broadcast(tensor, src, self.timeout)
+            if self.backend == "nccl":
+                with torch.cuda.device(self.device):
+                    return self.pg.broadcast(tensor, src, self.timeout)
+            if self.rank == 0:
+                return self.hub.send(tensor)
+            return self.link.recv(tensor)
         except Exception as e:
-            raise self._fail(f"broadcast could not start: {e}") from e
+            raise self.fail(f"broadcast could not start: {e}") from e
 
-    def wait(self, work, what: str, started: float | None = None) -> None:
-        started = time.monotonic() if started is None else started
-        try:
-            work.wait(self.timeout)
-        except Exception as e:
-            raise self._fail(f"{what} failed after {time.monotonic() - started:.1f}s "
-                             f"(timeout {self.timeout_s:g}s): {e}") from e
+    def wait(self, work, what: str, timeout_s: float | None = None) -> None:
+        """Block until `work` is through, at most timeout_s (default: the group's) without
+        it finishing; a failure, a timeout or a peer's reported failure breaks the group."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
+        while True:
+            slice_s = min(_POLL_S, max(0.0, deadline - time.monotonic()))
+            try:
+                if isinstance(work, Frames):
+                    finished = work.wait(slice_s)
+                elif _poll_nccl(work, slice_s):
+                    work.wait()  # raises what NCCL reported; orders the current stream after it
+                    finished = True
+                else:
+                    finished = False
+            except Exception as e:
+                if self._cancelled.is_set():
+                    raise self.fail(f"{what}: {self.broken}") from e
+                raise self.fail(f"{what} failed after {time.monotonic() - started:.1f}s: {e}") from e
+            if finished:
+                return
+            if self._cancelled.is_set():
+                raise self.fail(f"{what}: {self.broken}")
+            peer = self.peer_failure()
+            if peer is not None:
+                raise self.fail(f"{what}: {peer}")
+            if time.monotonic() >= deadline:
+                raise self.fail(f"{what} timed out after {time.monotonic() - started:.1f}s "
+                                 f"(timeout {timeout_s:g}s)")
 
-    # --- control-plane store -----------------------------------------------
+    # --- control-plane store -------------------------------------------------
 
     def set(self, key: str, value: str) -> None:
         try:
             self._store.set(key, value)
         except Exception as e:
-            raise self._fail(f"store set {key!r} failed: {e}") from e
+            raise self.fail(f"store set {key!r} failed: {e}") from e
 
-    def get(self, key: str, what: str) -> str:
-        """Wait (bounded) for `key` and return its value."""
+    def cas(self, key: str, value: str) -> str:
+        """Write `value` unless the key exists; return what the key holds now."""
+        try:
+            return self._store.compare_set(key, "", value).decode(errors="replace")
+        except Exception as e:
+            raise self.fail(f"store compare_set {key!r} failed: {e}") from e
+
+    def await_key(self, key: str, timeout_s: float, what: str) -> str | None:
+        """The key's value once it exists, or None after timeout_s. A value saying a peer's
+        group broke, or a store that is gone, breaks this group too."""
+        self.check_usable()
         started = time.monotonic()
         try:
-            self._store.wait([key], self.timeout)
-            return self._store.get(key).decode()
+            self._store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
+            value = self._store.get(key).decode(errors="replace")
+        except dist.DistStoreError:
+            return None  # timed out: the caller decides what a no-show means
         except Exception as e:
-            raise self._fail(f"waiting for {what} failed after {time.monotonic() - started:.1f}s "
-                             f"(timeout {self.timeout_s:g}s): {e}") from e
+            if self._cancelled.is_set():
+                raise self.fail(f"waiting for {what}: {self.broken}") from e
+            raise self.fail(f"waiting for {what} failed after {time.monotonic() - started:.1f}s: {e}") from e
+        if value.startswith(BROKEN):
+            raise self.fail(f"waiting for {what}: {value[len(BROKEN):]}")
+        return value
+
+    def peer_failure(self) -> str | None:
+        """A peer's reported failure, if any (one store round trip per peer)."""
+        try:
+            for r in self.peers:
+                if self._store.check([broken_key(r)]):
+                    return self._store.get(broken_key(r)).decode(errors="replace")
+        except Exception as e:
+            return f"the group's store at {self.master} is gone: {e}"
+        return None
 
     def delete(self, key: str) -> None:
         try:
@@ -174,66 +302,69 @@ class TransferGroup:
         except Exception:
             pass  # housekeeping only
 
-    # --- lifecycle ---------------------------------------------------------
-
-    def next_seq(self) -> int:
-        self.check_usable()
-        seq, self.seq = self.seq, self.seq + 1
-        return seq
+    # --- lifecycle -----------------------------------------------------------
 
     def check_usable(self) -> None:
         if self.broken is not None:
-            raise WeightTransferError(f"transfer group {self.master} is unusable after an earlier failure "
-                                      f"({self.broken}); initialise the weight transfer again")
+            raise WeightTransferError(f"transfer group {self.master} is unusable ({self.broken}); "
+                                      "initialise the weight transfer again")
 
-    def _fail(self, message: str) -> WeightTransferError:
-        # Any transport failure desynchronises the peers: poison the group.
+    def fail(self, message: str) -> WeightTransferError:
+        """Any transport failure desynchronises the peers: poison the group, tell them."""
         message = f"rank {self.rank}/{self.world_size} at {self.master}: {message}"
-        if self.broken is None:
+        first = self.broken is None
+        if first:
             self.broken = message
-        self._abort()
-        return WeightTransferError(message)
+            self._tell_peers(message)
+        self._teardown()
+        return WeightTransferError(f"{message}; initialise the weight transfer again")
 
-    def _abort(self) -> None:
-        pg, self.pg = self.pg, None
+    def _tell_peers(self, message: str) -> None:
+        """Best effort: mark this rank broken, and fill the keys the peers wait on next."""
+        from .handshake import tell_peers
+        store = self._store
+        if store is None:
+            return
+        try:
+            store.set(broken_key(self.rank), message)
+            tell_peers(self, store, BROKEN + message)
+        except Exception:
+            pass  # the store is gone: the peers find out from that
+
+    def _teardown(self) -> None:
+        with self._lock:
+            pg, hub, link = self.pg, self.hub, self.link
+            self.pg = self.hub = self.link = None
         abort_process_group(pg)
+        for part in (hub, link):
+            if part is not None:
+                part.close()
+
+    def abort(self, reason: str = "aborted") -> None:
+        """From any thread: stop a pending connect or transfer at once (the group is unusable)."""
+        self._cancelled.set()
+        if self.broken is None:
+            self.broken = reason
+            self._tell_peers(reason)
+        self._teardown()
 
     def close(self) -> None:
-        if self.broken is None:
-            self.broken = "closed"
-        self._abort()
-        self._store = None
+        self.abort("closed")
+        self._store = self._base = None
+        self.host_ring = []
 
     def __repr__(self) -> str:
         state = "ok" if self.broken is None else "broken"
         return (f"TransferGroup({self.backend}, {self.master}, rank={self.rank}/{self.world_size}, "
-                f"device={self.device}, seq={self.seq}, {state})")
+                f"device={self.device}, {state})")
 
 
-def broadcast_buckets(group: TransferGroup, buckets, depth: int, get_buffer, on_done=None) -> None:
-    """Broadcast every non-empty bucket in order, keeping up to `depth` in flight.
-
-    `get_buffer(i, bucket)` returns the uint8 tensor for bucket i (filled on the
-    sender, to be filled on receivers). It is called only once bucket i-depth
-    has completed, so a ring of `depth` buffers can be reused safely.
-    `on_done(i, bucket, buffer)` runs when bucket i has arrived.
-    """
-    started = time.monotonic()
-    total = len(buckets)
-    inflight: deque = deque()
-
-    def finish() -> None:
-        i, bucket, buf, work = inflight.popleft()
-        group.wait(work, f"bucket {i + 1}/{total} ({bucket.nbytes} bytes, {len(bucket.slots)} tensors)", started)
-        if on_done is not None:
-            on_done(i, bucket, buf)
-
-    for i, bucket in enumerate(buckets):
-        if bucket.nbytes == 0:
-            continue  # nothing on the wire; both sides skip it
-        while len(inflight) >= max(1, depth):
-            finish()
-        buf = get_buffer(i, bucket)
-        inflight.append((i, bucket, buf, group.broadcast(buf)))
-    while inflight:
-        finish()
+def _poll_nccl(work, timeout_s: float) -> bool:
+    """Poll an NCCL work for up to timeout_s (a blocking wait could not be given up on).
+    Half a millisecond between polls: under 1% of an 8B push, little CPU while idle."""
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.0005)
+    return True

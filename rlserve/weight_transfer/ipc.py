@@ -341,7 +341,8 @@ def _export(storage: torch.UntypedStorage) -> SharedStorage:
                          bytes(event or b""), bool(sync))
 
 
-_IGNORED_ARGS = frozenset({"mode", "send_mode", "packed", "packed_buffer_size_bytes", "packed_num_buffers"})
+_IGNORED_ARGS = frozenset({"mode", "send_mode", "packed", "packed_buffer_size_bytes", "packed_num_buffers",
+                           "checksum"})
 
 
 class IPCWeightTransferEngine:
@@ -377,7 +378,7 @@ class IPCWeightTransferEngine:
     ) -> dict[str, Any]:
         """Export (or reuse) handles and have the server copy from them.
 
-        Returns the server's /update_weights answer. The other backends' `packed*` and
+        Returns the server's /update_weights answer. The other backends' `packed*`, `checksum` and
         vLLM's `mode`/`send_mode` are accepted, as keywords or in trainer_args, and ignored:
         nothing is packed, the server reads in place.
         """

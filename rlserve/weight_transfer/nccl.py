@@ -11,12 +11,18 @@ from .trainer import TrainerEngine
 
 
 class NCCLWeightTransferEngine(TrainerEngine):
-    """`trainer_init` uses the current CUDA device (call torch.cuda.set_device first)."""
+    """`trainer_init(init_info, device=...)` forms the group on the GPU the tensors to send
+    are on; without `device` (the seed's call) it uses the current CUDA device."""
 
     backend = "nccl"
 
     @classmethod
-    def device(cls) -> torch.device:
+    def device(cls, device: torch.device | str | None = None) -> torch.device:
         if not torch.cuda.is_available():
             raise RuntimeError("NCCLWeightTransferEngine needs CUDA; use GlooWeightTransferEngine on CPU")
-        return torch.device("cuda", torch.cuda.current_device())
+        if device is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"the nccl backend sends from a CUDA device, got device={device}")
+        return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)

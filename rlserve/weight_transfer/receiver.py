@@ -2,7 +2,8 @@
 
 `receive_weights` never touches model parameters: it returns fresh tensors and
 the engine applies them between steps, so a refused or failed update leaves the
-previous weights serving. See trainer.py for the handshake.
+previous weights serving. handshake.py pairs the request with the trainer's push;
+pipeline.py moves and verifies the bytes.
 
 Dtypes: any floating dtype is accepted and cast on copy to the staging dtype
 (`ExpectedParam.dtype`, else `target_dtype`, else the sent dtype); integer and
@@ -11,27 +12,26 @@ bool tensors are refused, since a model's weights are floating point.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .address import address_problem
 from .errors import InvalidUpdateError
-from .group import DEFAULT_TIMEOUT_S, TransferGroup, broadcast_buckets
+from .group import DEFAULT_TIMEOUT_S, TransferGroup
+from .handshake import TrainerPlan, receiver_handshake, report_done
 from .packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     DTYPES,
     TensorMeta,
-    as_bytes,
     plan_buckets,
     plan_digest,
     plan_json,
-    ring_buffer_bytes,
 )
-from .trainer import update_key
+from .pipeline import receive_buckets
 
 MAX_NUM_BUFFERS = 8
 _LIST_CAP = 10
@@ -67,8 +67,9 @@ class InitInfo:
         if problems:
             raise InvalidUpdateError("init_info: " + "; ".join(problems))
         addr, port, offset, world = (data[k] for k in fields)
-        if not (isinstance(addr, str) and addr):
-            problems.append(f"master_address must be a non-empty string, got {addr!r}")
+        bad_address = address_problem(addr)
+        if bad_address:
+            problems.append(f"master_address {bad_address}")
         if not (_is_int(port) and 0 < port < 65536):
             problems.append(f"master_port must be an integer in 1..65535, got {port!r}")
         if not (_is_int(offset) and offset >= 1):
@@ -185,45 +186,39 @@ def check_against_model(metas: Sequence[TensorMeta], expected: Mapping[str, Expe
         raise InvalidUpdateError("update_info refused: " + "; ".join(problems))
 
 
-def _check_plan(info: UpdateInfo, metas: Sequence[TensorMeta], trainer: Mapping[str, Any]) -> None:
-    """Refuse when the trainer is about to send something other than update_info describes."""
-    if trainer.get("digest") == plan_digest(metas, info.packed, info.packed_buffer_size_bytes):
-        return
+def _plan_problem(info: UpdateInfo, metas: Sequence[TensorMeta], trainer: TrainerPlan) -> str | None:
+    """Why the trainer is about to send something other than update_info describes, if it is."""
+    if trainer.digest == plan_digest(metas, info.packed, info.packed_buffer_size_bytes):
+        return None
     mine = plan_json(metas, info.packed, info.packed_buffer_size_bytes)
-    theirs = trainer.get("plan") or {}
+    theirs = trainer.plan
     why = "different plan layout versions"
     if theirs.get("packed") != mine["packed"] or theirs.get("bucket_size_bytes") != mine["bucket_size_bytes"]:
         why = (f"the trainer sends packed={theirs.get('packed')} with buffer size "
                f"{theirs.get('bucket_size_bytes')}, update_info says packed={mine['packed']} with "
                f"buffer size {mine['bucket_size_bytes']}")
     else:
-        a, b = theirs.get("tensors") or [], mine["tensors"]
+        a, b = theirs.get("tensors"), mine["tensors"]
+        a = a if isinstance(a, list) else []
         diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if diff is not None:
-            why = f"tensor #{diff}: the trainer sends {a[diff]}, update_info says {b[diff]}"
+            why = f"tensor #{diff}: the trainer sends {str(a[diff])[:200]}, update_info says {b[diff]}"
         elif len(a) != len(b):
             why = f"the trainer sends {len(a)} tensors, update_info lists {len(b)}"
-    raise InvalidUpdateError(f"update_info does not match what the trainer sends: {why}")
+    return f"update_info does not match what the trainer sends: {why}"
 
 
 def receiver_init(backend: str, init_info: Mapping[str, Any] | InitInfo, worker_rank: int = 0,
-                  device: torch.device | str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TransferGroup:
-    """Join the trainer's group at rank `rank_offset + worker_rank`; blocks until every rank is in."""
+                  device: torch.device | str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  connect: bool = True) -> TransferGroup:
+    """Join the trainer's group at rank `rank_offset + worker_rank`; blocks (at most about
+    timeout_s) until every rank is in. With connect=False the caller gets the group first
+    (so another thread can `abort()` it) and calls `connect()` itself."""
     info = init_info if isinstance(init_info, InitInfo) else InitInfo.parse(init_info, worker_rank + 1)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
     return TransferGroup(backend, info.master_address, info.master_port, info.rank_offset + worker_rank,
-                         info.world_size, device, timeout_s)
-
-
-def refuse(group: TransferGroup, message: str) -> None:
-    """Take this update's turn and refuse it, so the trainer fails fast too.
-
-    For callers that rejected update_info themselves; `receive_weights` does it
-    for every refusal it finds.
-    """
-    seq = group.next_seq()
-    group.set(update_key(seq, f"verdict/{group.rank}"), json.dumps({"ok": False, "error": message}))
+                         info.world_size, device, timeout_s, connect=connect)
 
 
 def receive_weights(
@@ -236,10 +231,12 @@ def receive_weights(
     """Vet the update, then receive every tensor into fresh staging tensors on `device`.
 
     Raises InvalidUpdateError (HTTP 400; the trainer raises the same message) on a
-    refusal, WeightTransferError (group now unusable) if the transfer fails.
+    refusal, WeightTransferError (HTTP 502) if no trainer came or the transfer failed:
+    a bucket that arrives short, long or altered (its checksum differs) fails the whole
+    update and names the bucket and its tensors.
     """
-    seq = group.next_seq()
-    verdict_key = update_key(seq, f"verdict/{group.rank}")
+    refusal = None
+    info = metas = None
     try:
         info = update_info if isinstance(update_info, UpdateInfo) else UpdateInfo.parse(update_info)
         if info.ipc_handles is not None:
@@ -247,49 +244,12 @@ def receive_weights(
                                      f"this server receives over {group.backend}")
         metas = info.metas()
         check_against_model(metas, expected)
-        trainer_plan = json.loads(group.get(update_key(seq, "plan"), "the trainer's plan "
-                                            "(is trainer_send_weights running?)"))
-        _check_plan(info, metas, trainer_plan)
     except InvalidUpdateError as e:
-        group.set(verdict_key, json.dumps({"ok": False, "error": str(e)}))
-        raise
-    group.set(verdict_key, json.dumps({"ok": True}))
-    go = json.loads(group.get(update_key(seq, "go"), "the trainer's go-ahead"))
-    if not go.get("ok"):
-        raise InvalidUpdateError(go.get("error") or "refused by another receiving rank")
-
+        refusal = str(e)
+    plan = receiver_handshake(group, refusal, lambda plan: _plan_problem(info, metas, plan))
     device = group.device if device is None else torch.device(device)
     staging = [expected[m.name].dtype or target_dtype or m.dtype for m in metas]
-    out: list[torch.Tensor | None] = [None] * len(metas)
     buckets = plan_buckets(metas, info.packed, info.packed_buffer_size_bytes)
-    depth = info.packed_num_buffers
-    n_ring = min(depth, sum(1 for b in buckets if not b.direct and b.nbytes))
-    ring = [torch.empty(ring_buffer_bytes(buckets), dtype=torch.uint8, device=group.device)
-            for _ in range(n_ring)]
-    used = 0
-    direct: dict[int, torch.Tensor] = {}
-
-    def get_buffer(i: int, bucket) -> torch.Tensor:
-        nonlocal used
-        if bucket.direct:
-            m = metas[bucket.slots[0].index]
-            direct[i] = torch.empty(m.shape, dtype=m.dtype, device=group.device)
-            return as_bytes(direct[i])
-        buf = ring[used % n_ring][: bucket.nbytes]
-        used += 1
-        return buf
-
-    def on_done(i: int, bucket, buf: torch.Tensor) -> None:
-        if bucket.direct:
-            k = bucket.slots[0].index
-            out[k] = direct.pop(i).to(device=device, dtype=staging[k])  # no copy when it already fits
-            return
-        for s in bucket.slots:
-            m = metas[s.index]
-            src = buf[s.offset : s.offset + s.nbytes].view(m.dtype).view(m.shape)
-            out[s.index] = torch.empty(m.shape, dtype=staging[s.index], device=device).copy_(src)
-
-    broadcast_buckets(group, buckets, depth, get_buffer, on_done)
-    # Zero-byte tensors never travel.
-    return [(m.name, t if t is not None else torch.empty(m.shape, dtype=staging[k], device=device))
-            for k, (m, t) in enumerate(zip(metas, out))]
+    staged = receive_buckets(group, metas, buckets, staging, device, plan.checksum)
+    report_done(group, plan.turn)
+    return staged

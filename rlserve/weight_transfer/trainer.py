@@ -1,43 +1,34 @@
 """Trainer side: join the group as rank 0 and broadcast weights after the handshake.
 
-Handshake for update `seq` (a per-group counter both sides keep in lockstep;
-keys live in the group's store namespace):
+handshake.py pairs each push with every receiver's /update_weights and lets a receiver
+refuse before any byte moves (the trainer then raises the receiver's message);
+pipeline.py packs, checksums and sends the buckets.
 
-1. trainer  -> `update/{seq}/plan`          {"digest", "plan": plan_json(...)}
-2. receiver -> `update/{seq}/verdict/{rank}` {"ok": true} | {"ok": false, "error": msg}
-   (a receiver may refuse before the plan arrives, e.g. unknown names)
-3. trainer  -> `update/{seq}/go`            {"ok": true} | {"ok": false, "error": msg}
-   so a receiver that said ok does not wait for bytes another rank refused.
-4. only if every verdict was ok: the buckets are broadcast.
-
-A refusal therefore fails on every side before any byte moves, and leaves the
-group usable for the next update.
+Devices: a push goes out from the device its tensors are on. NCCL binds a group to one
+GPU, chosen at `trainer_init` (an explicit `device=`, else the current CUDA device), and
+a push of tensors on another GPU is refused with a message that says how to fix it;
+tensors spread over several devices are refused on every backend.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from .errors import InvalidUpdateError, UpdateRefusedError
-from .group import DEFAULT_TIMEOUT_S, TransferGroup, broadcast_buckets
+from .errors import InvalidUpdateError
+from .group import DEFAULT_TIMEOUT_S, TransferGroup
+from .handshake import await_done, cancel, trainer_handshake
 from .packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     TensorMeta,
-    as_bytes,
     plan_buckets,
     plan_digest,
     plan_json,
-    ring_buffer_bytes,
 )
-
-
-def update_key(seq: int, what: str) -> str:
-    return f"update/{seq}/{what}"
+from .pipeline import send_buckets
 
 
 def trainer_init(backend: str, init_info: Mapping[str, Any] | Any, device: torch.device | str) -> TransferGroup:
@@ -50,6 +41,27 @@ def trainer_init(backend: str, init_info: Mapping[str, Any] | Any, device: torch
                          int(get("world_size")), device, float(get("timeout_s", DEFAULT_TIMEOUT_S)))
 
 
+def tensors_device(tensors: Sequence[torch.Tensor]) -> torch.device | None:
+    """The one device all `tensors` are on (None for no tensors); refuses a mix."""
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"the tensors to send are spread over several devices ({names}): "
+                         "move them to one device first")
+    return next(iter(devices), None)
+
+
+def check_source_device(group: TransferGroup, device: torch.device | None) -> None:
+    """NCCL sends from the group's GPU only; gloo copies from anywhere to the host."""
+    if group.backend != "nccl" or device is None or device == group.device:
+        return
+    if device.type != "cuda":
+        raise ValueError(f"the nccl backend sends CUDA tensors; these are on {device} "
+                         "(move them to the GPU, or use the gloo backend)")
+    raise ValueError(f"the tensors are on {device}, but this NCCL group was formed on {group.device}: "
+                     f"pass device='{device}' to trainer_init (an NCCL group is bound to one GPU)")
+
+
 def send_weights(
     iterator: Iterable[tuple[str, torch.Tensor]],
     group: TransferGroup,
@@ -57,62 +69,34 @@ def send_weights(
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
     post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None,
+    checksum: bool = True,
 ) -> None:
-    """Broadcast (name, tensor) pairs to every receiver; raises UpdateRefusedError on refusal.
+    """Broadcast (name, tensor) pairs to every receiver; returns once every receiver has
+    them, checked. Raises UpdateRefusedError on a refusal (the receivers' message), and
+    WeightTransferError when the transfer fails, a damaged bucket on a receiver included.
 
-    The iterator is materialised first (references only, no copies) because the
-    plan needs every name, dtype and shape before the first byte moves.
+    The iterator is materialised first (references only, no copies) because the plan
+    needs every name, dtype and shape before the first byte moves. If that fails (or the
+    tensors are on the wrong device), the receivers are told, so their /update_weights
+    answers at once. `checksum=False` skips the per-bucket checksums (for measuring them).
     """
     group.check_usable()
-    items = list(iterator)
-    tensors = [(post_iter_func(item) if post_iter_func else item[1]).detach() for item in items]
-    metas = [TensorMeta.of(name, t) for (name, _), t in zip(items, tensors)]
-    # Take the turn only now: if the iterator raised, the receiver's pending
-    # call still pairs with this trainer's next attempt.
-    seq = group.next_seq()
-
-    group.set(update_key(seq, "plan"), json.dumps({
+    try:
+        items = list(iterator)
+        tensors = [(post_iter_func(item) if post_iter_func else item[1]).detach() for item in items]
+        metas = [TensorMeta.of(name, t) for (name, _), t in zip(items, tensors)]
+        check_source_device(group, tensors_device(tensors))
+    except Exception as e:
+        cancel(group, f"{type(e).__name__}: {e}")
+        raise
+    turns = trainer_handshake(group, {
         "digest": plan_digest(metas, packed, packed_buffer_size_bytes),
         "plan": plan_json(metas, packed, packed_buffer_size_bytes),
-    }))
-    errors: list[str] = []
-    for rank in range(1, group.world_size):
-        verdict = json.loads(group.get(update_key(seq, f"verdict/{rank}"),
-                                       f"the verdict of receiver rank {rank} (is its /update_weights call running?)"))
-        if not verdict.get("ok") and verdict.get("error") not in errors:
-            errors.append(str(verdict.get("error")))
-    if seq > 0:
-        _forget(group, seq - 1)  # each receiver finished update seq-1 before voting on this one
-    message = "; ".join(errors)
-    group.set(update_key(seq, "go"), json.dumps({"ok": not errors, "error": message}))
-    if errors:
-        raise UpdateRefusedError(message)
-
+        "checksum": bool(checksum),
+    })
     buckets = plan_buckets(metas, packed, packed_buffer_size_bytes)
-    depth = max(1, int(packed_num_buffers))
-    n_ring = min(depth, sum(1 for b in buckets if not b.direct and b.nbytes))
-    ring_bytes = ring_buffer_bytes(buckets)
-    ring = [torch.empty(ring_bytes, dtype=torch.uint8, device=group.device) for _ in range(n_ring)]
-    used = 0
-
-    def get_buffer(i: int, bucket) -> torch.Tensor:
-        nonlocal used
-        if bucket.direct:
-            return as_bytes(tensors[bucket.slots[0].index].to(group.device))
-        buf = ring[used % n_ring][: bucket.nbytes]
-        used += 1
-        for s in bucket.slots:
-            if s.nbytes:
-                buf[s.offset : s.offset + s.nbytes].copy_(as_bytes(tensors[s.index]))
-        return buf
-
-    with torch.no_grad():
-        broadcast_buckets(group, buckets, depth, get_buffer)
-
-
-def _forget(group: TransferGroup, seq: int) -> None:
-    for what in ["plan", "go"] + [f"verdict/{r}" for r in range(1, group.world_size)]:
-        group.delete(update_key(seq, what))
+    send_buckets(group, metas, tensors, buckets, int(packed_num_buffers), checksum)
+    await_done(group, turns)
 
 
 class TrainerEngine:
@@ -121,13 +105,17 @@ class TrainerEngine:
     backend = ""
 
     @classmethod
-    def device(cls) -> torch.device:
+    def device(cls, device: torch.device | str | None = None) -> torch.device:
         raise NotImplementedError
 
     @classmethod
-    def trainer_init(cls, init_info: Mapping[str, Any] | Any) -> TransferGroup:
-        """`init_info`: master_address, master_port, world_size, optional timeout_s."""
-        return trainer_init(cls.backend, init_info, cls.device())
+    def trainer_init(cls, init_info: Mapping[str, Any] | Any, device: torch.device | str | None = None
+                     ) -> TransferGroup:
+        """`init_info`: master_address, master_port, world_size, optional timeout_s and device.
+        `device`: where the tensors to send will be (NCCL binds the group to that GPU)."""
+        if device is None and isinstance(init_info, Mapping):
+            device = init_info.get("device")
+        return trainer_init(cls.backend, init_info, cls.device(device))
 
     @classmethod
     def trainer_send_weights(
@@ -141,10 +129,12 @@ class TrainerEngine:
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
         post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None,
         src: int = 0,
+        checksum: bool = True,
     ) -> None:
         """Keywords as in the seed; `trainer_args` (a dict of the same keywords) also works."""
         kwargs = dict(group=group, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes,
-                      packed_num_buffers=packed_num_buffers, post_iter_func=post_iter_func, src=src)
+                      packed_num_buffers=packed_num_buffers, post_iter_func=post_iter_func, src=src,
+                      checksum=checksum)
         if trainer_args is not None:
             kwargs.update(trainer_args)
         if kwargs.pop("src") != 0:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 
 import numpy as np
@@ -44,6 +46,10 @@ class Worker:
         self.expected = self.model.expected_weights()
         self.ipc_receiver = None
         self._ipc_plan = None
+        self.transfer_group = None
+        self.staged = None
+        self._connecting = None  # a transfer group whose init is under way (abortable)
+        self._transfer_lock = threading.Lock()  # one receive (or refusal) at a time
 
     @torch.no_grad()
     def _init_dummy_unsharded(self, seed: int) -> None:
@@ -139,23 +145,66 @@ class Worker:
 
     def init_weight_transfer(self, backend: str, init_info: dict, timeout_s: float) -> None:
         """Join the trainer's group at rank rank_offset + this worker's rank (ipc: nothing
-        to join; the trainer's handles arrive with each update)."""
+        to join; the trainer's handles arrive with each update).
+
+        Returns within about timeout_s whatever the master does. A newer init (or
+        `abort_weight_transfer`, from any thread) stops a pending one at once, and closes
+        the current group, failing a receive that waits on it.
+        """
         from rlserve.weight_transfer import receiver_init
         from rlserve.weight_transfer.ipc import IPCReceiver
+        self.abort_weight_transfer("replaced by a newer /init_weight_transfer_engine")
         self.close_weight_transfer()
         if backend == "ipc":
             self.ipc_receiver = IPCReceiver(self.device)
             return
-        self.transfer_group = receiver_init(backend, init_info, worker_rank=self.rank,
-                                            device=self.device, timeout_s=timeout_s)
+        group = receiver_init(backend, init_info, worker_rank=self.rank, device=self.device,
+                              timeout_s=timeout_s, connect=False)
+        self._connecting = group
+        try:
+            group.connect()
+        finally:
+            if self._connecting is group:
+                self._connecting = None
+        if group.broken is not None:  # aborted just as it connected
+            group.close()
+            group.check_usable()
+        self.transfer_group = group
+
+    def abort_weight_transfer(self, reason: str = "aborted") -> None:
+        """Thread-safe: stop a pending init, and fail a receive in progress (the group is
+        then unusable until the next init)."""
+        for group in (self._connecting, self.transfer_group):
+            if group is not None and group.broken is None:
+                group.abort(reason)
 
     def close_weight_transfer(self) -> None:
-        group = getattr(self, "transfer_group", None)
-        self.transfer_group = None
+        group, self.transfer_group = self.transfer_group, None
         self.ipc_receiver = None
         self._ipc_plan = None
         if group is not None:
             group.close()
+
+    def _usable_group(self):
+        from rlserve.weight_transfer import InvalidUpdateError
+        group = self.transfer_group
+        if group is None or group.broken:
+            why = (f"is unusable ({group.broken})" if group is not None else "is not initialized")
+            raise InvalidUpdateError(f"the weight-transfer group {why}: call "
+                                     "/init_weight_transfer_engine first")
+        return group
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """One receive (or refusal) at a time: a second is refused, never interleaved."""
+        from rlserve.weight_transfer import InvalidUpdateError
+        if not self._transfer_lock.acquire(blocking=False):
+            raise InvalidUpdateError("another weight update is in progress on this worker: "
+                                     "send /update_weights one at a time")
+        try:
+            yield
+        finally:
+            self._transfer_lock.release()
 
     def receive_weights(self, update_info: dict) -> int:
         """Receive a whole update into staging tensors; the model is untouched until
@@ -164,20 +213,33 @@ class Worker:
         ipc: the staging tensors are views into the trainer's memory, opened (once) and
         checked here; the one copy happens in `apply_staged_weights`.
         """
-        from rlserve.weight_transfer import ExpectedParam, InvalidUpdateError, receive_weights
-        if self.ipc_receiver is not None:
-            self.staged = self.ipc_receiver.receive(update_info, self.expected)
-        else:
-            group = getattr(self, "transfer_group", None)
-            if group is None or group.broken:
-                why = "was broken by a failed transfer" if group is not None else "is not initialized"
-                raise InvalidUpdateError(f"the weight-transfer group {why}: call "
-                                         "/init_weight_transfer_engine first")
-            expected = {name: ExpectedParam(e.shape, e.required)
-                        for name, e in self.expected.items()}
-            self.staged = receive_weights(group, update_info, expected, device=self.device,
-                                          target_dtype=self.dtype)
-        return sum(t.numel() * t.element_size() for _, t in self.staged)
+        from rlserve.weight_transfer import ExpectedParam, receive_weights
+        with self._exclusive():
+            self.staged = None
+            if self.ipc_receiver is not None:
+                self.staged = self.ipc_receiver.receive(update_info, self.expected)
+            else:
+                group = self._usable_group()
+                expected = {name: ExpectedParam(e.shape, e.required)
+                            for name, e in self.expected.items()}
+                self.staged = receive_weights(group, update_info, expected, device=self.device,
+                                              target_dtype=self.dtype)
+            return sum(t.numel() * t.element_size() for _, t in self.staged)
+
+    def refuse_update(self, update_info: dict, message: str) -> None:
+        """The engine refused this update before receiving it (asleep, a bad weight_version,
+        ...): tell a trainer that is sending it, so its trainer_send_weights raises `message`
+        at once, and keep the group in step for the next push. Waits at most a couple of
+        seconds for the trainer; never raises (the caller answers the refusal itself)."""
+        from rlserve.weight_transfer import WeightTransferError, refuse
+        group = self.transfer_group
+        if self.ipc_receiver is not None or group is None or group.broken:
+            return  # no group to tell: the trainer's own call fails on its own
+        try:
+            with self._exclusive():
+                refuse(group, message)
+        except (WeightTransferError, ValueError) as e:
+            logger.warning("could not pass the refusal of an update to the trainer: %s", e)
 
     def apply_staged_weights(self) -> None:
         staged, self.staged = getattr(self, "staged", None), None
@@ -185,6 +247,10 @@ class Worker:
             raise RuntimeError("no staged weights to apply")
         if self.ipc_receiver is None:
             self.model.load_weights(staged)
+            if self.device.type == "cuda":
+                # The staging memory came from the transfer's own streams: the copies out
+                # of it finish before it can be handed out again.
+                torch.cuda.current_stream(self.device).synchronize()
             return
         # ipc: the receiver hands back the same views while the trainer's storage stays put,
         # so the (target, source) pairs are worked out once; sleep and wake reset them.

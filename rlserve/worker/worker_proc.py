@@ -31,7 +31,7 @@ from rlserve.worker.messages import Channel, ChannelClosed, StepDecoder, error_r
 logger = logging.getLogger(__name__)
 
 # Calls that block on the trainer, not on this rank's model.
-BACKGROUND_CALLS = frozenset({"init_weight_transfer", "receive_weights"})
+BACKGROUND_CALLS = frozenset({"init_weight_transfer", "receive_weights", "refuse_update"})
 
 
 def _plain(value: Any) -> Any:
