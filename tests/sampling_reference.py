@@ -197,7 +197,8 @@ def check_sampler(runner, logits_dtype: torch.dtype, in_flight: bool) -> None:
 
 def check_sample_frequencies(runner, num_samples: int, temperature: float = 0.9, **kw) -> None:
     """Many seeded rows of one request shape on the same logits: the sampled tokens'
-    frequencies follow the reference distribution (processors, then temperature)."""
+    frequencies follow the reference distribution (processors, then temperature), and each
+    draw's processed logprob is the reference's (the runner runs in processed_logprobs mode)."""
     from rlserve import SamplingParams
     from rlserve.worker import sampler as S
     vocab = runner.model.config.vocab_size
@@ -209,11 +210,14 @@ def check_sample_frequencies(runner, num_samples: int, temperature: float = 0.9,
     p = SamplingParams(temperature=temperature, seed=5, repetition_penalty=1.3, presence_penalty=0.4,
                        frequency_penalty=0.3, logit_bias={live[5].item(): 1.0, live[6].item(): -1.0},
                        allowed_token_ids=live[:10].tolist(), bad_words_token_ids=[[live[4].item(), live[7].item()]],
-                       **kw)
+                       logprobs=0, **kw)
     reqs, last = _requests([(p, prompt, output)] * num_samples, in_flight=True)
     batch = runner.sampling_batch(reqs, torch.tensor(last, device=runner.device))
-    tokens = S.sample(logits.to(runner.device).expand(num_samples, vocab).clone(), batch).token_ids.cpu()
-    expected = sampling_logits(processed_logits(logits, prompt, output, p), p).softmax(-1)
+    out = S.sample(logits.to(runner.device).expand(num_samples, vocab).clone(), batch)
+    tokens = out.token_ids.cpu()
+    expected_logits = sampling_logits(processed_logits(logits, prompt, output, p), p)
+    assert (out.logprobs.cpu() - expected_logits.log_softmax(-1)[tokens]).abs().max() < 2e-4
+    expected = expected_logits.softmax(-1)
     counts = torch.bincount(tokens, minlength=vocab).double() / num_samples
     assert expected[tokens].min() > 0, "a masked token was sampled"
     sd = (expected * (1 - expected) / num_samples).sqrt()

@@ -10,6 +10,9 @@ and tensor-parallel ranks get the same parameters.
 
 from __future__ import annotations
 
+import sys
+import types
+
 import msgpack
 import pytest
 import torch
@@ -142,6 +145,25 @@ def test_sampler_on_chosen_logits(processed, in_flight):
 
 def test_seeded_samples_frequencies(processed):
     check_sample_frequencies(processed.engine.executor.driver.runner, num_samples=2048)
+
+
+def test_fused_sampling_branch(processed, monkeypatch):
+    """On CUDA, rows with temperature alone take the fused Gumbel-max kernel
+    (rlserve.ops.triton_sampling), after the processors. Triton is not here: the kernel's
+    definition, argmax(logits / T + Gumbel noise), stands in for it so that the branch
+    around it (processed logits in, processed logprobs out) runs on CPU too; the kernel
+    itself is checked on the GPU (test_gpu_engine, test_gpu_sampling)."""
+    def gumbel_sample(logits, temperature, seeds):
+        g = torch.Generator().manual_seed(int(seeds[0]))
+        u = torch.rand(logits.shape, generator=g, dtype=torch.float64).clamp_min(1e-300)
+        return (logits.double() / temperature.double().unsqueeze(1) - (-u.log()).log()).argmax(-1)
+
+    kernel = types.ModuleType("rlserve.ops.triton_sampling")
+    kernel.gumbel_sample = gumbel_sample
+    monkeypatch.setitem(sys.modules, "rlserve.ops.triton_sampling", kernel)
+    runner = processed.engine.executor.driver.runner
+    monkeypatch.setattr(runner, "fused_sampling", True)
+    check_sample_frequencies(runner, num_samples=2048)
 
 
 def test_no_processors_no_extra_work(raw):
