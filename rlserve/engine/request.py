@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,62 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's `structured_outputs`: the output must match exactly one of a JSON schema
+    (`json`), any JSON object (`json_object`), a regular expression, one of `choice`, or an
+    EBNF `grammar` (rlserve.engine.structured_output compiles them). Frozen and hashable:
+    compiled grammars are cached by it. The front end maps OpenAI's `response_format` and
+    vLLM's older `guided_*` fields onto it."""
+
+    json: str | dict | None = None  # a JSON schema, as JSON text or a dict
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+
+    def __post_init__(self) -> None:
+        def bad(field_: str, message: str) -> None:
+            param = f"structured_outputs.{field_}" if field_ else "structured_outputs"
+            raise InvalidRequestError(f"{param}: {message}", param)
+
+        kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            bad("", f"set exactly one of {', '.join(_STRUCTURED_KINDS)}, got "
+                    f"{', '.join(kinds) if kinds else 'none'}")
+        if isinstance(self.json, dict):  # canonical text: equal schemas share a compiled grammar
+            object.__setattr__(self, "json", json.dumps(self.json, separators=(",", ":"), ensure_ascii=False))
+        if self.json is not None:
+            if not isinstance(self.json, str):
+                bad("json", f"must be a JSON schema (an object), got {type(self.json).__name__}")
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                bad("json", f"is not valid JSON: {e}")
+            if not isinstance(schema, dict):
+                bad("json", f"must be a JSON schema (an object), got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                bad(name, "must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice):
+                bad("choice", "must be a list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice:
+                bad("choice", "must hold at least one string")
+        if self.json_object not in (None, True, False):
+            bad("json_object", f"must be true, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -64,6 +121,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # converted by the front end, see the class docstring
     # The last token of each sequence is masked when the output so far ends with the rest.
     bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +140,8 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         if self.bad_words_token_ids is not None:
             self.bad_words_token_ids = [list(seq) for seq in self.bad_words_token_ids]
+        if isinstance(self.structured_outputs, dict):  # from a step message (dataclasses.asdict)
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
