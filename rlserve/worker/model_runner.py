@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -104,6 +105,8 @@ class StepHandle:
     prompt: dict[str, tuple[list[int], int, tuple]]  # req id -> (targets, k, device stats)
     prompt_start: dict[str, int]  # req id -> position the step's chunk started at
     requests: list = field(default_factory=list)  # the Request of each sample_requests item
+    # launch(sample=False): the sampling rows' logits and parameters, until `sample`
+    pending: tuple[torch.Tensor, S.SamplingBatch] | None = None
 
     def row_of(self) -> dict[str, int]:
         return {item.request.request_id: i for i, item in enumerate(self.sample_requests)}
@@ -565,18 +568,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
-               prev: StepHandle | None = None) -> StepHandle:
-        """Queue the step on the device; nothing here waits for the device."""
+               prev: StepHandle | None = None, sample: bool = True) -> StepHandle:
+        """Queue the step on the device; nothing here waits for the device.
+
+        `sample=False` queues the forward pass and leaves the sampling to `sample`, for a
+        grammar mask that the host can only fill once the previous step's tokens are back."""
         batch = self.prepare(sched, block_tables, prev)
         hidden = self.forward(batch, decode_only=batch.meta.max_query_len == 1)
         if not batch.logits_indices.numel():
             return StepHandle([], None, {}, {})
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        sampled = None
+        sampled = pending = None
         if batch.sampling is not None:
             # Every logits row samples unless some are prompt positions.
             rows_logits = logits if batch.sample_index is None else logits[batch.sample_index]
-            sampled = S.sample(rows_logits, batch.sampling)
+            if sample:
+                sampled = S.sample(rows_logits, batch.sampling)
+            else:
+                pending = (rows_logits, batch.sampling)
         prompt, prompt_start = {}, {}
         for rid, (first, targets) in batch.prompt_rows.items():
             req = next(it.request for it in sched.scheduled if it.request.request_id == rid)
@@ -584,7 +593,26 @@ class ModelRunner:
             lp = S.raw_logprobs(logits[first:first + len(targets)])
             prompt[rid] = (targets, k, S.logprob_stats(lp, torch.tensor(targets, device=lp.device), k))
             prompt_start[rid] = req.num_computed_tokens
-        return StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests)
+        return StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests, pending)
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle, token_bitmask: torch.Tensor | np.ndarray | None = None) -> None:
+        """Queue the sampling of a step launched with sample=False (before the next step's
+        launch, which reads its tokens). `token_bitmask`: [rows, ceil(V / 32)] int32 on the
+        host, one row per handle.sample_requests item (structured_output.fill_bitmask);
+        rows with every bit set cost nothing."""
+        if handle.pending is None:
+            return
+        logits, batch = handle.pending
+        handle.pending = None
+        if token_bitmask is not None:
+            mask = np.asarray(token_bitmask, dtype=np.int32)
+            rows = np.flatnonzero((mask != -1).any(axis=1))
+            if rows.size:
+                rows_t, mask_t = self.upload([rows.astype(np.int64), np.ascontiguousarray(mask[rows])])
+                batch = dataclasses.replace(batch, token_bitmask=mask_t,
+                                            token_bitmask_rows=None if rows.size == mask.shape[0] else rows_t)
+        handle.sampled = S.sample(logits, batch)
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Bring a launched step's results to the host: the one sync of a step."""

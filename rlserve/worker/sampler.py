@@ -1,6 +1,7 @@
 """Sampling from a batch of logits, one row per request, with per-row parameters.
 
-The logits go through vLLM's order: the allow-list, bans (bad words, stop tokens below
+The logits go through vLLM's order: a structured output's grammar mask (a packed bitmask,
+rlserve.engine.structured_output), the allow-list, bans (bad words, stop tokens below
 min_tokens) and logit bias, then the penalties (LogitsProcessing, all in float32), then
 temperature, min-p, top-k and top-p. Each step is a handful of batched tensor operations
 over the rows that use it, and nothing at all when no row does.
@@ -76,6 +77,10 @@ class SamplingBatch:
     # Logprobs of the distribution sampled from (after processing, temperature, min-p,
     # top-k/p; greedy rows at temperature 1) instead of the model's raw one.
     processed_logprobs: bool = False
+    # Structured outputs: [G, ceil(V / 32)] int32, bit j % 32 of word j // 32 allows token
+    # j, for rows `token_bitmask_rows` ([G] int64; None: every row, in order).
+    token_bitmask: torch.Tensor | None = None
+    token_bitmask_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -111,9 +116,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """`logits` is a fresh tensor (the model's head output for these rows): modified in place."""
     want_logprobs = batch.max_logprobs >= 0
     lp = raw_logprobs(logits) if want_logprobs and not batch.processed_logprobs else None
-    if batch.processing is not None:
+    if batch.processing is not None or batch.token_bitmask is not None:
         logits = logits.float()  # a copy unless float32 already
-        apply_processing(logits, batch.processing)
+        if batch.token_bitmask is not None:
+            apply_token_bitmask(logits, batch.token_bitmask, batch.token_bitmask_rows)
+        if batch.processing is not None:
+            apply_processing(logits, batch.processing)
 
     processed = None  # the logits sampled from, where a path has them
     if batch.all_greedy:
@@ -132,6 +140,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         lp = raw_logprobs(processed)
     chosen, ranks, top_ids, top_lp = logprob_stats(lp, tokens, batch.max_logprobs)
     return SamplerOutput(tokens, chosen, ranks, top_ids, top_lp)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """Mask, in place, every token whose bit is 0 in its row of the packed bitmask."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :logits.shape[1]]
+    if rows is None:
+        logits.masked_fill_(allowed == 0, _MASK)
+    else:
+        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(allowed == 0, _MASK))
 
 
 def apply_processing(logits: torch.Tensor, proc: LogitsProcessing) -> None:
