@@ -170,21 +170,42 @@ def sampler_rows(vocab: int):
     return rows, logits
 
 
-def check_sampler(runner, logits_dtype: torch.dtype, in_flight: bool) -> None:
+def grammar_bitmask(rows: int, vocab: int, masked_rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed bitmask (rows' bits random in `masked_rows`, all set elsewhere) and the
+    bool [rows, vocab] it allows, unpacked here bit by bit."""
+    g = torch.Generator().manual_seed(7)
+    allowed = torch.ones(rows, vocab, dtype=torch.bool)
+    for r in masked_rows:
+        allowed[r] = torch.rand(vocab, generator=g) < 0.5
+    words = torch.zeros(rows, -(-vocab // 32), dtype=torch.int64)
+    for j in range(32):
+        bit = torch.zeros(rows, words.shape[1] * 32, dtype=torch.bool)
+        bit[:, :vocab] = allowed
+        words |= bit[:, j::32].long() << j
+    words[:, -1] |= ((1 << 32) - (1 << (vocab % 32 or 32))) if vocab % 32 else 0  # padding bits: set
+    return ((words + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32), allowed
+
+
+def check_sampler(runner, logits_dtype: torch.dtype, in_flight: bool, bitmask: bool = False) -> None:
     """The runner's SamplingBatch and the sampler on `sampler_rows` against the reference:
     processed logprobs (the runner must run in processed_logprobs mode), top alternatives,
-    greedy choices, and nothing masked ever sampled."""
-    from rlserve.worker import sampler as S
+    greedy choices, and nothing masked ever sampled. With `bitmask`, some rows also carry a
+    grammar mask, given to the runner after launch as a structured output's is."""
+    from rlserve.worker.model_runner import StepHandle
     vocab = runner.model.config.vocab_size
     rows, logits = sampler_rows(vocab)
     reqs, last = _requests(rows, in_flight)
     batch = runner.sampling_batch(reqs, torch.tensor(last, device=runner.device))
     device_logits = logits.to(runner.device, logits_dtype)
-    out = S.sample(device_logits.clone(), batch)
+    handle = StepHandle(list(range(len(rows))), None, {}, {}, pending=(device_logits.clone(), batch))
+    mask, allowed = grammar_bitmask(len(rows), vocab, [0, 1, 4, 6] if bitmask else [])
+    runner.sample(handle, mask if bitmask else None)
+    out = handle.sampled
     tokens, chosen = out.token_ids.tolist(), out.logprobs.tolist()
     top_ids, top_lp = out.top_ids.tolist(), out.top_logprobs.tolist()
     for i, (p, prompt, output) in enumerate(rows):
-        x = processed_logits(device_logits[i].float().cpu(), prompt, output, p, {EOS} | set(p.stop_token_ids))
+        row_logits = device_logits[i].float().cpu().masked_fill(~allowed[i], -INF)
+        x = processed_logits(row_logits, prompt, output, p, {EOS} | set(p.stop_token_ids))
         ref = torch.log_softmax(sampling_logits(x, p), -1)
         token = tokens[i]
         assert x[token] > -INF, (i, token)

@@ -23,11 +23,13 @@ def processed(checkpoint):  # noqa: F811
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_flight", [False, True])
-def test_sampler_matches_the_reference(processed, dtype, in_flight):
+@pytest.mark.parametrize("in_flight, bitmask", [(False, False), (True, False), (True, True)])
+def test_sampler_matches_the_reference(processed, dtype, in_flight, bitmask):
+    """Penalties, bias, allow-lists, bad words (their newest token still in flight) and
+    grammar bitmasks, against the reference on the same logits."""
     runner = processed.engine.executor.driver.runner
     assert runner.fused_sampling
-    check_sampler(runner, dtype, in_flight)
+    check_sampler(runner, dtype, in_flight, bitmask)
 
 
 @pytest.mark.parametrize("kw", [{}, {"top_k": 6}], ids=["fused", "torch"])

@@ -134,13 +134,14 @@ def test_samples_follow_the_processed_distribution(processed, hf):
     assert probs[prompt[2]] > 0.05, "the case should sample a prompt token the penalty pushed down"
 
 
-@pytest.mark.parametrize("in_flight", [False, True])
-def test_sampler_on_chosen_logits(processed, in_flight):
+@pytest.mark.parametrize("in_flight, bitmask", [(False, False), (True, False), (True, True)])
+def test_sampler_on_chosen_logits(processed, in_flight, bitmask):
     """The runner's batching and the sampler on logits built so that every processor
     decides something, rows with and without processors side by side; `in_flight`: each
     row's newest token is still a placeholder on the host (overlapped scheduling), so
-    bad words and penalties take it from the device."""
-    check_sampler(processed.engine.executor.driver.runner, torch.float32, in_flight)
+    bad words and penalties take it from the device; `bitmask`: some rows also have a
+    structured output's grammar mask."""
+    check_sampler(processed.engine.executor.driver.runner, torch.float32, in_flight, bitmask)
 
 
 def test_seeded_samples_frequencies(processed):
