@@ -87,9 +87,10 @@ class SamplingParams:
     any processing), which is what RL importance ratios need, unless the engine runs with
     logprobs_mode="processed_logprobs" (EngineConfig).
 
-    The logits go through, in vLLM's order: `allowed_token_ids` (every other token masked),
-    bans (`bad_words_token_ids`, and the stop tokens while below `min_tokens`),
-    `logit_bias`, the penalties, then temperature, min-p, top-k and top-p.
+    The logits go through, in vLLM's order: the `structured_outputs` grammar's mask,
+    `allowed_token_ids` (every other token masked), bans (`bad_words_token_ids`, and the
+    stop tokens while below `min_tokens`), `logit_bias`, the penalties, then temperature,
+    min-p, top-k and top-p.
     `bad_words` are strings the front end turns into `bad_words_token_ids`
     (rlserve.engine.bad_words); the engine itself only reads token ids.
     """
@@ -194,6 +195,10 @@ class SamplingParams:
             if not seq:
                 bad("bad_words_token_ids", "each sequence must hold at least one token id")
             _check_ids("bad_words_token_ids", seq)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            bad("structured_outputs", f"must be a StructuredOutputsParams, got "
+                                      f"{type(self.structured_outputs).__name__}")
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """The checks that need the model: every token id these parameters name is in the
