@@ -164,6 +164,30 @@ def test_runner_samples_a_launched_step_under_the_mask(llm, compiler):
         engine.abort([r.request_id for r in reqs])
 
 
+def test_runner_executes_a_step_with_a_mask_in_schedule_order(llm, compiler):
+    """The synchronous path (and tensor parallelism's): the mask is filled before the step,
+    one row per scheduled request that samples."""
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    reqs = [r for i, text in enumerate(["Hello", PROMPT]) for r in engine.make_requests(
+        tok.encode(text), SamplingParams(temperature=1.0, seed=5), f"exec{i}")]
+    for r in reqs:
+        engine.add_request(r)
+    try:
+        sched = engine.scheduler.schedule()
+        sampling = [item.request for item in sched.scheduled if item.samples]
+        assert len(sampling) == 2
+        grammar = compiler.compile(StructuredOutputsParams(regex="[0-9]+")).result(timeout=120)
+        matchers = [compiler.matcher(grammar) for _ in sampling]
+        out = engine.executor.driver.runner.execute(
+            sched, engine.kv.block_table_array([it.request for it in sched.scheduled]),
+            fill_bitmask(matchers, compiler.vocab_size))
+        assert all(m.accept([t]) for m, t in zip(matchers, out.token_ids))
+        assert all(tok.decode([t]).isdigit() for t in out.token_ids)
+    finally:
+        engine.abort([r.request_id for r in reqs])
+
+
 def test_compiles_are_cached_and_off_the_callers_thread(compiler):
     a = compiler.compile(StructuredOutputsParams(json=SCHEMA))
     b = compiler.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, separators=(",", ":"))))

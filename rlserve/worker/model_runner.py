@@ -625,9 +625,15 @@ class ModelRunner:
                       for rid, (targets, k, stats) in handle.prompt.items()}
         return ModelRunnerOutput(handle.sample_requests, token_ids, logprobs, prompt_lps)
 
-    def execute(self, sched: SchedulerOutput,
-                block_tables: np.ndarray | list[list[int]]) -> ModelRunnerOutput:
-        return self.collect(self.launch(sched, block_tables))
+    def execute(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
+                token_bitmask: torch.Tensor | np.ndarray | None = None) -> ModelRunnerOutput:
+        """One step, start to end. `token_bitmask`: as for `sample`, one row per scheduled
+        request that samples (ScheduledRequest.samples), in schedule order."""
+        if token_bitmask is None:
+            return self.collect(self.launch(sched, block_tables))
+        handle = self.launch(sched, block_tables, sample=False)
+        self.sample(handle, token_bitmask)
+        return self.collect(handle)
 
     def _to_logprobs(self, out: S.SamplerOutput, tokens: list[int], items) -> list[TokenLogprob | None]:
         if out.logprobs is None:
