@@ -15,6 +15,9 @@ _DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "pt")
+# raw: log_softmax of the model's logits (what RL importance ratios need); processed: of the
+# logits sampled from, after bias, masks, penalties, temperature, min-p, top-k and top-p.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str, config_dtype: Any = None) -> torch.dtype:
@@ -91,6 +94,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # Launch step N+1 before reading back step N's tokens (None: on CUDA only).
     async_scheduling: bool | None = None
+    logprobs_mode: str = "raw_logprobs"  # see LOGPROBS_MODES
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -109,6 +113,9 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens: must be at least 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size: must be at least 1")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, "
+                             f"got {self.logprobs_mode!r}")
         if isinstance(self.weight_transfer, (str, dict)):
             self.weight_transfer = WeightTransferConfig.parse(self.weight_transfer)
         if self.weight_transfer is not None and self.weight_transfer.backend == "ipc":

@@ -11,6 +11,7 @@ import itertools
 from typing import Sequence
 
 from rlserve.config import EngineConfig
+from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.core import EngineCore
 from rlserve.engine.output_processor import OutputProcessor, RequestState
 from rlserve.engine.request import RequestOutput, SamplingParams, check_cache_salt
@@ -50,7 +51,11 @@ class LLM:
         processor = OutputProcessor(self.tokenizer)
         # Validate everything before admitting anything, so a bad prompt leaves no work behind.
         pending = []
+        converted: dict[int, SamplingParams] = {}  # bad_words as token ids, once per params object
         for prompt, p in zip(prompts, params_list):
+            if id(p) not in converted:
+                converted[id(p)] = convert_bad_words(p, self.tokenizer)
+            p = converted[id(p)]
             text = prompt if isinstance(prompt, str) else None
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = str(next(self._ids))

@@ -107,7 +107,10 @@ def error_from_reply(reply: dict[str, Any], rank: int) -> BaseException:
 # -- steps ------------------------------------------------------------------------------
 
 def _request_to_wire(req: Request) -> list:
-    return [req.request_id, req.prompt_token_ids, dataclasses.asdict(req.sampling_params),
+    params = dataclasses.asdict(req.sampling_params)
+    if params["logit_bias"] is not None:  # msgpack maps take string keys; SamplingParams reads them back
+        params["logit_bias"] = {str(k): v for k, v in params["logit_bias"].items()}
+    return [req.request_id, req.prompt_token_ids, params,
             sorted(req.eos_token_ids), req.max_model_len, req.group_id, req.sample_index]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from rlserve.engine.scheduler import SchedulerOutput
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import AttentionMetadata, PagedAttention
 from rlserve.worker import sampler as S
+from rlserve.worker.penalties import PenaltyHistory, PenaltyPlan
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,20 @@ _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int3
                  np.dtype(np.float32): torch.float32}
 
 
+class _Processing(NamedTuple):
+    """The logits processors of a batch's rows (Request.processors), as host arrays: what
+    depends only on the requests (see ModelRunner._processing)."""
+
+    arrays: dict[str, np.ndarray]  # uploaded with every step; names as in _processing_batch
+    banned_rows: np.ndarray  # int64, with banned_tokens: masked in every step
+    banned_tokens: np.ndarray
+    bad_word_rows: list[int]  # rows with bad words of several tokens (checked per step)
+    penalty_requests: list  # the Request of each penalty row
+    needs_prompt: np.ndarray  # bool per penalty row: it has a repetition penalty
+    any_frequency: bool
+    any_presence: bool
+
+
 class _SamplingParams(NamedTuple):
     """A batch's sampling parameters that depend only on its requests (see
     ModelRunner._sampling_params), as host arrays and flags."""
@@ -52,6 +68,18 @@ class _SamplingParams(NamedTuple):
     need_top_p: bool
     need_min_p: bool
     max_logprobs: int
+    processing: _Processing | None  # None: no row has logits processors
+
+
+class _SamplingStep(NamedTuple):
+    """One step's sampling arrays on the host, in upload order: temperature, top_p, min_p,
+    top_k, the noise keys (fused sampling), then the logits processors' arrays by name."""
+
+    params: _SamplingParams
+    seeds: list[tuple[int, int]]
+    plan: PenaltyPlan | None
+    arrays: list[np.ndarray]
+    named: list[str]  # names of the last len(named) arrays
 
 
 @dataclass
@@ -77,13 +105,16 @@ class StepHandle:
     prompt: dict[str, tuple[list[int], int, tuple]]  # req id -> (targets, k, device stats)
     prompt_start: dict[str, int]  # req id -> position the step's chunk started at
     requests: list = field(default_factory=list)  # the Request of each sample_requests item
+    # launch(sample=False): the sampling rows' logits and parameters, until `sample`
+    pending: tuple[torch.Tensor, S.SamplingBatch] | None = None
 
     def row_of(self) -> dict[str, int]:
         return {item.request.request_id: i for i, item in enumerate(self.sample_requests)}
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, block_size: int):
+    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, block_size: int,
+                 logprobs_mode: str = "raw_logprobs"):
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -95,6 +126,8 @@ class ModelRunner:
         self.fused_sampling = self._check_fused_sampling()
         self._noise_rng = np.random.default_rng()  # keys of unseeded rows (fused sampling)
         self._sampling_cache: _SamplingParams | None = None  # see _sampling_params
+        self.processed_logprobs = logprobs_mode == "processed_logprobs"
+        self.penalties = PenaltyHistory(model.config.vocab_size, device)
 
     def _check_fused_sampling(self) -> bool:
         """Use the fused sampling kernel on CUDA, once it has run correctly here."""
@@ -134,6 +167,7 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = None
         self.kv_cache = None
         self.graphs = None  # they captured the cache's addresses
+        self.penalties.reset()  # device memory too
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode steps for a ladder of batch sizes; see CudaGraphs."""
@@ -210,12 +244,9 @@ class ModelRunner:
                  qsl.astype(np.int32), seq_lens.astype(np.int32), tables, seq_order]
         if sample_index is not None:
             parts.append(sample_index)
-        if sample_reqs:
-            params = self._sampling_params(sample_reqs)
-            seeds, banned = self._seeds_and_bans(params)
-            parts += [*params.floats, params.top_k]
-            if self.fused_sampling:
-                parts.append(self._noise_keys(len(sample_reqs), seeds))
+        step = self._sampling_host(sample_reqs) if sample_reqs else None
+        if step is not None:
+            parts += step.arrays
         dev = self.upload(parts)
 
         ids_t, pos_t, slot_t, logit_t, at_t, from_t, qsl_t, lens_t, tables_t, order_t = dev[:10]
@@ -229,13 +260,13 @@ class ModelRunner:
             slot_mapping=slot_t, query_start_loc=qsl_t, seq_lens=lens_t, block_tables=tables_t,
             max_query_len=int(count_a.max()), max_seq_len=int(seq_lens.max()), seq_order=order_t)
         sampling = None
-        if sample_reqs:
-            temp_t, top_p_t, min_p_t, top_k_t = rest[:4]
-            sampling = S.SamplingBatch(
-                temperature=temp_t, top_p=top_p_t, min_p=min_p_t, top_k=top_k_t,
-                seeds=seeds, banned=banned, all_greedy=params.all_greedy, any_greedy=params.any_greedy,
-                need_top_k=params.need_top_k, need_top_p=params.need_top_p, need_min_p=params.need_min_p,
-                max_logprobs=params.max_logprobs, noise_seeds=rest[4] if self.fused_sampling else None)
+        if step is not None:
+            last_tokens = None
+            if step.named:
+                # Each sampling row's newest token: the input at its logits position,
+                # filled from the previous step's tokens on the device if still in flight.
+                last_tokens = ids_t[logit_t if sample_index_t is None else logit_t[sample_index_t]]
+            sampling = self._sampling_device(step, rest, last_tokens)
         return BatchInputs(
             input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logit_t,
             sample_rows=sample_rows, sample_requests=sample_requests, requests=sample_reqs,
@@ -328,6 +359,50 @@ class ModelRunner:
             out.append(t if a.ndim == 1 else t.view(a.shape))
         return out
 
+    def sampling_batch(self, reqs: list, last_tokens: torch.Tensor | None = None) -> S.SamplingBatch:
+        """The sampler's parameters for rows `reqs` on their own (prepare builds the same
+        within a step's upload); `last_tokens`: each row's newest token, on the device
+        (by default the newest of its token_ids)."""
+        step = self._sampling_host(reqs)
+        if last_tokens is None and step.named:
+            last_tokens = torch.tensor([r.token_ids[-1] for r in reqs], device=self.device)
+        return self._sampling_device(step, self.upload(step.arrays), last_tokens)
+
+    def _sampling_host(self, reqs: list) -> _SamplingStep:
+        """Host half: this step's sampling arrays for the upload."""
+        params = self._sampling_params(reqs)
+        seeds, bans = self._seeds_and_bans(params)
+        arrays = [*params.floats, params.top_k]
+        if self.fused_sampling:
+            arrays.append(self._noise_keys(len(reqs), seeds))
+        plan = self._penalty_plan(params)
+        named: dict[str, np.ndarray] = {}  # the logits processors' arrays, when any row has them
+        if params.processing is not None:
+            named.update(params.processing.arrays)
+        if bans is not None:
+            named.update(bans)
+        if plan is not None:
+            named.update({f"hist_{k}": v for k, v in plan.arrays.items()})
+        return _SamplingStep(params, seeds, plan, arrays + list(named.values()), list(named))
+
+    def _sampling_device(self, step: _SamplingStep, tensors: list[torch.Tensor],
+                         last_tokens: torch.Tensor | None) -> S.SamplingBatch:
+        """Device half: the SamplingBatch from the step's uploaded `tensors` (in the order
+        of step.arrays)."""
+        params = step.params
+        temp_t, top_p_t, min_p_t, top_k_t = tensors[:4]
+        num_plain = len(tensors) - len(step.named)
+        processing = None
+        if step.named:
+            processing = self._processing_batch(params, step.plan, dict(zip(step.named, tensors[num_plain:])),
+                                                last_tokens)
+        return S.SamplingBatch(
+            temperature=temp_t, top_p=top_p_t, min_p=min_p_t, top_k=top_k_t,
+            seeds=step.seeds, all_greedy=params.all_greedy, any_greedy=params.any_greedy,
+            need_top_k=params.need_top_k, need_top_p=params.need_top_p, need_min_p=params.need_min_p,
+            max_logprobs=params.max_logprobs, noise_seeds=tensors[4] if self.fused_sampling else None,
+            processing=processing, processed_logprobs=self.processed_logprobs)
+
     def _sampling_params(self, reqs: list) -> _SamplingParams:
         """The sampling rows' parameters. A request's never change (Request.sampling_row),
         so while the batch holds the same requests in the same order, as it does from one
@@ -337,32 +412,144 @@ class ModelRunner:
             return cached
         n = len(reqs)
         table = np.fromiter(itertools.chain.from_iterable(r.sampling_row for r in reqs),
-                            dtype=np.float64, count=n * 7).reshape(n, 7)
-        temp, top_p, min_p, top_k, seeded, min_tokens, logprobs = table.T
+                            dtype=np.float64, count=n * 8).reshape(n, 8)
+        temp, top_p, min_p, top_k, seeded, min_tokens, logprobs, processors = table.T
         greedy = temp == 0
+        processor_rows = np.flatnonzero(processors).tolist()
         self._sampling_cache = _SamplingParams(
             reqs, [temp.astype(np.float32), top_p.astype(np.float32), min_p.astype(np.float32)],
             top_k.astype(np.int64),
             np.flatnonzero(seeded).tolist(), np.flatnonzero(min_tokens).tolist(),
             bool(greedy.all()), bool(greedy.any()), bool((top_k > 0).any()),
-            bool((top_p < 1).any()), bool((min_p > 0).any()), int(logprobs.max()))
+            bool((top_p < 1).any()), bool((min_p > 0).any()), int(logprobs.max()),
+            self._processing(reqs, processor_rows) if processor_rows else None)
         return self._sampling_cache
 
     @staticmethod
-    def _seeds_and_bans(params: _SamplingParams) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def _processing(reqs: list, rows: list[int]) -> _Processing:
+        """Batch the logits processors of `rows` (the rows whose request has any)."""
+        def rows_of(i: int, ids: np.ndarray) -> np.ndarray:
+            return np.full(ids.size, i, dtype=np.int64)
+
+        def cat(parts: list[np.ndarray], dtype=np.int64) -> np.ndarray:
+            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+
+        allowed_rows, allowed_r, allowed_t, bias_r, bias_t, bias_v, ban_r, ban_t = ([] for _ in range(8))
+        bad_word_rows, penalty_rows, penalties = [], [], []
+        for i in rows:
+            proc = reqs[i].processors
+            if proc.allowed is not None:
+                allowed_rows.append(i)
+                allowed_r.append(rows_of(i, proc.allowed))
+                allowed_t.append(proc.allowed)
+            if proc.bias_ids.size:
+                bias_r.append(rows_of(i, proc.bias_ids))
+                bias_t.append(proc.bias_ids)
+                bias_v.append(proc.bias_values)
+            if proc.banned.size:
+                ban_r.append(rows_of(i, proc.banned))
+                ban_t.append(proc.banned)
+            if proc.bad_prefixes:
+                bad_word_rows.append(i)
+            if proc.penalties is not None:
+                penalty_rows.append(i)
+                penalties.append(proc.penalties)
+        arrays = {}
+        if allowed_rows:
+            arrays.update(allowed_rows=np.array(allowed_rows, dtype=np.int64),
+                          allowed_r=cat(allowed_r), allowed_t=cat(allowed_t))
+        if bias_r:
+            arrays.update(bias_r=cat(bias_r), bias_t=cat(bias_t), bias_v=cat(bias_v, np.float32))
+        pen = np.array(penalties, dtype=np.float32).reshape(-1, 3)  # repetition, frequency, presence
+        if penalty_rows:
+            arrays.update(pen_repetition=pen[:, 0].copy(), pen_frequency=pen[:, 1].copy(),
+                          pen_presence=pen[:, 2].copy())
+            if len(penalty_rows) < len(reqs):  # else every row, in order
+                arrays["pen_rows"] = np.array(penalty_rows, dtype=np.int64)
+        return _Processing(arrays, cat(ban_r), cat(ban_t), bad_word_rows,
+                           [reqs[i] for i in penalty_rows], pen[:, 0] != 1,
+                           bool((pen[:, 1] != 0).any()), bool((pen[:, 2] != 0).any()))
+
+    @staticmethod
+    def _seeds_and_bans(params: _SamplingParams) -> tuple[list[tuple[int, int]], dict[str, np.ndarray] | None]:
         """What depends on the step: each seeded row's per-token seed, and the tokens
-        banned in rows still below min_tokens. Only rows that have them are looked at."""
+        masked this step: stop tokens in rows still below min_tokens, and bad words. Only
+        rows that have them are looked at.
+
+        A bad word of several tokens is masked when the output ends with all but its last
+        token. The newest of those may still be in flight (a placeholder): the host checks
+        the older ones and the device the newest (`ban_after`)."""
         seeds = []
         for i in params.seeded_rows:
             req = params.requests[i]
             seeds.append((i, S.mix_seed(req.sampling_params.seed, req.sample_index,
                                         len(req.token_ids) - req.num_prompt_tokens)))
-        banned = []
+        rows: list[int] = []
+        toks: list[int] = []
+        after: list[int] = []
         for i in params.min_tokens_rows:
             req = params.requests[i]
             if len(req.token_ids) - req.num_prompt_tokens < req.sampling_params.min_tokens:
-                banned.extend((i, t) for t in req.stop_ids)  # what could end it too early
-        return seeds, banned
+                rows.extend(i for _ in req.stop_ids)  # what could end it too early
+                toks.extend(req.stop_ids)
+        proc = params.processing
+        for i in proc.bad_word_rows if proc is not None else ():
+            req = params.requests[i]
+            tokens, n = req.token_ids, len(req.token_ids)
+            num_output = n - req.num_prompt_tokens
+            for prefix, last in req.processors.bad_prefixes:
+                k = len(prefix)
+                if k <= num_output and tuple(tokens[n - k:n - 1]) == prefix[:-1]:
+                    rows.append(i)
+                    toks.append(last)
+                    after.append(prefix[-1])
+        static = proc is not None and proc.banned_rows.size
+        if not rows and not static:
+            return seeds, None
+        bans = {"ban_rows": np.array(rows, dtype=np.int64), "ban_tokens": np.array(toks, dtype=np.int64)}
+        if after:  # the unconditional ones first, then those that wait for the newest token
+            unconditional = len(rows) - len(after)
+            bans["ban_after"] = np.array([-1] * unconditional + after, dtype=np.int64)
+        if static:
+            bans["ban_rows"] = np.concatenate([proc.banned_rows, bans["ban_rows"]])
+            bans["ban_tokens"] = np.concatenate([proc.banned_tokens, bans["ban_tokens"]])
+            if after:
+                bans["ban_after"] = np.concatenate([np.full(proc.banned_rows.size, -1, dtype=np.int64),
+                                                    bans["ban_after"]])
+        return seeds, bans
+
+    def _penalty_plan(self, params: _SamplingParams):
+        """The penalty rows' token history for this step (rlserve.worker.penalties)."""
+        proc = params.processing
+        if proc is None or not proc.penalty_requests:
+            if self.penalties.requests:
+                self.penalties.reset()
+            return None
+        return self.penalties.plan(proc.penalty_requests, proc.needs_prompt)
+
+    def _processing_batch(self, params: _SamplingParams, plan, t: dict[str, torch.Tensor],
+                          last_tokens: torch.Tensor) -> S.LogitsProcessing:
+        """The step's LogitsProcessing from its uploaded arrays `t` (see _processing,
+        _seeds_and_bans and _penalty_plan); `last_tokens`: each row's newest token."""
+        out = S.LogitsProcessing(last_tokens=last_tokens)
+        if "allowed_rows" in t:
+            out.allowed_rows, out.allowed = t["allowed_rows"], (t["allowed_r"], t["allowed_t"])
+        if "ban_rows" in t:
+            out.bans, out.ban_after = (t["ban_rows"], t["ban_tokens"]), t.get("ban_after")
+        if "bias_r" in t:
+            out.bias = (t["bias_r"], t["bias_t"], t["bias_v"])
+        if plan is not None:
+            proc = params.processing
+            rows = t.get("pen_rows")
+            history = {k[5:]: v for k, v in t.items() if k.startswith("hist_")}
+            counts, prompt_mask = self.penalties.build(
+                plan, history, last_tokens if rows is None else last_tokens[rows])
+            out.penalties = S.Penalties(
+                rows=rows, repetition=t["pen_repetition"].view(-1, 1), frequency=t["pen_frequency"].view(-1, 1),
+                presence=t["pen_presence"].view(-1, 1), counts=counts, prompt_mask=prompt_mask,
+                any_repetition=bool(proc.needs_prompt.any()), any_frequency=proc.any_frequency,
+                any_presence=proc.any_presence)
+        return out
 
     def _noise_keys(self, num_rows: int, seeds: list[tuple[int, int]]) -> np.ndarray:
         """One Philox key per row for fused sampling: the row's per-token seed, or a fresh
@@ -381,18 +568,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
-               prev: StepHandle | None = None) -> StepHandle:
-        """Queue the step on the device; nothing here waits for the device."""
+               prev: StepHandle | None = None, sample: bool = True) -> StepHandle:
+        """Queue the step on the device; nothing here waits for the device.
+
+        `sample=False` queues the forward pass and leaves the sampling to `sample`, for a
+        grammar mask that the host can only fill once the previous step's tokens are back."""
         batch = self.prepare(sched, block_tables, prev)
         hidden = self.forward(batch, decode_only=batch.meta.max_query_len == 1)
         if not batch.logits_indices.numel():
             return StepHandle([], None, {}, {})
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        sampled = None
+        sampled = pending = None
         if batch.sampling is not None:
             # Every logits row samples unless some are prompt positions.
             rows_logits = logits if batch.sample_index is None else logits[batch.sample_index]
-            sampled = S.sample(rows_logits, batch.sampling)
+            if sample:
+                sampled = S.sample(rows_logits, batch.sampling)
+            else:
+                pending = (rows_logits, batch.sampling)
         prompt, prompt_start = {}, {}
         for rid, (first, targets) in batch.prompt_rows.items():
             req = next(it.request for it in sched.scheduled if it.request.request_id == rid)
@@ -400,7 +593,26 @@ class ModelRunner:
             lp = S.raw_logprobs(logits[first:first + len(targets)])
             prompt[rid] = (targets, k, S.logprob_stats(lp, torch.tensor(targets, device=lp.device), k))
             prompt_start[rid] = req.num_computed_tokens
-        return StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests)
+        return StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests, pending)
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle, token_bitmask: torch.Tensor | np.ndarray | None = None) -> None:
+        """Queue the sampling of a step launched with sample=False (before the next step's
+        launch, which reads its tokens). `token_bitmask`: [rows, ceil(V / 32)] int32 on the
+        host, one row per handle.sample_requests item (structured_output.fill_bitmask);
+        rows with every bit set cost nothing."""
+        if handle.pending is None:
+            return
+        logits, batch = handle.pending
+        handle.pending = None
+        if token_bitmask is not None:
+            mask = np.asarray(token_bitmask, dtype=np.int32)
+            rows = np.flatnonzero((mask != -1).any(axis=1))
+            if rows.size:
+                rows_t, mask_t = self.upload([rows.astype(np.int64), np.ascontiguousarray(mask[rows])])
+                batch = dataclasses.replace(batch, token_bitmask=mask_t,
+                                            token_bitmask_rows=None if rows.size == mask.shape[0] else rows_t)
+        handle.sampled = S.sample(logits, batch)
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Bring a launched step's results to the host: the one sync of a step."""
@@ -413,9 +625,15 @@ class ModelRunner:
                       for rid, (targets, k, stats) in handle.prompt.items()}
         return ModelRunnerOutput(handle.sample_requests, token_ids, logprobs, prompt_lps)
 
-    def execute(self, sched: SchedulerOutput,
-                block_tables: np.ndarray | list[list[int]]) -> ModelRunnerOutput:
-        return self.collect(self.launch(sched, block_tables))
+    def execute(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
+                token_bitmask: torch.Tensor | np.ndarray | None = None) -> ModelRunnerOutput:
+        """One step, start to end. `token_bitmask`: as for `sample`, one row per scheduled
+        request that samples (ScheduledRequest.samples), in schedule order."""
+        if token_bitmask is None:
+            return self.collect(self.launch(sched, block_tables))
+        handle = self.launch(sched, block_tables, sample=False)
+        self.sample(handle, token_bitmask)
+        return self.collect(handle)
 
     def _to_logprobs(self, out: S.SamplerOutput, tokens: list[int], items) -> list[TokenLogprob | None]:
         if out.logprobs is None:

@@ -40,7 +40,8 @@ class Worker:
         if config.load_format == "dummy" and self.tp.world_size > 1:
             self._init_dummy_unsharded(config.seed)
         self.load_seconds = time.perf_counter() - t0
-        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size,
+                                  config.logprobs_mode)
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
         # Taken while the parameters have their real shapes (sleep empties them).
         self.expected = self.model.expected_weights()
