@@ -73,8 +73,8 @@ def sync() -> None:
 # ------------------------------------------------------------------ load generation
 
 
-def client(base_url: str, items: list, mode: str, temperature: float, start_at: float, queue) -> None:
-    """Child process: send `items` ((prompt ids, max_tokens)) at `start_at`, all at once."""
+def client(base_url: str, items: list, mode: str, temperature: float, ready, go, queue) -> None:
+    """Child process: once `go` is set, send `items` ((prompt ids, max_tokens)) all at once."""
     import httpx
 
     async def one(http: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
@@ -108,7 +108,8 @@ def client(base_url: str, items: list, mode: str, temperature: float, start_at: 
     async def main() -> list[dict]:
         limits = httpx.Limits(max_connections=len(items) + 8, max_keepalive_connections=len(items) + 8)
         async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as http:
-            await asyncio.sleep(max(0.0, start_at - time.time()))
+            ready.put(None)
+            await asyncio.to_thread(go.wait)
             return await asyncio.gather(*(one(http, p, n) for p, n in items))
 
     queue.put(asyncio.run(main()))
@@ -116,14 +117,16 @@ def client(base_url: str, items: list, mode: str, temperature: float, start_at: 
 
 def run_mode(url: str, mode: str, prompts, out_lens, args) -> dict:
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     items = list(zip(prompts, out_lens))
     n = max(1, min(args.client_procs, len(items)))
-    start_at = time.time() + 3.0  # every client process is up and connected by then
-    procs = [ctx.Process(target=client, args=(url, items[i::n], mode, args.temperature, start_at, queue))
+    procs = [ctx.Process(target=client, args=(url, items[i::n], mode, args.temperature, ready, go, queue))
              for i in range(n)]
     for p in procs:
         p.start()
+    for _ in procs:  # every load generator is up before the first request leaves
+        ready.get()
+    go.set()
     results = [r for _ in procs for r in queue.get()]
     for p in procs:
         p.join()
@@ -167,6 +170,18 @@ def serve_and_measure(args, path: str, tokenizer: str, prompts, out_lens) -> lis
     return results
 
 
+def print_profiles(directory: str) -> None:
+    import pstats
+    for name in sorted(os.listdir(directory)):
+        if ".prof" not in name:
+            continue
+        print(f"---- {name}: by own time")
+        stats = pstats.Stats(os.path.join(directory, name))
+        stats.sort_stats("tottime").print_stats(25)
+        print(f"---- {name}: by cumulative time")
+        stats.sort_stats("cumulative").print_stats(30)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b", help="a preset of throughput.py, smollm2, or a directory")
@@ -188,6 +203,9 @@ def main() -> None:
     p.add_argument("--api-server-count", type=int, default=1)
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--log-dir", default=None, help="write the server's log there")
+    p.add_argument("--profile-dir", default=None,
+                   help="cProfile the engine loop and the API server's event loop (every mode "
+                        "of the run together) and print their top functions")
     p.add_argument("--json", default=None, help="also write every figure here")
     args = p.parse_args()
     path = model_dir(args.model)
@@ -210,7 +228,13 @@ def main() -> None:
         report["offline_tok_per_s"] = queue.get()
         child.join()
         print(f"offline: {report['offline_tok_per_s']:,.0f} output tok/s", flush=True)
+    if args.profile_dir:
+        os.makedirs(args.profile_dir, exist_ok=True)
+        os.environ["RLSERVE_ENGINE_PROFILE"] = os.path.join(args.profile_dir, "engine.prof")
+        os.environ["RLSERVE_API_PROFILE"] = os.path.join(args.profile_dir, "api.prof")
     report["served"] = serve_and_measure(args, path, args.tokenizer, prompts, out_lens)
+    if args.profile_dir:
+        print_profiles(args.profile_dir)
     base = report.get("offline_tok_per_s")
     for r in report["served"]:
         ratio = f" = {r['tok_per_s'] / base:.0%} of offline" if base else ""

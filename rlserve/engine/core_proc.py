@@ -365,12 +365,22 @@ def main(argv: list[str] | None = None) -> int:
         proc.close()
         return 1
     code = 0
+    # RLSERVE_ENGINE_PROFILE=PATH: a cProfile of the loop, written to PATH at exit.
+    profile_path = os.environ.get("RLSERVE_ENGINE_PROFILE")
+    profiler = None
+    if profile_path:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         proc.run()
     except Exception as e:
         logger.error("engine loop died: %s", traceback.format_exc())
         proc.die(f"engine loop died: {type(e).__name__}: {e}")
         code = 1
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile_path)
     proc.core.shutdown()
     proc.close()
     return code

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -53,9 +54,19 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
         _limit_max_tokens_in_schema(app, engine.max_model_len)
         if url:
             logger.info("serving %r at %s (OpenAI base URL %s/v1)", engine.model_name, url, url)
+        # RLSERVE_API_PROFILE=PATH: a cProfile of this API server's event loop, written at exit.
+        profile_path = os.environ.get("RLSERVE_API_PROFILE")
+        profiler = None
+        if profile_path:
+            import cProfile
+            profiler = cProfile.Profile()
+            profiler.enable()
         try:
             yield
         finally:
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(f"{profile_path}.{os.getpid()}")
             await engine.shutdown()
 
     app = FastAPI(title="rlserve", version=__version__, lifespan=lifespan,
