@@ -65,7 +65,7 @@ class EngineCoreProc:
         self.owners: dict[str, int] = {}  # sample id -> API server, with several of them
         self.waits: list[UtilityCall] = []  # pause(wait) calls, answered once they hold
         self.input_address = input_address
-        self.transfer: str | None = None  # the weight-transfer call under way, if any
+        self.transfer: UtilityCall | None = None  # the weight-transfer call under way, if any
         self.stopping = False
 
     # -- output ------------------------------------------------------------------------
@@ -209,16 +209,15 @@ class EngineCoreProc:
             self._reply(call, value)
 
     # Joining a trainer's group and receiving an update wait on the trainer: a thread of
-    # their own does that while the loop steps on. One at a time: a second gets a 409.
-    def _begin_transfer(self, call: UtilityCall) -> None:
-        if self.transfer is not None:
-            raise ConflictError(f"{call.method}: {self.transfer} is still under way; retry once "
-                                "it has answered")
-        self.transfer = call.method
-
+    # their own does that while the loop steps on. A new init replaces whatever transfer is
+    # under way (the trainer started over: the pending init or receive fails at once); an
+    # update while another transfer is under way is a 409.
     def _call_init_weight_transfer(self, call: UtilityCall, backend: str, init_info: dict,
                                    timeout_s: float):
-        self._begin_transfer(call)
+        if self.transfer is not None and self.core.world_size == 1:
+            self.core.executor.driver.abort_weight_transfer(
+                "replaced by a newer /init_weight_transfer_engine")
+        self.transfer = call
 
         def run() -> None:
             try:
@@ -228,38 +227,58 @@ class EngineCoreProc:
             else:
                 self._reply(call)
             finally:
-                self.transfer = None
+                if self.transfer is call:
+                    self.transfer = None
 
         threading.Thread(target=run, name="rlserve-init-transfer", daemon=True).start()
         return _DEFERRED
 
-    def _call_update_weights(self, call: UtilityCall, update_info: dict, version: int | None):
-        if self.core.sleeping:  # refused before the group is touched
-            raise InvalidRequestError("the server is asleep: POST /wake_up before updating weights",
-                                      "update_info")
-        self._begin_transfer(call)
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                sizes = self.core.executor.collective_rpc("receive_weights", update_info)
-            except Exception as e:
-                self.transfer = None
-                try:
-                    self.core.executor.collective_rpc("drop_staged_weights")
-                finally:
-                    self._fail_call(call, e)
-                return
-            # Applied between two steps: the loop reads this like any other message.
-            apply = UtilityCall(call.call_id, "apply_update",
-                                [version, sizes[0], time.perf_counter() - t0], call.client)
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.connect(self.input_address)
-            sock.send(msgspec.msgpack.encode(apply))
-            sock.close(linger=-1)
-
-        threading.Thread(target=run, name="rlserve-receive-update", daemon=True).start()
+    def _call_update_weights(self, call: UtilityCall, update_info: dict, version):
+        if self.transfer is not None:
+            raise ConflictError(f"update_weights: {self.transfer.method} is still under way; "
+                                "send /update_weights once it has answered")
+        refusal = None
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            refusal = InvalidRequestError(
+                f"update_info.weight_version: must be an integer, got {version!r}", "weight_version")
+        elif self.core.sleeping:
+            refusal = InvalidRequestError(
+                "the server is asleep: POST /wake_up before updating weights", "update_info")
+        self.transfer = call
+        threading.Thread(target=self._receive if refusal is None else self._refuse,
+                         args=(call, update_info, version if refusal is None else refusal),
+                         name="rlserve-receive-update", daemon=True).start()
         return _DEFERRED
+
+    def _refuse(self, call: UtilityCall, update_info: dict, refusal: InvalidRequestError) -> None:
+        """Refused before any byte moved: a trainer sending it hears so at once (its
+        trainer_send_weights raises the same message), and the group stays in step."""
+        try:
+            self.core.executor.collective_rpc("refuse_update", update_info, str(refusal))
+        finally:
+            if self.transfer is call:
+                self.transfer = None
+            self._fail_call(call, refusal)
+
+    def _receive(self, call: UtilityCall, update_info: dict, version: int | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            sizes = self.core.executor.collective_rpc("receive_weights", update_info)
+        except Exception as e:
+            if self.transfer is call:
+                self.transfer = None
+            try:
+                self.core.executor.collective_rpc("drop_staged_weights")
+            finally:
+                self._fail_call(call, e)
+            return
+        # Applied between two steps: the loop reads this like any other message.
+        apply = UtilityCall(call.call_id, "apply_update",
+                            [version, sizes[0], time.perf_counter() - t0], call.client)
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.connect(self.input_address)
+        sock.send(msgspec.msgpack.encode(apply))
+        sock.close(linger=-1)
 
     def _call_apply_update(self, call: UtilityCall, version: int | None, num_bytes: int,
                            receive_seconds: float) -> dict:
@@ -267,7 +286,9 @@ class EngineCoreProc:
         try:
             new_version = self.core.apply_staged_weights(version)
         finally:
-            self.transfer = None
+            t = self.transfer  # this update's (a newer init may have taken over meanwhile)
+            if t is not None and (t.call_id, t.client, t.method) == (call.call_id, call.client, "update_weights"):
+                self.transfer = None
         return {"weight_version": new_version, "num_bytes": num_bytes,
                 "receive_seconds": receive_seconds, "apply_seconds": time.perf_counter() - t0}
 
