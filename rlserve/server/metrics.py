@@ -3,10 +3,11 @@ observed by the HTTP layer as outputs stream out."""
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 if TYPE_CHECKING:
     from rlserve.engine.outputs import EngineStats
@@ -53,6 +54,40 @@ class _EngineCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+class _Histogram:
+    """A Prometheus histogram fed from the event loop alone: an observation is a bisect and
+    two additions, no lock, and `count` equal observations cost one (tokens that arrive
+    together share their gap). prometheus_client's took a quarter of a busy API server's
+    time at one observation per token."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+        self.name, self.documentation = name, documentation
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative, total = [], 0
+        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            total += n
+            cumulative.append((bound, total))
+        return HistogramMetricFamily(self.name, self.documentation, buckets=cumulative,
+                                     sum_value=self.sum)
+
+
+class _HistogramCollector:
+    def __init__(self, histograms: list[_Histogram]):
+        self.histograms = histograms
+
+    def collect(self) -> Iterator[Metric]:
+        for h in self.histograms:
+            yield h.family()
+
+
 class ServerMetrics:
     """One registry per app, so several apps in one process never clash. Also the engine's
     latency observer (output_processor.LatencyObserver): it times tokens as they arrive."""
@@ -62,15 +97,16 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
-        self.ttft = Histogram(
+        self.ttft = _Histogram(
             "rlserve_time_to_first_token_seconds", "Time from request arrival to first token.",
-            buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram(
+            _TTFT_BUCKETS)
+        self.itl = _Histogram(
             "rlserve_inter_token_latency_seconds", "Time between consecutive tokens of a sample.",
-            buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(
+            _ITL_BUCKETS)
+        self.e2e = _Histogram(
             "rlserve_e2e_request_latency_seconds", "Time from request arrival to its last token.",
-            buckets=_E2E_BUCKETS, registry=self.registry)
+            _E2E_BUCKETS)
+        self.registry.register(_HistogramCollector([self.ttft, self.itl, self.e2e]))
         self.finished_samples = Counter(
             "rlserve_request_finished", "Finished samples by finish reason.", ["finish_reason"],
             registry=self.registry)
@@ -87,8 +123,7 @@ class ServerMetrics:
         self.ttft.observe(seconds)
 
     def inter_token(self, seconds: float, count: int) -> None:
-        for _ in range(count):  # tokens that arrive together share the gap
-            self.itl.observe(seconds)
+        self.itl.observe(seconds, count)  # tokens that arrive together share the gap
 
     def finished(self, reason: str, seconds: float) -> None:
         self.e2e.observe(seconds)
