@@ -6,8 +6,11 @@ trainer on GPU N. Only the imports differ from the original script.
     python examples/rlhf_http.py
 
 The output before the update is nonsense (dummy weights); after it, the real model's.
+BASE_URL, MODEL and TRAIN_DTYPE in the environment change the server, the model (a hub id or
+a directory) and the trainer's dtype (bfloat16, as in the seed).
 """
 
+import os
 import threading
 
 import requests
@@ -17,8 +20,9 @@ from transformers import AutoModelForCausalLM
 
 from rlserve.weight_transfer import NCCLWeightTransferEngine, get_ip, get_open_port
 
-BASE_URL = "http://localhost:8000"
-MODEL_NAME = "facebook/opt-125m"
+BASE_URL = os.environ.get("BASE_URL", "http://localhost:8000")
+MODEL_NAME = os.environ.get("MODEL", "facebook/opt-125m")
+TRAIN_DTYPE = getattr(torch, os.environ.get("TRAIN_DTYPE", "bfloat16"))
 
 
 def generate_completions(client: OpenAI, model: str, prompts: list[str]) -> list[str]:
@@ -61,7 +65,7 @@ def main():
     torch.cuda.set_device(device)
 
     print(f"Loading training model: {MODEL_NAME}")
-    train_model = AutoModelForCausalLM.from_pretrained(MODEL_NAME, dtype=torch.bfloat16)
+    train_model = AutoModelForCausalLM.from_pretrained(MODEL_NAME, dtype=TRAIN_DTYPE)
     train_model.to(device)
     client = OpenAI(base_url=f"{BASE_URL}/v1", api_key="EMPTY")
     prompts = ["Hello, my name is", "The president of the United States is",
