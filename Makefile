@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test test-gpu bench model
+.PHONY: install demo test test-gpu model
 
 # torch==2.13.0 is the CPU build; a GPU machine keeps the torch it already has.
 install:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import torch
 
 from rlserve.server.launcher import ServerProcess
 
@@ -19,6 +20,32 @@ SERVER_START_TIMEOUT_S = float(os.environ.get("RLSERVE_TEST_SERVER_TIMEOUT", "18
 def demo_model() -> str:
     from rlserve.model.demo_model import demo_model_path
     return demo_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_demo(demo_model: str):
+    """transformers' own model on the demo weights, float32: the reference outputs come
+    from it. Shared by every module, so no test may change its weights in place."""
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """The oracle: transformers' forward with its KV cache, greedy, end-of-sequence ignored;
+    the chosen tokens and their raw logprobs. Runs on the model's device."""
+    device = next(model.parameters()).device
+    tokens, logprobs = [], []
+    ids, past = torch.tensor([prompt_ids], device=device), None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+            tok = int(lp.argmax())
+            tokens.append(tok)
+            logprobs.append(lp[tok].item())
+            ids = torch.tensor([[tok]], device=device)
+    return tokens, logprobs
 
 
 class RunningServer(ServerProcess):

@@ -11,6 +11,8 @@ from rlserve import LLM, SamplingParams
 from rlserve.engine.request import InvalidRequestError
 from rlserve.model.demo_model import demo_model_path
 
+from conftest import hf_greedy
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -33,36 +35,14 @@ def llm(model_path) -> LLM:
     return LLM(model_path, device="cpu", dtype="float32", max_model_len=512)
 
 
-@pytest.fixture(scope="module")
-def hf_model(model_path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-
-
-def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int):
-    """transformers' own forward with its KV cache, greedy, ignoring end-of-sequence tokens."""
-    tokens, logprobs = [], []
-    ids, past = torch.tensor([prompt_ids]), None
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            out = hf_model(ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            lp = torch.log_softmax(out.logits[0, -1].float(), -1)
-            tok = int(lp.argmax())
-            tokens.append(tok)
-            logprobs.append(lp[tok].item())
-            ids = torch.tensor([[tok]])
-    return tokens, logprobs
-
-
-def test_smollm2_greedy_matches_transformers(llm, hf_model):
+def test_smollm2_greedy_matches_transformers(llm, hf_demo):
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=1)
     outs = llm.generate(PROMPTS, params)
     assert len(outs) == len(PROMPTS)
     for prompt, out in zip(PROMPTS, outs):
         ids = llm.tokenizer.encode(prompt)
         assert out.prompt_token_ids == ids
-        ref_tokens, ref_lps = hf_greedy(hf_model, ids, 32)
+        ref_tokens, ref_lps = hf_greedy(hf_demo, ids, 32)
         sample = out.outputs[0]
         assert sample.token_ids == ref_tokens, prompt
         ours = [lp.logprob for lp in sample.logprobs]
@@ -73,11 +53,11 @@ def test_smollm2_greedy_matches_transformers(llm, hf_model):
         assert all(len(lp.top) == 1 for lp in sample.logprobs)
 
 
-def test_prompt_logprobs_match_transformers(llm, hf_model):
+def test_prompt_logprobs_match_transformers(llm, hf_demo):
     ids = llm.tokenizer.encode(PROMPTS[-1])
     out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
     with torch.no_grad():
-        logits = hf_model(torch.tensor([ids])).logits[0].float()
+        logits = hf_demo(torch.tensor([ids])).logits[0].float()
     ref = torch.log_softmax(logits, -1)
     assert out.prompt_logprobs[0] is None
     for pos in range(1, len(ids)):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import hf_greedy
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -36,14 +38,7 @@ def _prompts():
 
 
 def _hf_greedy(hf, ids, n):
-    out, past, x = [], None, torch.tensor([ids], device="cuda")
-    with torch.no_grad():
-        for _ in range(n):
-            step = hf(x, past_key_values=past, use_cache=True)
-            past = step.past_key_values
-            out.append(int(step.logits[0, -1].argmax()))
-            x = torch.tensor([[out[-1]]], device="cuda")
-    return out
+    return hf_greedy(hf, ids, n)[0]
 
 
 def _llm(path, dtype, **kw):
@@ -102,19 +97,16 @@ def test_live_update_keeps_graphs_valid(checkpoint):
 @pytest.mark.parametrize("norm", [False, True])
 def test_fused_rope_matches_the_torch_path(dtype, norm):
     """The fused kernel, in place on strided views of a qkv tensor, against the torch ops."""
-    from rlserve.model.layers import RMSNorm, RotaryEmbedding
+    from rlserve.model.layers import RotaryEmbedding
+    from rlserve.ops.fused_ref import rms_norm
     from rlserve.ops.triton_rotary import rope_
     torch.manual_seed(0)
     t, hq, hk, d = 37, 16, 8, 128
     rope = RotaryEmbedding(d, 4096, 1e6).cuda()
     qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=dtype)
     positions = torch.randint(0, 4096, (t,), device="cuda")
-    qn = kn = None
-    if norm:
-        qn, kn = RMSNorm(d, 1e-6).cuda().to(dtype), RMSNorm(d, 1e-6).cuda().to(dtype)
-        with torch.no_grad():
-            qn.weight.uniform_(0.5, 1.5)
-            kn.weight.uniform_(0.5, 1.5)
+    qw = torch.empty(d, device="cuda", dtype=dtype).uniform_(0.5, 1.5) if norm else None
+    kw = torch.empty(d, device="cuda", dtype=dtype).uniform_(0.5, 1.5) if norm else None
 
     def views(x):
         q, k, _ = x.split([hq * d, hk * d, hk * d], dim=-1)
@@ -123,15 +115,15 @@ def test_fused_rope_matches_the_torch_path(dtype, norm):
     ref_in = qkv.clone()
     q, k = views(ref_in)
     with torch.no_grad():
-        if norm:
-            q, k = qn(q.contiguous().float()).to(dtype), kn(k.contiguous().float()).to(dtype)
+        if norm:  # the torch reference, never a Triton kernel
+            q = rms_norm(q.float(), qw.float(), 1e-6).to(dtype)
+            k = rms_norm(k.float(), kw.float(), 1e-6).to(dtype)
         cos = rope.cos[positions].unsqueeze(1)
         sin = rope.sin[positions].unsqueeze(1)
         from rlserve.model.layers import _rotate
         ref_q, ref_k = _rotate(q.float(), cos, sin), _rotate(k.float(), cos, sin)
     q, k = views(qkv)
-    rope_(q, k, positions, rope.cos, rope.sin, qn.weight if norm else None,
-          kn.weight if norm else None, 1e-6)
+    rope_(q, k, positions, rope.cos, rope.sin, qw, kw, 1e-6)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(q.float(), ref_q, rtol=tol, atol=tol)
     torch.testing.assert_close(k.float(), ref_k, rtol=tol, atol=tol)

@@ -52,9 +52,8 @@ def processed(model_path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def hf(model_path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+def hf(hf_demo):
+    return hf_demo
 
 
 def cases(llm: LLM) -> tuple[list[list[int]], dict[str, SamplingParams]]:

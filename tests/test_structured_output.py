@@ -44,9 +44,8 @@ def compiler(llm) -> StructuredOutputCompiler:
 
 
 @pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(demo_model_path(), dtype=torch.float32).eval()
+def hf(hf_demo):
+    return hf_demo
 
 
 def generate(llm, hf, compiler, spec, temperature: float = 0.8, max_steps: int = 48, rows: int = ROWS

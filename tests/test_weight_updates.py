@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import start_server, stop_server
+from conftest import hf_greedy, start_server, stop_server
 from rlserve.weight_transfer import GlooWeightTransferEngine, WeightSyncClient, WeightTransferError, get_open_port
 
 ADMIN_KEY = "admin-secret"
@@ -21,9 +21,9 @@ TRANSFER_TIMEOUT_S = 15
 
 
 @pytest.fixture(scope="module")
-def trainer_model(demo_model):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+def trainer_model(hf_demo):
+    """The trainer's model: transformers on the real weights (pushes never change it)."""
+    return hf_demo
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +31,7 @@ def reference(demo_model, trainer_model):
     """transformers' greedy output on the real weights: what the server must produce."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(demo_model)
-    refs = {}
-    for prompt in PROMPTS:
-        ids, past, out = torch.tensor([tok.encode(prompt)]), None, []
-        with torch.no_grad():
-            for _ in range(16):
-                step = trainer_model(ids, past_key_values=past, use_cache=True)
-                past = step.past_key_values
-                out.append(int(step.logits[0, -1].argmax()))
-                ids = torch.tensor([[out[-1]]])
-        refs[prompt] = out
-    return refs
+    return {p: hf_greedy(trainer_model, tok.encode(p), 16)[0] for p in PROMPTS}
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +68,19 @@ def perturbed(model, scale: float):
 
 # -- the seed's flow, and the one-call client --------------------------------------------
 
+def _scramble(url: str, model) -> None:
+    """Replace every weight with seeded noise, through a group of its own."""
+    client = WeightSyncClient(url, backend="gloo", admin_key=ADMIN_KEY)
+    client.init()
+    gen = torch.Generator().manual_seed(0)
+    client.push([(n, 0.05 * torch.randn(p.shape, generator=gen)) for n, p in model.named_parameters()])
+
+
 def test_seed_flow_makes_dummy_server_serve_the_real_model(dummy_server, trainer_model, reference):
     url = dummy_server.url
+    if httpx.get(f"{url}/weight_version", headers=admin()).json()["weight_version"] != 0:
+        # Another test pushed first: serve nonsense again, as the dummy weights did.
+        _scramble(url, trainer_model)
     before = {p: tokens(url, p) for p in PROMPTS}
     assert all(before[p] != reference[p] for p in PROMPTS)  # dummy weights: nonsense
     v0 = httpx.get(f"{url}/weight_version", headers=admin()).json()["weight_version"]
@@ -116,8 +117,10 @@ def test_seed_flow_makes_dummy_server_serve_the_real_model(dummy_server, trainer
         assert tokens(url, p) == reference[p]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def sync(dummy_server):
+    """A group of the test's own: a test that forms a new group elsewhere cannot leave
+    the next test holding a replaced one, whatever the order."""
     client = WeightSyncClient(dummy_server.url, backend="gloo", admin_key=ADMIN_KEY)
     client.init()
     return client

@@ -275,10 +275,6 @@ class IPCReceiver:
         self._storages = kept
         return views
 
-    def close(self) -> None:
-        self._storages = {}
-        self._last = None
-
 
 # -- trainer side --------------------------------------------------------------------------
 

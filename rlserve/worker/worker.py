@@ -138,9 +138,6 @@ class Worker:
         return self.runner.execute(sched, block_tables)
 
     # -- weights -----------------------------------------------------------------------
-    def expected_weights(self):
-        return self.expected
-
     def load_weights(self, weights) -> set[str]:
         return self.model.load_weights(weights)
 
