@@ -64,12 +64,15 @@ def tiny_model_dir(vocab_size: int, hidden_size: int, num_layers: int) -> str:
 def stub_attention() -> None:
     """Replace paged attention by the identity on the queries: the KV cache is still
     written, but nothing is read back, so the forward costs almost nothing."""
-    from rlserve.ops import backend
+    import dataclasses
+
+    from rlserve.ops import kernels
 
     def identity(query, k_cache, v_cache, meta, scale):
         return query
 
-    backend.paged_attention = identity
+    # Before the engine is built: the worker selects (and binds) this set.
+    kernels.TORCH = dataclasses.replace(kernels.TORCH, paged_attention=identity)
 
 
 class StepTimer:

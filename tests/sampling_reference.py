@@ -234,7 +234,7 @@ def check_sample_frequencies(runner, num_samples: int, temperature: float = 0.9,
                        logprobs=0, **kw)
     reqs, last = _requests([(p, prompt, output)] * num_samples, in_flight=True)
     batch = runner.sampling_batch(reqs, torch.tensor(last, device=runner.device))
-    out = S.sample(logits.to(runner.device).expand(num_samples, vocab).clone(), batch)
+    out = S.sample(logits.to(runner.device).expand(num_samples, vocab).clone(), batch, runner.kernels.sample)
     tokens = out.token_ids.cpu()
     expected_logits = sampling_logits(processed_logits(logits, prompt, output, p), p)
     assert (out.logprobs.cpu() - expected_logits.log_softmax(-1)[tokens]).abs().max() < 2e-4

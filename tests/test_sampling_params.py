@@ -10,8 +10,7 @@ and tensor-parallel ranks get the same parameters.
 
 from __future__ import annotations
 
-import sys
-import types
+import dataclasses
 
 import msgpack
 import pytest
@@ -158,11 +157,8 @@ def test_fused_sampling_branch(processed, monkeypatch):
         u = torch.rand(logits.shape, generator=g, dtype=torch.float64).clamp_min(1e-300)
         return (logits.double() / temperature.double().unsqueeze(1) - (-u.log()).log()).argmax(-1)
 
-    kernel = types.ModuleType("rlserve.ops.triton_sampling")
-    kernel.gumbel_sample = gumbel_sample
-    monkeypatch.setitem(sys.modules, "rlserve.ops.triton_sampling", kernel)
     runner = processed.engine.executor.driver.runner
-    monkeypatch.setattr(runner, "fused_sampling", True)
+    monkeypatch.setattr(runner, "kernels", dataclasses.replace(runner.kernels, sample=gumbel_sample))
     check_sample_frequencies(runner, num_samples=2048)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlserve.ops import backend as ops
+from rlserve.ops.kernels import TORCH, Kernels
 
 
 @dataclass
@@ -26,6 +26,8 @@ class AttentionMetadata:
 
 
 class RMSNorm(nn.Module):
+    kernels: Kernels = TORCH  # the worker binds its set (rlserve.ops.kernels.bind)
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -34,8 +36,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`: returns (norm(x + residual), x + residual), fused on GPU."""
         if residual is not None:
-            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        return ops.rms_norm(x, self.weight, self.eps)
+            return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -57,6 +59,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed cos/sin table (float32)."""
 
+    kernels: Kernels = TORCH
+
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: dict | None = None):
         super().__init__()
@@ -77,12 +81,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
         """q: [T, Hq, D], k: [T, Hkv, D]; with q_norm/k_norm (Qwen3), each head is
-        RMS-normalised first. On CUDA one fused kernel does both, in place."""
-        if ops.fused_rope_available(q):
-            from rlserve.ops.triton_rotary import rope_
+        RMS-normalised first. With the fused kernel one launch does both, in place."""
+        if self.kernels.fuses_rope(q):
+            rope = self.kernels.rope
             if q_norm is None:
-                return rope_(q, k, positions, self.cos, self.sin)
-            return rope_(q, k, positions, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
+                return rope(q, k, positions, self.cos, self.sin)
+            return rope(q, k, positions, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
@@ -94,9 +98,8 @@ class RotaryEmbedding(nn.Module):
                           q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None) -> None:
         """As forward, in place, and also writes the rotated k and v [T, Hkv, D] into `attn`'s
         paged cache at slot_mapping: one kernel. Only where fuse_rope_and_store(q, attn)."""
-        from rlserve.ops.triton_rotary import rope_
         qw, kw, eps = (None, None, 1e-6) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-        rope_(q, k, positions, self.cos, self.sin, qw, kw, eps,
+        self.kernels.rope(q, k, positions, self.cos, self.sin, qw, kw, eps,
               v=v, k_cache=attn.k_cache, v_cache=attn.v_cache, slot_mapping=slot_mapping)
 
 
@@ -111,6 +114,8 @@ class PagedAttention(nn.Module):
 
     The model runner binds `k_cache`/`v_cache` (views into one pool) before the first step.
     """
+
+    kernels: Kernels = TORCH
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
@@ -127,21 +132,21 @@ class PagedAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if not stored:
-            ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+            self.kernels.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = self.kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
 
 def fuse_rope_and_store(q: torch.Tensor, attn: PagedAttention) -> bool:
     """Whether RotaryEmbedding.forward_and_store can fill `attn`'s cache in the rotary kernel
-    (on CUDA, with the cache bound). Decode steps are launch-bound, so that saves the
-    store kernel in every layer; elsewhere rotary and store stay separate ops."""
-    return attn.k_cache is not None and ops.fused_rope_available(q)
+    (the fused kernel, with the cache bound). Decode steps are launch-bound, so that saves
+    the store kernel in every layer; elsewhere rotary and store stay separate ops."""
+    return attn.k_cache is not None and attn.kernels.fuses_rope(q)
 
 
-def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+def act_and_mul(x: torch.Tensor, act: str, kernels: Kernels = TORCH) -> torch.Tensor:
     if act == "silu":
-        return ops.silu_and_mul(x)
+        return kernels.silu_and_mul(x)
     half = x.shape[-1] // 2
     if act in ("gelu_pytorch_tanh", "gelu_tanh"):
         return nn.functional.gelu(x[..., :half], approximate="tanh") * x[..., half:]

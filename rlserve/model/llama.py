@@ -10,6 +10,7 @@ from rlserve.model.layers import (AttentionMetadata, PagedAttention, RMSNorm, Ro
                                   fuse_rope_and_store)
 from rlserve.model.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
                                     VocabParallelEmbedding)
+from rlserve.ops.kernels import TORCH, Kernels
 
 
 def _rope(config) -> tuple[float, dict | None]:
@@ -64,6 +65,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    kernels: Kernels = TORCH
+
     def __init__(self, config):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
@@ -75,7 +78,7 @@ class LlamaMLP(nn.Module):
         self.act = config.hidden_act
 
     def forward(self, x):
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act, self.kernels))
 
 
 class LlamaDecoderLayer(nn.Module):

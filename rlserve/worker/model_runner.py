@@ -15,6 +15,7 @@ from rlserve.engine.request import TokenLogprob
 from rlserve.engine.scheduler import SchedulerOutput
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import AttentionMetadata, PagedAttention
+from rlserve.ops import kernels
 from rlserve.worker import sampler as S
 from rlserve.worker.penalties import PenaltyHistory, PenaltyPlan
 
@@ -119,33 +120,21 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.kernels = kernels.select(device)  # once, for the model's every layer
+        kernels.bind(model, self.kernels)
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs: CudaGraphs | None = None
-        self.fused_sampling = self._check_fused_sampling()
         self._noise_rng = np.random.default_rng()  # keys of unseeded rows (fused sampling)
         self._sampling_cache: _SamplingParams | None = None  # see _sampling_params
         self.processed_logprobs = logprobs_mode == "processed_logprobs"
         self.penalties = PenaltyHistory(model.config.vocab_size, device)
 
-    def _check_fused_sampling(self) -> bool:
-        """Use the fused sampling kernel on CUDA, once it has run correctly here."""
-        from rlserve.ops.backend import uses_triton
-        if not uses_triton(self.device):
-            return False
-        try:
-            from rlserve.ops.triton_sampling import gumbel_sample
-            logits = torch.full((2, 300), -30.0, device=self.device)
-            logits[:, 257] = 30.0
-            ok = gumbel_sample(logits, torch.ones(2, device=self.device),
-                               torch.tensor([1, 2], device=self.device)).tolist() == [257, 257]
-        except Exception as e:  # an old or broken Triton: the torch sampler still works
-            logger.warning("fused sampling disabled: %s: %s", type(e).__name__, e)
-            return False
-        if not ok:
-            logger.warning("fused sampling disabled: the kernel failed its self-check")
-        return ok
+    @property
+    def fused_sampling(self) -> bool:
+        """Rows with temperature alone take the kernel set's Gumbel-max sampler."""
+        return self.kernels.sample is not None
 
     # -- KV cache --------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -171,8 +160,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode steps for a ladder of batch sizes; see CudaGraphs."""
-        from rlserve.ops.backend import uses_triton
-        if self.device.type != "cuda" or not uses_triton(self.device):
+        if self.device.type != "cuda" or not self.kernels.graphs:
             return  # the torch reference ops read tensors on the host: not capturable
         self.graphs = CudaGraphs(self, min(max_num_seqs, 512), max_model_len)
 
@@ -583,7 +571,7 @@ class ModelRunner:
             # Every logits row samples unless some are prompt positions.
             rows_logits = logits if batch.sample_index is None else logits[batch.sample_index]
             if sample:
-                sampled = S.sample(rows_logits, batch.sampling)
+                sampled = S.sample(rows_logits, batch.sampling, self.kernels.sample)
             else:
                 pending = (rows_logits, batch.sampling)
         prompt, prompt_start = {}, {}
@@ -612,7 +600,7 @@ class ModelRunner:
                 rows_t, mask_t = self.upload([rows.astype(np.int64), np.ascontiguousarray(mask[rows])])
                 batch = dataclasses.replace(batch, token_bitmask=mask_t,
                                             token_bitmask_rows=None if rows.size == mask.shape[0] else rows_t)
-        handle.sampled = S.sample(logits, batch)
+        handle.sampled = S.sample(logits, batch, self.kernels.sample)
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Bring a launched step's results to the host: the one sync of a step."""

@@ -14,6 +14,7 @@ request gets the same tokens whatever else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -112,8 +113,10 @@ def logprob_stats(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
     return chosen, ranks, top_ids, top_lp
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """`logits` is a fresh tensor (the model's head output for these rows): modified in place."""
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           gumbel: Callable[..., torch.Tensor] | None = None) -> SamplerOutput:
+    """`logits` is a fresh tensor (the model's head output for these rows): modified in place.
+    `gumbel`: the kernel set's Gumbel-max sampler, for rows with noise seeds."""
     want_logprobs = batch.max_logprobs >= 0
     lp = raw_logprobs(logits) if want_logprobs and not batch.processed_logprobs else None
     if batch.processing is not None or batch.token_bitmask is not None:
@@ -127,8 +130,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
         processed = logits
-    elif batch.noise_seeds is not None and not (batch.need_top_k or batch.need_top_p or batch.need_min_p):
-        tokens = _sample_gumbel(logits, batch)
+    elif (gumbel is not None and batch.noise_seeds is not None
+          and not (batch.need_top_k or batch.need_top_p or batch.need_min_p)):
+        tokens = _sample_gumbel(logits, batch, gumbel)
     else:
         tokens, processed = _sample_random(logits.float(), batch)
 
@@ -200,12 +204,11 @@ def _temperature(batch: SamplingBatch) -> torch.Tensor:
     return torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature)
 
 
-def _sample_gumbel(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Plain temperature sampling on CUDA: an exact Gumbel-max draw, no softmax (triton_sampling)."""
-    from rlserve.ops.triton_sampling import gumbel_sample
+def _sample_gumbel(logits: torch.Tensor, batch: SamplingBatch, gumbel: Callable) -> torch.Tensor:
+    """Plain temperature sampling: an exact Gumbel-max draw, no softmax (triton_sampling)."""
     if not batch.any_greedy:  # the common case: no masking to launch
-        return gumbel_sample(logits, batch.temperature, batch.noise_seeds)
-    tokens = gumbel_sample(logits, _temperature(batch), batch.noise_seeds)
+        return gumbel(logits, batch.temperature, batch.noise_seeds)
+    tokens = gumbel(logits, _temperature(batch), batch.noise_seeds)
     return torch.where(batch.temperature == 0, logits.argmax(dim=-1), tokens)
 
 

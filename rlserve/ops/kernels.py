@@ -1,0 +1,142 @@
+"""The kernel set a model runs on: the torch references or the Triton kernels.
+
+Chosen once, when the worker is built (`select`), logged, and bound to the model's layers
+(`bind`); no op decides per call. `RLSERVE_KERNELS=torch|triton` overrides the default
+(Triton on CUDA where it imports, the torch references elsewhere). The torch set is the
+oracle the Triton kernels are tested against (tests/test_triton_ops.py), and it is also
+what production runs on the CPU: one copy of each reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from rlserve.ops import attention as attention_ref
+from rlserve.ops import fused_ref
+
+logger = logging.getLogger(__name__)
+
+ENV = "RLSERVE_KERNELS"
+CHOICES = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The ops a model's forward pass and the sampler call."""
+
+    name: str
+    store_kv_cache: Callable[..., None]  # (key, value, k_cache, v_cache, slot_mapping)
+    paged_attention: Callable[..., torch.Tensor]  # (query, k_cache, v_cache, meta, scale)
+    rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps)
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, residual, weight, eps)
+    silu_and_mul: Callable[..., torch.Tensor]  # (x)
+    # Fused rotary embedding (with the q/k norms and the KV store folded in); None: torch rotary.
+    rope: Callable[..., None] | None = None
+    # Gumbel-max sampling over tempered logits; None: the torch sampler.
+    sample: Callable[..., torch.Tensor] | None = None
+    # Every op reads only device tensors, so a decode step can be captured in a CUDA graph.
+    graphs: bool = False
+
+    def fuses_rope(self, q: torch.Tensor) -> bool:
+        """Whether the fused rotary kernel takes these queries (power-of-two head_dim,
+        unit stride); other shapes use the torch rotary."""
+        head_dim = q.shape[-1]
+        return self.rope is not None and head_dim & (head_dim - 1) == 0 and q.stride(-1) == 1
+
+
+def _torch_paged_attention(query, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    return attention_ref.paged_attention(query, k_cache, v_cache, meta.query_start_loc,
+                                         meta.seq_lens, meta.block_tables, scale)
+
+
+TORCH = Kernels(
+    name="torch",
+    store_kv_cache=attention_ref.store_kv_cache,
+    paged_attention=_torch_paged_attention,
+    rms_norm=fused_ref.rms_norm,
+    fused_add_rms_norm=fused_ref.fused_add_rms_norm,
+    silu_and_mul=fused_ref.silu_and_mul,
+)
+
+
+def _triton() -> Kernels:
+    from rlserve.ops import triton_attention, triton_fused
+    from rlserve.ops.triton_rotary import rope_
+    from rlserve.ops.triton_sampling import gumbel_sample
+
+    def paged_attention(query, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        return triton_attention.paged_attention(
+            query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            seq_order=meta.seq_order)
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # The kernel reads rows at unit stride; a strided view (rare) takes the reference.
+        if x.is_contiguous():
+            return triton_fused.rms_norm(x, weight, eps)
+        return fused_ref.rms_norm(x, weight, eps)
+
+    return Kernels(name="triton", store_kv_cache=triton_attention.store_kv_cache,
+                   paged_attention=paged_attention, rms_norm=rms_norm,
+                   fused_add_rms_norm=triton_fused.fused_add_rms_norm,
+                   silu_and_mul=triton_fused.silu_and_mul, rope=rope_, sample=gumbel_sample,
+                   graphs=True)
+
+
+def _check_sampler(kernels: Kernels, device: torch.device) -> Kernels:
+    """Run the sampling kernel once on a known case. If it fails, say so loudly and
+    sample with torch (every other kernel is checked against its reference by the tests;
+    this one is the most sensitive to the Triton version's random-number primitives)."""
+    try:
+        logits = torch.full((2, 300), -30.0, device=device)
+        logits[:, 257] = 30.0
+        drawn = kernels.sample(logits, torch.ones(2, device=device),
+                               torch.tensor([1, 2], device=device)).tolist()
+        reason = None if drawn == [257, 257] else f"drew {drawn} where only token 257 is possible"
+    except Exception as e:  # an old or broken Triton
+        reason = f"{type(e).__name__}: {e}"
+    if reason is None:
+        return kernels
+    logger.warning("kernel triton_sampling.gumbel_sample failed its self-check (%s); "
+                   "sampling falls back to the torch sampler", reason)
+    return dataclasses.replace(kernels, sample=None)
+
+
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select(device: torch.device, choice: str | None = None) -> Kernels:
+    """The kernel set for a model on `device`: `choice`, else $RLSERVE_KERNELS, else
+    Triton on CUDA (when it imports) and torch elsewhere."""
+    choice = (choice or os.environ.get(ENV) or "").strip().lower() or None
+    if choice is not None and choice not in CHOICES:
+        raise ValueError(f"{ENV}: must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice is None:
+        choice = "triton" if device.type == "cuda" and _triton_imports() else "torch"
+    if choice == "torch":
+        kernels = TORCH
+    else:
+        if device.type != "cuda":
+            raise ValueError(f"{ENV}=triton: the Triton kernels need a CUDA device, the model is on {device}")
+        kernels = _check_sampler(_triton(), device)
+    logger.info("kernels: %s on %s%s", kernels.name, device,
+                "" if kernels.sample is not None or kernels.name == "torch" else " (torch sampler)")
+    return kernels
+
+
+def bind(model: torch.nn.Module, kernels: Kernels) -> None:
+    """Give every layer of `model` the kernel set it calls."""
+    for module in model.modules():
+        if hasattr(type(module), "kernels"):
+            module.kernels = kernels
