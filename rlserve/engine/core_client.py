@@ -51,8 +51,12 @@ class EngineAddresses:
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, *, client_index: int = 0, num_clients: int = 1,
-                 addresses: EngineAddresses | None = None, log_level: str = "info"):
+                 addresses: EngineAddresses | None = None, log_level: str = "info",
+                 watch_pid: bool = True):
+        """`watch_pid=False`: an engine started elsewhere, maybe on another host, whose pid
+        means nothing here; its death reaches this client as an EngineDead message."""
         self.client_index = client_index
+        self.watch_pid = watch_pid
         self.proc: subprocess.Popen | None = None
         if addresses is None:
             addresses = EngineAddresses.new(num_clients)
@@ -114,7 +118,7 @@ class EngineCoreClient:
                 raise EngineDeadError(message.reason)
             if isinstance(message, EngineReady):
                 break
-        if self.proc is None:  # another API server started it: watch it by its pid
+        if self.proc is None and self.watch_pid:  # another API server started it: watch its pid
             threading.Thread(target=self._watch_pid, args=(loop, message.pid),
                              name="rlserve-engine-watch", daemon=True).start()
         self._reader = asyncio.ensure_future(self._read(decoder))

@@ -98,6 +98,11 @@ def _add_service_routes(app: FastAPI) -> None:
         reason = app.state.engine.dead
         if reason:
             return _error(503, f"the engine is down: {reason}")
+        replicas = app.state.engine.replicas
+        if replicas is not None:  # data parallel: 200 while at least one replica serves
+            serving = sum(r["state"] == "up" for r in replicas)
+            return JSONResponse({"status": "ok" if serving else "unavailable", "serving": serving,
+                                 "replicas": replicas}, status_code=200 if serving else 503)
         return Response(status_code=200)
 
     @app.get("/version", tags=["service"], response_model=VersionResponse)
@@ -108,7 +113,8 @@ def _add_service_routes(app: FastAPI) -> None:
     async def metrics() -> Response:
         engine = app.state.engine
         stats = None if engine.dead else await engine.stats()
-        return Response(app.state.metrics.render(stats), media_type=CONTENT_TYPE)
+        body = app.state.metrics.render(stats) + engine.replica_metrics().encode()
+        return Response(body, media_type=CONTENT_TYPE)
 
 
 # ---------------------------------------------------------------- errors
