@@ -7,9 +7,12 @@ import logging
 import os
 import re
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from rlserve import __version__
+
+if TYPE_CHECKING:
+    from rlserve.config import EngineConfig
 
 logger = logging.getLogger("rlserve")
 
@@ -165,9 +168,10 @@ def _dp_engines(size: int) -> list[dict[str, str]] | None:
     return engines
 
 
-def serve(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace) -> "EngineConfig":
+    """The engine configuration `rlserve serve` flags describe (SystemExit naming the flag
+    when one is wrong). rlserve.ray builds its replicas' configuration with it too."""
     from rlserve.config import EngineConfig, WeightTransferConfig
-    from rlserve.server import lifecycle
 
     model, served_name = args.model, args.served_model_name
     if model is None:
@@ -195,6 +199,13 @@ def serve(args: argparse.Namespace) -> int:
     if config.data_parallel_size > 1 and args.api_server_count > 1:
         raise SystemExit("rlserve serve: --api-server-count above 1 with --data-parallel-size "
                          "above 1 is not supported yet: use one API server")
+    return config
+
+
+def serve(args: argparse.Namespace) -> int:
+    from rlserve.server import lifecycle
+
+    config = config_from_args(args)
 
     if config.weight_transfer is not None:
         from rlserve.server.security import describe_control_access

@@ -37,7 +37,7 @@ from rlserve.engine.dp_router import Router
 from rlserve.engine.messages import (CallResult, ConflictError, EngineDeadError, EngineReady,
                                      error_from_result)
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
-from rlserve.engine.request import EngineUnavailableError, SamplingParams, sample_ids
+from rlserve.engine.request import EngineUnavailableError, InvalidRequestError, SamplingParams, sample_ids
 from rlserve.weight_transfer.address import get_open_port
 
 logger = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ class DPEngineClient:
     async def attach(self, index: int, input_address: str, output_address: str) -> None:
         """A replica started elsewhere in place of replica `index` (rlserve.ray)."""
         if not 0 <= index < self.size:
-            raise ValueError(f"replica: must be in [0, {self.size}), got {index}")
+            raise InvalidRequestError(f"index: must be in [0, {self.size}), got {index}", "index")
         r = self.replicas[index]
         if r.alive or r.state == STARTING:
             raise ConflictError(f"replica {index} is {r.state}: only a down replica is replaced")

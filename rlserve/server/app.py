@@ -84,6 +84,9 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     _add_error_handlers(app)
     _add_service_routes(app)
     app.include_router(routes_openai.router)
+    if config.data_parallel_size > 1:
+        from rlserve.server.routes_replicas import router as replicas_router
+        app.include_router(replicas_router)
     if config.weight_transfer is not None:
         # The control plane exists only when a weight-transfer backend is configured.
         from rlserve.server.routes_control import add_control_routes
