@@ -37,18 +37,18 @@ def hf_greedy(model, prompt_ids: list[int], n: int = TOKENS) -> list[int]:
     return out
 
 
-def complete(url: str, prompt: str, max_tokens: int = TOKENS) -> dict:
+def complete(url: str, prompt: str, max_tokens: int = TOKENS, model: str = "m") -> dict:
     r = httpx.post(f"{url}/v1/completions", timeout=120, json=dict(
-        model="m", prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
         return_token_ids=True))
     r.raise_for_status()
     return r.json()
 
 
-def complete_all(url: str, prompts: list[str]) -> dict[str, dict]:
+def complete_all(url: str, prompts: list[str], **kw) -> dict[str, dict]:
     """All at once, so the router sees outstanding work on both replicas."""
     out: dict[str, dict] = {}
-    threads = [threading.Thread(target=lambda p=p: out.__setitem__(p, complete(url, p))) for p in prompts]
+    threads = [threading.Thread(target=lambda p=p: out.__setitem__(p, complete(url, p, **kw))) for p in prompts]
     for t in threads:
         t.start()
     for t in threads:
