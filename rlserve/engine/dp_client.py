@@ -227,7 +227,6 @@ class DPEngineClient:
             return
         logger.error("data-parallel replica %d is down: %s", r.index, reason)
         r.state, r.reason = DOWN, reason
-        self.router.forget(r.index)
         lost = [t for t in self.tracked.values() if t.replica == r.index]
         retried = 0
         for t in lost:
@@ -245,14 +244,19 @@ class DPEngineClient:
                     error = EngineDeadError(f"{error}; no other replica to retry on ({e})")
             if self.on_request_failed is not None:
                 self.on_request_failed(t.request_id, error)
+        self.router.forget(r.index)  # after the lost requests were paid off
         if lost:
             logger.warning("replica %d: %d requests in flight, %d retried elsewhere, %d failed",
                            r.index, len(lost), retried, len(lost) - retried)
         restart = self.config.dp_engines is None and r.restarts < self.config.dp_max_restarts
         if restart:
             self._spawn(self._restart(r))
-        if not any(x.alive or x.state == STARTING for x in self.replicas):
-            self.dead = f"every data-parallel replica is down (last: replica {r.index}: {reason})"
+        self._check_any_left(f"replica {r.index}: {reason}")
+
+    def _check_any_left(self, last: str) -> None:
+        """With no replica serving or on its way, the server is down (it exits)."""
+        if self.dead is None and not any(x.alive or x.state == STARTING for x in self.replicas):
+            self.dead = f"every data-parallel replica is down (last: {last})"
             if self.on_dead is not None:
                 self.on_dead(self.dead)
 
@@ -274,11 +278,16 @@ class DPEngineClient:
             return
         logger.info("restarting data-parallel replica %d (restart %d)", r.index, r.restarts)
         r.client = self._connect(r.index, addresses)
+        incarnation = r.incarnation
         try:
             await self._start(r)
         except Exception as e:
+            if incarnation != r.incarnation or r.state != STARTING:
+                return  # its death was reported too, and dealt with there
             r.state, r.reason = DOWN, f"restart failed: {e}"
             logger.error("data-parallel replica %d: %s", r.index, r.reason)
+            if self.config.dp_engines is None:
+                self._check_any_left(f"replica {r.index}: {r.reason}")
             return
         r.state = STALE
         r.reason = "joining: copying the current weights"
