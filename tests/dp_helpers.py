@@ -75,3 +75,14 @@ def wait_for(predicate, timeout_s: float, what: str):
             return value
         time.sleep(0.25)
     raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
+
+
+def assert_replica_serves(url: str, replica: int, version: int, trainer, tokenizer) -> None:
+    """Replica `replica` takes some of a batch, and every answer is the trainer's greedy
+    output under `version`."""
+    before = routed(url)
+    got = complete_all(url, PROMPTS)
+    assert routed(url)[replica] > before[replica]
+    for p in PROMPTS:
+        assert got[p]["weight_version"] == version
+        assert got[p]["choices"][0]["token_ids"] == hf_greedy(trainer, tokenizer.encode(p)), p

@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from conftest import start_tiny_server, stop_server
-from dp_helpers import PROMPTS, TOKENS, complete, complete_all, health, hf_greedy, routed, trainer_model, wait_for
+from dp_helpers import (PROMPTS, TOKENS, assert_replica_serves, complete, complete_all, health, hf_greedy,
+                        routed, trainer_model, wait_for)
 from rlserve.weight_transfer import WeightSyncClient
 
 
@@ -155,12 +156,7 @@ def test_killed_replica_leaves_rotation_and_comes_back_current(dp_server, sync, 
                     180, "replica 1 back in rotation")
     back = body["replicas"][1]
     assert back["pid"] != victim and back["restarts"] == 1 and back["weight_version"] == 7
-    before = routed(url)
-    got = complete_all(url, PROMPTS)
-    assert routed(url)[1] > before[1]
-    for p in PROMPTS:
-        assert got[p]["weight_version"] == 7
-        assert got[p]["choices"][0]["token_ids"] == hf_greedy(trainer, tokenizer.encode(p)), p
+    assert_replica_serves(url, 1, 7, trainer, tokenizer)
 
     # Its ranks left the trainer's group: an update without a new init is refused at once,
     # and after one the next push reaches both replicas again.

@@ -10,7 +10,8 @@ import signal
 
 import pytest
 
-from dp_helpers import PROMPTS, complete, complete_all, health, hf_greedy, routed, trainer_model, wait_for
+from dp_helpers import (PROMPTS, assert_replica_serves, complete, complete_all, health, hf_greedy, routed,
+                        trainer_model, wait_for)
 
 ray = pytest.importorskip("ray")
 
@@ -74,12 +75,7 @@ def test_killed_engine_is_replaced_with_current_weights(cluster, trainer, tokeni
     cluster.wait_until_serving(timeout_s=240)
     back = cluster.replicas()[1]
     assert back["pid"] != victim["pid"] and back["weight_version"] == 3 and back["restarts"] == 1
-    before = routed(url)
-    got = complete_all(url, PROMPTS)
-    assert routed(url)[1] > before[1]
-    for p in PROMPTS:
-        assert got[p]["weight_version"] == 3
-        assert got[p]["choices"][0]["token_ids"] == hf_greedy(trainer, tokenizer.encode(p)), p
+    assert_replica_serves(url, 1, 3, trainer, tokenizer)
 
     # The next push forms the group again, the new engine in it.
     result = cluster.push(trainer.named_parameters(), version=4)

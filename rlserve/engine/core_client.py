@@ -52,7 +52,7 @@ class EngineAddresses:
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, *, client_index: int = 0, num_clients: int = 1,
                  addresses: EngineAddresses | None = None, log_level: str = "info",
-                 watch_pid: bool = True):
+                 watch_pid: bool = True, env: dict[str, str] | None = None):
         """`watch_pid=False`: an engine started elsewhere, maybe on another host, whose pid
         means nothing here; its death reaches this client as an EngineDead message."""
         self.client_index = client_index
@@ -60,7 +60,7 @@ class EngineCoreClient:
         self.proc: subprocess.Popen | None = None
         if addresses is None:
             addresses = EngineAddresses.new(num_clients)
-            self.proc = self._spawn(config, addresses, log_level)
+            self.proc = self._spawn(config, addresses, log_level, env or {})
         self.addresses = addresses
         self.ctx = zmq.Context()
         self._input = self.ctx.socket(zmq.PUSH)
@@ -78,12 +78,13 @@ class EngineCoreClient:
         self.on_dead: Callable[[str], None] | None = None
 
     @staticmethod
-    def _spawn(config: EngineConfig, addresses: EngineAddresses, log_level: str) -> subprocess.Popen:
+    def _spawn(config: EngineConfig, addresses: EngineAddresses, log_level: str,
+               extra_env: dict[str, str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "rlserve.engine.core_proc", "--input", addresses.input,
                "--log-level", log_level]
         for out in addresses.outputs:
             cmd += ["--output", out]
-        env = dict(os.environ)
+        env = {**os.environ, **extra_env}
         # The engine imports the same rlserve as this process, installed or not.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
