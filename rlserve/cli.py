@@ -7,9 +7,12 @@ import logging
 import os
 import re
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from rlserve import __version__
+
+if TYPE_CHECKING:
+    from rlserve.config import EngineConfig
 
 logger = logging.getLogger("rlserve")
 
@@ -122,6 +125,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     run = p.add_argument_group("execution")
     run.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     run.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
+    run.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                     help="engine replicas behind the one endpoint, each of "
+                          "--tensor-parallel-size devices (replica i: GPUs i*TP..(i+1)*TP-1)")
+    run.add_argument("--dp-retry-on-failure", action="store_true",
+                     help="data parallel: when a replica dies, run its requests that have "
+                          "produced no token yet again on another replica (else they fail with 503)")
+    run.add_argument("--dp-max-restarts", type=int, default=3, metavar="N",
+                     help="data parallel: restart a replica that died at most N times; it serves "
+                          "again once it has copied the current weights from a healthy replica")
     run.add_argument("--weight-transfer-config", default=None, metavar="JSON",
                      help='enable live weight updates, e.g. \'{"backend": "nccl"}\' '
                           "(backends: nccl, gloo, ipc)")
@@ -142,9 +154,24 @@ def _read_chat_template(value: str | None) -> str | None:
     return value
 
 
-def serve(args: argparse.Namespace) -> int:
+def _dp_engines(size: int) -> list[dict[str, str]] | None:
+    """RLSERVE_DP_ENGINES (JSON, set by rlserve.ray): replicas started elsewhere, each
+    {"input": ..., "output": ...}, that this server attaches to instead of starting them."""
+    value = os.environ.get("RLSERVE_DP_ENGINES")
+    if not value:
+        return None
+    import json
+    engines = json.loads(value)
+    if not (isinstance(engines, list) and all(isinstance(e, dict) and set(e) == {"input", "output"}
+                                              for e in engines)):
+        raise SystemExit('RLSERVE_DP_ENGINES: must be a JSON list of {"input": ..., "output": ...}')
+    return engines
+
+
+def config_from_args(args: argparse.Namespace) -> "EngineConfig":
+    """The engine configuration `rlserve serve` flags describe (SystemExit naming the flag
+    when one is wrong). rlserve.ray builds its replicas' configuration with it too."""
     from rlserve.config import EngineConfig, WeightTransferConfig
-    from rlserve.server import lifecycle
 
     model, served_name = args.model, args.served_model_name
     if model is None:
@@ -161,12 +188,24 @@ def serve(args: argparse.Namespace) -> int:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size, dp_retry_on_failure=args.dp_retry_on_failure,
+            dp_max_restarts=args.dp_max_restarts, dp_engines=_dp_engines(args.data_parallel_size),
             served_model_name=served_name,
             chat_template=_read_chat_template(args.chat_template),
             weight_transfer=WeightTransferConfig.parse(args.weight_transfer_config),
             trust_remote_code=args.trust_remote_code)
     except ValueError as e:  # config errors name the flag; no traceback for a typo
         raise SystemExit(f"rlserve serve: {e}") from None
+    if config.data_parallel_size > 1 and args.api_server_count > 1:
+        raise SystemExit("rlserve serve: --api-server-count above 1 with --data-parallel-size "
+                         "above 1 is not supported yet: use one API server")
+    return config
+
+
+def serve(args: argparse.Namespace) -> int:
+    from rlserve.server import lifecycle
+
+    config = config_from_args(args)
 
     if config.weight_transfer is not None:
         from rlserve.server.security import describe_control_access

@@ -87,6 +87,15 @@ class EngineConfig:
     # Execution
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
+    # Data parallel (engine/dp_client.py): replicas behind one front end; replica i runs on
+    # devices [i*TP, (i+1)*TP) on GPU. A dead replica's requests that have produced nothing
+    # yet are retried once on another (else they fail); it is restarted up to
+    # dp_max_restarts times. dp_engines: replicas started elsewhere (rlserve.ray), as
+    # {"input": zmq address, "output": zmq address} each, instead of local processes.
+    data_parallel_size: int = 1
+    dp_retry_on_failure: bool = False
+    dp_max_restarts: int = 3
+    dp_engines: list[dict[str, str]] | None = None
     served_model_name: str | None = None
     chat_template: str | None = None
     weight_transfer: WeightTransferConfig | None = None
@@ -113,6 +122,13 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens: must be at least 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size: must be at least 1")
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size: must be at least 1")
+        if self.dp_engines is not None and len(self.dp_engines) != self.data_parallel_size:
+            raise ValueError(f"dp_engines: {len(self.dp_engines)} given for data_parallel_size "
+                             f"{self.data_parallel_size}")
+        if self.dp_max_restarts < 0:
+            raise ValueError("dp_max_restarts: must be at least 0")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, "
                              f"got {self.logprobs_mode!r}")
@@ -123,13 +139,22 @@ class EngineConfig:
             if not str(self.device).startswith("cuda"):
                 raise ValueError(f"weight-transfer-config: backend ipc needs a CUDA device, "
                                  f"this server runs on {self.device} (use gloo)")
-            if self.tensor_parallel_size != 1:
+            if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
                 raise ValueError("weight-transfer-config: backend ipc needs tensor_parallel_size 1 "
+                                 "and data_parallel_size 1 "
                                  "(each rank would need the trainer on its own GPU; use nccl)")
 
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    def replica(self, index: int) -> "EngineConfig":
+        """The configuration of data-parallel replica `index`: one replica, on its devices."""
+        device = self.device
+        if str(device).startswith("cuda"):
+            base = torch.device(device).index or 0
+            device = f"cuda:{base + index * self.tensor_parallel_size}"
+        return dataclasses.replace(self, device=device, data_parallel_size=1, dp_engines=None)
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for another process (msgpack); `EngineConfig(**data)` rebuilds it."""

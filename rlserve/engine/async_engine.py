@@ -34,6 +34,7 @@ class WeightUpdateResult:
     num_bytes: int
     receive_seconds: float
     apply_seconds: float
+    replicas: list[dict] | None = None  # data parallel: each replica's own answer
 
 
 def _front_end_tokenizer(config: EngineConfig):
@@ -51,8 +52,12 @@ class AsyncEngine:
         the engine loads the model."""
         self.config = config
         self.model_name = config.name
-        self.client = EngineCoreClient(config, client_index=client_index, num_clients=num_clients,
-                                       addresses=addresses, log_level=log_level)
+        if config.data_parallel_size > 1:
+            from rlserve.engine.dp_client import DPEngineClient
+            self.client = DPEngineClient(config, log_level=log_level)
+        else:
+            self.client = EngineCoreClient(config, client_index=client_index, num_clients=num_clients,
+                                           addresses=addresses, log_level=log_level)
         self.tokenizer = _front_end_tokenizer(config)
         self.processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}
@@ -67,6 +72,8 @@ class AsyncEngine:
     async def start(self) -> EngineReady:
         self.client.on_outputs = self._on_outputs
         self.client.on_dead = self._on_dead
+        if hasattr(self.client, "on_request_failed"):  # data parallel: one replica died
+            self.client.on_request_failed = self._on_request_failed
         self.info = await self.client.start()
         self.weight_version = self.info.weight_version
         return self.info
@@ -138,6 +145,21 @@ class AsyncEngine:
                 error = (InvalidRequestError(r.message, r.param) if r.status == 400
                          else EngineUnavailableError(r.message))
                 self.processor.fail(state, error)
+
+    def _on_request_failed(self, request_id: str, error: BaseException) -> None:
+        state = self.requests.get(request_id)
+        if state is not None:
+            self.processor.fail(state, error)
+
+    @property
+    def replicas(self) -> list[dict] | None:
+        """Data parallel: each replica's state (for /health), else None."""
+        status = getattr(self.client, "status", None)
+        return status() if status is not None else None
+
+    def replica_metrics(self) -> str:
+        render = getattr(self.client, "render_metrics", None)
+        return render() if render is not None else ""
 
     def _on_dead(self, reason: str) -> None:
         self.processor.fail_all(EngineDeadError(f"the engine is down: {reason}"))

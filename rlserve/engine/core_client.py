@@ -51,12 +51,16 @@ class EngineAddresses:
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, *, client_index: int = 0, num_clients: int = 1,
-                 addresses: EngineAddresses | None = None, log_level: str = "info"):
+                 addresses: EngineAddresses | None = None, log_level: str = "info",
+                 watch_pid: bool = True, env: dict[str, str] | None = None):
+        """`watch_pid=False`: an engine started elsewhere, maybe on another host, whose pid
+        means nothing here; its death reaches this client as an EngineDead message."""
         self.client_index = client_index
+        self.watch_pid = watch_pid
         self.proc: subprocess.Popen | None = None
         if addresses is None:
             addresses = EngineAddresses.new(num_clients)
-            self.proc = self._spawn(config, addresses, log_level)
+            self.proc = self._spawn(config, addresses, log_level, env or {})
         self.addresses = addresses
         self.ctx = zmq.Context()
         self._input = self.ctx.socket(zmq.PUSH)
@@ -74,12 +78,13 @@ class EngineCoreClient:
         self.on_dead: Callable[[str], None] | None = None
 
     @staticmethod
-    def _spawn(config: EngineConfig, addresses: EngineAddresses, log_level: str) -> subprocess.Popen:
+    def _spawn(config: EngineConfig, addresses: EngineAddresses, log_level: str,
+               extra_env: dict[str, str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "rlserve.engine.core_proc", "--input", addresses.input,
                "--log-level", log_level]
         for out in addresses.outputs:
             cmd += ["--output", out]
-        env = dict(os.environ)
+        env = {**os.environ, **extra_env}
         # The engine imports the same rlserve as this process, installed or not.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -114,7 +119,7 @@ class EngineCoreClient:
                 raise EngineDeadError(message.reason)
             if isinstance(message, EngineReady):
                 break
-        if self.proc is None:  # another API server started it: watch it by its pid
+        if self.proc is None and self.watch_pid:  # another API server started it: watch its pid
             threading.Thread(target=self._watch_pid, args=(loop, message.pid),
                              name="rlserve-engine-watch", daemon=True).start()
         self._reader = asyncio.ensure_future(self._read(decoder))

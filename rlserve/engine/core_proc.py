@@ -44,6 +44,7 @@ from rlserve.engine.messages import (AbortRequests, AddRequest, CallResult, Conf
 from rlserve.engine.outputs import EngineCoreOutputs, Rejected
 from rlserve.engine.request import EngineUnavailableError, InvalidRequestError
 from rlserve.process import watch_parent
+from rlserve.weight_transfer.address import get_ip
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class EngineCoreProc:
             weight_version=core.weight_version, kv_capacity_tokens=core.kv.capacity_tokens,
             model_type=type(core.executor.driver.model).__name__, device=str(core.device),
             dtype=str(core.executor.driver.dtype).removeprefix("torch."),
-            load_seconds=core.load_seconds, pid=os.getpid()))
+            load_seconds=core.load_seconds, pid=os.getpid(), host=get_ip()))
 
     def run(self) -> None:
         core = self.core
@@ -334,6 +335,40 @@ class EngineCoreProc:
 
     def _call_reset_prefix_cache(self, call: UtilityCall) -> None:
         self.core.reset_prefix_cache()
+
+    # A data-parallel replica that (re)joins copies a healthy replica's weights (and then
+    # takes its version): the source sends between two of its steps, so the copy is one
+    # version, never half of an update (updates are applied between steps too).
+    def _call_weights_layout(self, call: UtilityCall) -> list[str]:
+        return self.core.executor.collective_rpc("weights_layout")
+
+    def _call_copy_weights_to_peer(self, call: UtilityCall, address: str, ports: list[int],
+                                   digests: list[str], timeout_s: float) -> dict:
+        if self.core.sleeping:
+            raise ConflictError("copy_weights_to_peer: this replica is asleep")
+        self._check_layouts(digests)
+        version = self.core.weight_version
+        sizes = self._per_rank("copy_weights_to_peer", address, ports, digests, timeout_s)
+        return {"weight_version": version, "num_bytes": sum(sizes)}
+
+    def _call_copy_weights_from_peer(self, call: UtilityCall, address: str, ports: list[int],
+                                     digests: list[str], timeout_s: float, version: int) -> dict:
+        self._check_layouts(digests)
+        sizes = self._per_rank("copy_weights_from_peer", address, ports, digests, timeout_s)
+        self.core.scheduler.no_weights = False
+        self.core._new_version(version)
+        return {"weight_version": version, "num_bytes": sum(sizes)}
+
+    def _check_layouts(self, digests: list[str]) -> None:
+        mine = self.core.executor.collective_rpc("weights_layout")
+        if mine != list(digests):
+            raise InvalidRequestError(f"peer weight copy: parameter layouts differ ({mine} here, "
+                                      f"{list(digests)} at the source)", "replica")
+
+    def _per_rank(self, method: str, address: str, ports: list[int], digests: list[str],
+                  timeout_s: float) -> list[int]:
+        # The layouts were compared above, rank by rank; every rank pair then copies at once.
+        return [int(x) for x in self.core.executor.collective_rpc(method, address, ports, None, timeout_s)]
 
     def _call_stats(self, call: UtilityCall):
         return self.core.stats()

@@ -56,6 +56,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     dtype: str
     load_seconds: float
     pid: int
+    host: str = ""  # an address other hosts reach this one at (data-parallel weight copies)
 
 
 class CallResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True):
@@ -85,8 +86,8 @@ class EngineDeadError(RuntimeError):
 
 def _error_types() -> dict[str, type[BaseException]]:
     from rlserve.weight_transfer.errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
-    types = [InvalidRequestError, EngineUnavailableError, ConflictError, InvalidUpdateError,
-             UpdateRefusedError, WeightTransferError, ValueError, RuntimeError]
+    types = [InvalidRequestError, EngineUnavailableError, ConflictError, EngineDeadError,
+             InvalidUpdateError, UpdateRefusedError, WeightTransferError, ValueError, RuntimeError]
     return {t.__name__: t for t in types}
 
 

@@ -84,6 +84,9 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     _add_error_handlers(app)
     _add_service_routes(app)
     app.include_router(routes_openai.router)
+    if config.data_parallel_size > 1:
+        from rlserve.server.routes_replicas import router as replicas_router
+        app.include_router(replicas_router)
     if config.weight_transfer is not None:
         # The control plane exists only when a weight-transfer backend is configured.
         from rlserve.server.routes_control import add_control_routes
@@ -98,6 +101,11 @@ def _add_service_routes(app: FastAPI) -> None:
         reason = app.state.engine.dead
         if reason:
             return _error(503, f"the engine is down: {reason}")
+        replicas = app.state.engine.replicas
+        if replicas is not None:  # data parallel: 200 while at least one replica serves
+            serving = sum(r["state"] == "up" for r in replicas)
+            return JSONResponse({"status": "ok" if serving else "unavailable", "serving": serving,
+                                 "replicas": replicas}, status_code=200 if serving else 503)
         return Response(status_code=200)
 
     @app.get("/version", tags=["service"], response_model=VersionResponse)
@@ -108,7 +116,8 @@ def _add_service_routes(app: FastAPI) -> None:
     async def metrics() -> Response:
         engine = app.state.engine
         stats = None if engine.dead else await engine.stats()
-        return Response(app.state.metrics.render(stats), media_type=CONTENT_TYPE)
+        body = app.state.metrics.render(stats) + engine.replica_metrics().encode()
+        return Response(body, media_type=CONTENT_TYPE)
 
 
 # ---------------------------------------------------------------- errors

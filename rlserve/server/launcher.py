@@ -24,7 +24,8 @@ class ServerProcess:
     running its cleanup (test suites, notebooks)."""
 
     def __init__(self, model: str, *flags: str, host: str = "127.0.0.1", port: int | None = None,
-                 log: str | Path | None = None, timeout_s: float = 300.0, die_with_parent: bool = False):
+                 log: str | Path | None = None, timeout_s: float = 300.0, die_with_parent: bool = False,
+                 env: dict[str, str] | None = None):
         self.model = model
         self.port = port or get_open_port()
         self.url = f"http://{host}:{self.port}"
@@ -34,7 +35,7 @@ class ServerProcess:
         out = open(self.log, "w") if self.log is not None else None
         # Its own process group: stopping it ends everything it started.
         self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                        start_new_session=True,
+                                        start_new_session=True, env={**os.environ, **(env or {})},
                                         preexec_fn=_die_with_parent if die_with_parent else None)
         self._wait_healthy(timeout_s)
 

@@ -75,9 +75,9 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
     except OSError as e:
         raise SystemExit(f"rlserve serve: cannot listen on {opts.host}:{opts.port}: {e.strerror} "
                          "(is another server there? choose --port)") from None
-    logger.info("loading %s (device %s, dtype %s, load format %s, tensor parallel %d)",
-                config.model, config.device, config.dtype, config.load_format,
-                config.tensor_parallel_size)
+    logger.info("loading %s (device %s, dtype %s, load format %s, tensor parallel %d, "
+                "data parallel %d)", config.model, config.device, config.dtype, config.load_format,
+                config.tensor_parallel_size, config.data_parallel_size)
     # The engine process loads the model meanwhile.
     engine = AsyncEngine(config, num_clients=opts.api_server_count, log_level=opts.log_level)
     children = [_spawn_api_server(i, config, opts, engine, sock) for i in range(1, opts.api_server_count)]

@@ -76,9 +76,12 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
     except Exception as e:
         raise _transfer_error(e) from e
     gbps = result.num_bytes / max(result.receive_seconds, 1e-9) / 1e9
-    return {"status": "ok", "weight_version": result.weight_version, "bytes": result.num_bytes,
-            "receive_seconds": result.receive_seconds, "apply_seconds": result.apply_seconds,
-            "gb_per_second": gbps}
+    answer = {"status": "ok", "weight_version": result.weight_version, "bytes": result.num_bytes,
+              "receive_seconds": result.receive_seconds, "apply_seconds": result.apply_seconds,
+              "gb_per_second": gbps}
+    if result.replicas is not None:
+        answer["replicas"] = result.replicas
+    return answer
 
 
 @router.post("/pause")

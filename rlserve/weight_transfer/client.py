@@ -37,6 +37,7 @@ class PushResult:
     transfer_seconds: float  # the update as the trainer sees it: sent, received and loaded
     weight_versions: list[int]  # one per server
     send_seconds: float | None = None  # this process's trainer_send_weights alone (nccl, gloo)
+    answers: list[dict] | None = None  # each server's /update_weights answer (per replica under "replicas")
 
     @property
     def gb_per_second(self) -> float:
@@ -226,7 +227,7 @@ class WeightSyncClient:
             for u in paused:
                 self._check(self._post(u, "/resume"))
         return PushResult(num_bytes, time.perf_counter() - t0, t2 - t1,
-                          [r["weight_version"] for r in results], send_seconds)
+                          [r["weight_version"] for r in results], send_seconds, results)
 
     def _send_collective(self, tensors, update_info, packed, packed_buffer_size_bytes,
                          packed_num_buffers, checksum) -> tuple[list[dict], float]:

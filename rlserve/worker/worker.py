@@ -263,3 +263,18 @@ class Worker:
 
     def drop_staged_weights(self) -> None:
         self.staged = None
+
+    # -- a new data-parallel replica takes a healthy one's weights (weight_transfer/peer.py)
+    def weights_layout(self) -> str:
+        from rlserve.weight_transfer.peer import layout_digest
+        return layout_digest(self.model)
+
+    def copy_weights_to_peer(self, address: str, ports: list[int], digest: str | None, timeout_s: float) -> int:
+        from rlserve.weight_transfer.peer import copy_parameters
+        return copy_parameters(self.model, send=True, address=address, port=ports[self.rank],
+                               device=self.device, digest=digest, timeout_s=timeout_s)
+
+    def copy_weights_from_peer(self, address: str, ports: list[int], digest: str | None, timeout_s: float) -> int:
+        from rlserve.weight_transfer.peer import copy_parameters
+        return copy_parameters(self.model, send=False, address=address, port=ports[self.rank],
+                               device=self.device, digest=digest, timeout_s=timeout_s)

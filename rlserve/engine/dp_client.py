@@ -1,0 +1,535 @@
+"""Data parallel: one front end, N engine-core replicas (`--data-parallel-size N`).
+
+`DPEngineClient` stands where one `EngineCoreClient` stands under `AsyncEngine` (same
+calls, same callbacks). It holds one connection per replica and
+
+- routes each new request to a replica (dp_router.py: least outstanding tokens, prompts
+  sharing a prefix kept together), and aborts go where their request went;
+- fans control calls out to every replica: `/init_weight_transfer_engine` once for all,
+  replica i's rank r at `rank_offset + i*TP + r` in the trainer's one group; each
+  `/update_weights` reaches every replica, all or nothing per replica, answered per
+  replica; pause, resume, sleep and wake-up reach all;
+- takes a replica that dies out of rotation: its requests fail with a 503 that names it,
+  or (`dp_retry_on_failure`) those that have produced nothing yet run again on another
+  replica. The replica is restarted (up to `dp_max_restarts` times) and, before it serves,
+  copies the weights and version a healthy replica serves now (weight_transfer/peer.py).
+  With none to copy from it waits, out of rotation, for the trainer's next push
+  (`stale`), so it never serves its checkpoint under a newer version number.
+
+Replica states: starting -> up; up -> down (died) -> starting; stale: alive, serves
+nothing until it has the current weights. The server dies only when no replica is left.
+Replicas started elsewhere (`config.dp_engines`, rlserve.ray) are attached by address;
+their restart is the launcher's business, which then calls `attach`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+
+from rlserve.config import EngineConfig
+from rlserve.engine.core_client import EngineAddresses, EngineCoreClient
+from rlserve.engine.dp_router import Router
+from rlserve.engine.messages import (CallResult, ConflictError, EngineDeadError, EngineReady,
+                                     error_from_result)
+from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
+from rlserve.engine.request import EngineUnavailableError, InvalidRequestError, SamplingParams, sample_ids
+from rlserve.weight_transfer.address import get_open_port
+
+logger = logging.getLogger(__name__)
+
+STARTING, UP, STALE, DOWN = "starting", "up", "stale", "down"
+_RESTART_DELAY_S = 0.5
+
+
+@dataclass
+class Replica:
+    index: int
+    client: EngineCoreClient | None = None
+    state: str = STARTING
+    reason: str = ""  # why it is down or stale
+    info: EngineReady | None = None
+    incarnation: int = 0  # bumped on every restart: callbacks of an old one are ignored
+    restarts: int = 0
+    requests_total: int = 0
+    weight_version: int | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.state in (UP, STALE)
+
+
+@dataclass
+class _Tracked:
+    """A request in flight on a replica, as the front end accounts for it."""
+
+    request_id: str
+    replica: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    cache_salt: str | None
+    hashes: list[int]
+    owed: int  # tokens the replica still owes the router's accounting
+    samples: set[str] = field(default_factory=set)
+    produced: int = 0
+    retried: bool = False
+
+
+class DPEngineClient:
+    client_index = 0
+
+    def __init__(self, config: EngineConfig, *, log_level: str = "info"):
+        self.config = config
+        self.log_level = log_level
+        self.size = config.data_parallel_size
+        self.tp = config.tensor_parallel_size
+        self.replicas = [Replica(i) for i in range(self.size)]
+        self.router = Router(self.size, config.block_size)
+        self.tracked: dict[str, _Tracked] = {}
+        self.by_sample: dict[str, _Tracked] = {}
+        self.dead: str | None = None
+        self.closing = False
+        self.on_outputs: Callable[[EngineCoreOutputs], None] | None = None
+        self.on_dead: Callable[[str], None] | None = None
+        self.on_request_failed: Callable[[str, BaseException], None] | None = None
+        self.replica_stats: dict[int, EngineStats] = {}
+        self._control = asyncio.Lock()  # one init / update / weight copy at a time
+        self._group: dict[int, int] | None = None  # replica -> incarnation in the trainer's group
+        self._pushed = False  # a trainer has replaced the weights since start
+        self._paused: tuple[str, bool] | None = None
+        self._sleeping = False
+        self._tasks: set[asyncio.Task] = set()
+        self.info: EngineReady | None = None
+        for r in self.replicas:  # every replica loads at once
+            r.client = self._connect(r.index)
+
+    def _connect(self, index: int, addresses: EngineAddresses | None = None) -> EngineCoreClient:
+        if addresses is None and self.config.dp_engines is not None:
+            e = self.config.dp_engines[index]
+            addresses = EngineAddresses(e["input"], [e["output"]])
+        env = {}
+        if not str(self.config.device).startswith("cuda") and "OMP_NUM_THREADS" not in os.environ:
+            # CPU replicas share the cores: more threads than cores makes every one spin.
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.size))
+        return EngineCoreClient(self.config.replica(index), addresses=addresses,
+                                log_level=self.log_level, watch_pid=addresses is None, env=env)
+
+    # -- start ---------------------------------------------------------------------------
+    async def start(self) -> EngineReady:
+        results = await asyncio.gather(*(self._start(r) for r in self.replicas), return_exceptions=True)
+        errors = [(i, e) for i, e in enumerate(results) if isinstance(e, BaseException)]
+        if errors:
+            raise EngineDeadError("; ".join(f"replica {i}: {e}" for i, e in errors))
+        infos = [r.info for r in self.replicas]
+        first = infos[0]
+        self.info = msgspec.structs.replace(
+            first, world_size=sum(i.world_size for i in infos),
+            kv_capacity_tokens=sum(i.kv_capacity_tokens for i in infos))
+        logger.info("data parallel: %d replicas of %d rank(s) each are up (engine pids %s)",
+                    self.size, self.tp, ", ".join(str(i.pid) for i in infos))
+        return self.info
+
+    async def _start(self, r: Replica) -> EngineReady:
+        c, inc = r.client, r.incarnation
+        c.on_outputs = lambda out: self._outputs(r, inc, out)
+        c.on_dead = lambda reason: self._replica_died(r, inc, reason)
+        r.state = STARTING
+        r.info = await c.start()
+        r.weight_version = r.info.weight_version
+        if inc == r.incarnation and r.state == STARTING:
+            r.state = UP
+        return r.info
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    stream: bool, cache_salt: str | None = None) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is down: {self.dead}")
+        hashes = self.router.block_hashes(prompt_token_ids, cache_salt)
+        self._send(_Tracked(request_id, -1, prompt_token_ids, params, stream, cache_salt, hashes, 0))
+
+    def _send(self, t: _Tracked, exclude: int | None = None) -> None:
+        candidates = [r.index for r in self.replicas if r.state == UP and r.index != exclude]
+        if not candidates:
+            raise EngineUnavailableError("no data-parallel replica is serving now: "
+                                         + "; ".join(f"replica {r.index} {r.state}"
+                                                     + (f" ({r.reason})" if r.reason else "")
+                                                     for r in self.replicas))
+        i = self.router.choose(t.hashes, candidates)
+        max_tokens = t.params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(0, self.info.max_model_len - len(t.prompt_token_ids))
+        t.replica, t.produced = i, 0
+        t.owed = len(t.prompt_token_ids) + t.params.n * max_tokens
+        t.samples = set(sample_ids(t.request_id, t.params.n))
+        self.replicas[i].client.add_request(t.request_id, t.prompt_token_ids, t.params, t.stream,
+                                            t.cache_salt)
+        self.router.sent(i, t.hashes, t.owed)
+        self.replicas[i].requests_total += 1
+        self.tracked[t.request_id] = t
+        for sid in t.samples:
+            self.by_sample[sid] = t
+
+    def abort(self, request_ids: list[str]) -> None:
+        per_replica: dict[int, list[str]] = {}
+        for sid in request_ids:
+            t = self.by_sample.get(sid)
+            if t is not None:
+                per_replica.setdefault(t.replica, []).append(sid)
+        for i, ids in per_replica.items():
+            r = self.replicas[i]
+            if r.alive:
+                r.client.abort(ids)
+
+    def _pay(self, t: _Tracked, tokens: int) -> None:
+        if t.produced == 0 and tokens:  # the prompt is computed once the first token is out
+            tokens += len(t.prompt_token_ids)
+        t.produced += tokens
+        tokens = min(tokens, t.owed)
+        t.owed -= tokens
+        self.router.done(t.replica, tokens)
+
+    def _forget(self, t: _Tracked) -> None:
+        self.router.done(t.replica, t.owed)
+        t.owed = 0
+        self.tracked.pop(t.request_id, None)
+        for sid in sample_ids(t.request_id, t.params.n):
+            self.by_sample.pop(sid, None)
+
+    def _outputs(self, r: Replica, incarnation: int, out: EngineCoreOutputs) -> None:
+        if incarnation != r.incarnation:
+            return
+        r.weight_version = out.version
+        by_sample = self.by_sample
+        for sid in out.request_ids:
+            t = by_sample.get(sid)
+            if t is not None:
+                self._pay(t, 1)
+        for f in out.finished:
+            t = by_sample.get(f.request_id)
+            if t is None:
+                continue
+            if f.final is not None:
+                self._pay(t, len(f.final.token_ids))
+            t.samples.discard(f.request_id)
+            if not t.samples:
+                self._forget(t)
+        for rej in out.rejected:
+            t = self.tracked.get(rej.request_id)
+            if t is not None:
+                self._forget(t)
+        self.on_outputs(out)
+
+    # -- faults --------------------------------------------------------------------------
+    def _replica_died(self, r: Replica, incarnation: int, reason: str) -> None:
+        if incarnation != r.incarnation or self.closing or r.state == DOWN:
+            return
+        logger.error("data-parallel replica %d is down: %s", r.index, reason)
+        r.state, r.reason = DOWN, reason
+        lost = [t for t in self.tracked.values() if t.replica == r.index]
+        retried = 0
+        for t in lost:
+            self._forget(t)
+            error: BaseException = EngineDeadError(
+                f"data-parallel replica {r.index} died while running this request: {reason}")
+            # Retry only what nothing has been said about yet: no token of it left the engine.
+            if self.config.dp_retry_on_failure and not t.retried and t.produced == 0:
+                t.retried = True
+                try:
+                    self._send(t, exclude=r.index)
+                    retried += 1
+                    continue
+                except EngineUnavailableError as e:
+                    error = EngineDeadError(f"{error}; no other replica to retry on ({e})")
+            if self.on_request_failed is not None:
+                self.on_request_failed(t.request_id, error)
+        self.router.forget(r.index)  # after the lost requests were paid off
+        if lost:
+            logger.warning("replica %d: %d requests in flight, %d retried elsewhere, %d failed",
+                           r.index, len(lost), retried, len(lost) - retried)
+        restart = self.config.dp_engines is None and r.restarts < self.config.dp_max_restarts
+        if restart:
+            self._spawn(self._restart(r))
+        self._check_any_left(f"replica {r.index}: {reason}")
+
+    def _check_any_left(self, last: str) -> None:
+        """With no replica serving or on its way, the server is down (it exits)."""
+        if self.dead is None and not any(x.alive or x.state == STARTING for x in self.replicas):
+            self.dead = f"every data-parallel replica is down (last: {last})"
+            if self.on_dead is not None:
+                self.on_dead(self.dead)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, r: Replica, addresses: EngineAddresses | None = None) -> None:
+        """Start replica r again (here, or attach to one started at `addresses`), bring it
+        to the current weights, then put it back in rotation."""
+        r.restarts += 1
+        r.incarnation += 1
+        r.state, old = STARTING, r.client
+        if old is not None:
+            await old.shutdown()
+        await asyncio.sleep(_RESTART_DELAY_S)
+        if self.closing:
+            return
+        logger.info("restarting data-parallel replica %d (restart %d)", r.index, r.restarts)
+        r.client = self._connect(r.index, addresses)
+        incarnation = r.incarnation
+        try:
+            await self._start(r)
+        except Exception as e:
+            if incarnation != r.incarnation or r.state != STARTING:
+                return  # its death was reported too, and dealt with there
+            r.state, r.reason = DOWN, f"restart failed: {e}"
+            logger.error("data-parallel replica %d: %s", r.index, r.reason)
+            if self.config.dp_engines is None:
+                self._check_any_left(f"replica {r.index}: {r.reason}")
+            return
+        r.state = STALE
+        r.reason = "joining: copying the current weights"
+        await self._catch_up(r)
+
+    async def attach(self, index: int, input_address: str, output_address: str) -> None:
+        """A replica started elsewhere in place of replica `index` (rlserve.ray)."""
+        if not 0 <= index < self.size:
+            raise InvalidRequestError(f"index: must be in [0, {self.size}), got {index}", "index")
+        r = self.replicas[index]
+        if r.alive or r.state == STARTING:
+            raise ConflictError(f"replica {index} is {r.state}: only a down replica is replaced")
+        await self._restart(r, EngineAddresses(input_address, [output_address]))
+
+    async def _catch_up(self, r: Replica) -> None:
+        """Give replica r the weights and version the serving replicas have now."""
+        async with self._control:
+            if not r.alive:
+                return
+            source = next((x for x in self.replicas if x.state == UP and x is not r), None)
+            if source is None or self._sleeping:
+                if self._pushed or self._sleeping:
+                    r.state = STALE
+                    r.reason = ("no awake replica to copy the current weights from: it serves after "
+                                "the trainer's next /init_weight_transfer_engine and /update_weights")
+                    logger.warning("replica %d: %s", r.index, r.reason)
+                    return
+                r.state, r.reason = UP, ""  # nothing pushed yet: its checkpoint is current
+                return
+            try:
+                await self._copy_weights(source, r)
+                if self._paused is not None:
+                    await r.client.call("pause", *self._paused)
+            except Exception as e:
+                r.state, r.reason = STALE, f"copying weights from replica {source.index} failed: {e}"
+                logger.error("replica %d: %s", r.index, r.reason)
+                return
+            r.state, r.reason = UP, ""
+            logger.info("replica %d is serving again, weight version %s", r.index, r.weight_version)
+
+    async def _copy_weights(self, source: Replica, target: Replica) -> None:
+        timeout_s = self.config.weight_transfer.timeout_s if self.config.weight_transfer else 120.0
+        digests = await source.client.call("weights_layout")
+        version = (await self._stats(source)).weight_version
+        host = source.info.host if self.config.dp_engines is not None else "127.0.0.1"
+        ports = [get_open_port() for _ in range(self.tp)]
+        sent, got = await asyncio.gather(
+            source.client.call("copy_weights_to_peer", host, ports, digests, timeout_s),
+            target.client.call("copy_weights_from_peer", host, ports, digests, timeout_s, version),
+            return_exceptions=True)
+        for what in (sent, got):
+            if isinstance(what, BaseException):
+                raise what
+        target.weight_version = version
+        logger.info("replica %d: copied %.1f MB of weights (version %d) from replica %d",
+                    target.index, got["num_bytes"] / 1e6, version, source.index)
+
+    # -- control calls -------------------------------------------------------------------
+    async def call(self, method: str, *args: Any) -> Any:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is down: {self.dead}")
+        if method == "init_weight_transfer":
+            return await self._init_transfer(*args)
+        if method == "update_weights":
+            return await self._update(*args)
+        if method == "stats":
+            return msgspec.to_builtins(await self.stats())
+        if method == "pause":
+            self._paused = (args[0] if args else "abort", bool(args[1]) if len(args) > 1 else False)
+        elif method == "resume":
+            self._paused = None
+        elif method == "sleep":
+            self._sleeping = True
+        results = await self._fan_out(method, *args)
+        if method == "wake_up":
+            self._sleeping = False
+            for r in self.replicas:
+                if r.state == STALE and not self._group_has(r):
+                    self._spawn(self._catch_up(r))
+        values = list(results.values())
+        if method == "abort_all":
+            return sum(values)
+        if method == "pause" and values and isinstance(values[0], dict):
+            kept = [v for v in values if v.get("mode") == "keep" and "kept" in v]
+            if kept:
+                return {"mode": "keep", "kept": sum(v["kept"] for v in kept)}
+        return values[0] if values else None
+
+    async def _fan_out(self, method: str, *args: Any, replicas: list[Replica] | None = None,
+                       per_replica_args: dict[int, tuple] | None = None) -> dict[int, Any]:
+        """The call on every live replica; all answers, or the errors, per replica."""
+        targets = [r for r in (replicas or self.replicas) if r.alive]
+        if not targets:
+            raise EngineUnavailableError("no data-parallel replica is up")
+        results = await asyncio.gather(
+            *(r.client.call(method, *((per_replica_args or {}).get(r.index, args))) for r in targets),
+            return_exceptions=True)
+        errors = [(r.index, e) for r, e in zip(targets, results) if isinstance(e, BaseException)]
+        if errors:
+            raise _combine(errors)
+        return {r.index: v for r, v in zip(targets, results)}
+
+    async def _stats(self, r: Replica) -> EngineStats:
+        s = msgspec.convert(await r.client.call("stats"), EngineStats)
+        self.replica_stats[r.index] = s
+        r.weight_version = s.weight_version
+        return s
+
+    async def stats(self) -> EngineStats:
+        alive = [r for r in self.replicas if r.alive]
+        if not alive:
+            raise EngineUnavailableError("no data-parallel replica is up")
+        got = await asyncio.gather(*(self._stats(r) for r in alive), return_exceptions=True)
+        stats = [(r, s) for r, s in zip(alive, got) if not isinstance(s, BaseException)]
+        if not stats:
+            raise got[0]
+        serving = [s for r, s in stats if r.state == UP] or [s for _, s in stats]
+        total = lambda name: sum(getattr(s, name) for _, s in stats)  # noqa: E731
+        capacity = total("kv_cache_capacity_tokens")
+        return EngineStats(
+            num_running=total("num_running"), num_waiting=total("num_waiting"),
+            kv_cache_usage=sum(s.kv_cache_usage * s.kv_cache_capacity_tokens for _, s in stats)
+            / max(capacity, 1),
+            kv_cache_capacity_tokens=capacity, prompt_tokens_total=total("prompt_tokens_total"),
+            generation_tokens_total=total("generation_tokens_total"),
+            aborted_total=total("aborted_total"), preemptions_total=total("preemptions_total"),
+            prefix_cache_queries=total("prefix_cache_queries"),
+            prefix_cache_hit_tokens=total("prefix_cache_hit_tokens"),
+            weight_version=min(s.weight_version for s in serving),
+            paused=any(s.paused for _, s in stats), sleeping=any(s.sleeping for _, s in stats))
+
+    def _group_has(self, r: Replica) -> bool:
+        return self._group is not None and self._group.get(r.index) == r.incarnation
+
+    async def _init_transfer(self, backend: str, init_info: dict, timeout_s: float) -> None:
+        """Every rank of every replica joins the trainer's one group."""
+        async with self._control:
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while (any(r.state == STARTING for r in self.replicas)
+                   and asyncio.get_running_loop().time() < deadline):
+                await asyncio.sleep(0.2)  # a restarting replica joins too
+            missing = [r for r in self.replicas if not r.alive]
+            if missing:
+                raise EngineUnavailableError(
+                    "init_info: every data-parallel replica joins the group, and "
+                    + "; ".join(f"replica {r.index} is {r.state} ({r.reason})" for r in missing)
+                    + ": retry once /health reports it up")
+            per_replica = {}
+            for r in self.replicas:
+                info = dict(init_info)
+                if backend != "ipc":
+                    info["rank_offset"] = init_info["rank_offset"] + r.index * self.tp
+                per_replica[r.index] = (backend, info, timeout_s)
+            self._group = None
+            await self._fan_out("init_weight_transfer", per_replica_args=per_replica)
+            self._group = {r.index: r.incarnation for r in self.replicas}
+
+    async def _update(self, update_info: dict, version: int | None) -> dict:
+        """One update into every replica; each all or nothing. A replica whose update
+        failed while another's succeeded leaves rotation and copies the new weights."""
+        async with self._control:
+            if self._group is not None:
+                gone = [r for r in self.replicas if not self._group_has(r)]
+                if gone:
+                    raise ConflictError(
+                        "update_info: " + ", ".join(f"replica {r.index}" for r in gone)
+                        + " restarted since /init_weight_transfer_engine, so its ranks are not "
+                        "in the trainer's group: call /init_weight_transfer_engine again")
+            targets = [r for r in self.replicas if r.alive]
+            if not targets:
+                raise EngineUnavailableError("no data-parallel replica is up")
+            got = await asyncio.gather(*(r.client.call("update_weights", update_info, version)
+                                         for r in targets), return_exceptions=True)
+            ok = {r.index: v for r, v in zip(targets, got) if not isinstance(v, BaseException)}
+            failed = [(r.index, e) for r, e in zip(targets, got) if isinstance(e, BaseException)]
+            for r in targets:
+                if r.index in ok:
+                    r.weight_version = ok[r.index]["weight_version"]
+                    if r.state == STALE:  # it has the trainer's weights now
+                        r.state, r.reason = UP, ""
+            if ok:
+                self._pushed = True
+            if failed and ok:
+                for i, e in failed:
+                    r = self.replicas[i]
+                    if r.alive:
+                        r.state, r.reason = STALE, f"its update failed ({e}): copying from a replica that succeeded"
+                        self._spawn(self._catch_up(r))
+            if failed:
+                done = "; ".join(f"replica {i} now serves version {v['weight_version']}"
+                                 for i, v in ok.items())
+                raise _combine(failed, done)
+        first = next(iter(ok.values()))
+        return {"weight_version": first["weight_version"], "num_bytes": first["num_bytes"],
+                "receive_seconds": max(v["receive_seconds"] for v in ok.values()),
+                "apply_seconds": max(v["apply_seconds"] for v in ok.values()),
+                "replicas": [{"replica": i, **v} for i, v in sorted(ok.items())]}
+
+    # -- what /health and /metrics show ------------------------------------------------------
+    def status(self) -> list[dict]:
+        return [{"replica": r.index, "state": r.state, "reason": r.reason or None,
+                 "weight_version": r.weight_version, "restarts": r.restarts,
+                 "pid": r.info.pid if r.info is not None else None,
+                 "requests_total": r.requests_total,
+                 "requests_in_flight": sum(1 for t in self.tracked.values() if t.replica == r.index),
+                 "outstanding_tokens": self.router.load[r.index]} for r in self.replicas]
+
+    def render_metrics(self) -> str:
+        rows = self.status()
+        lines = []
+        for name, kind, help_, key in (
+                ("rlserve_dp_requests_total", "counter", "Requests routed to each replica.", "requests_total"),
+                ("rlserve_dp_requests_in_flight", "gauge", "Requests in flight on each replica.",
+                 "requests_in_flight"),
+                ("rlserve_dp_outstanding_tokens", "gauge",
+                 "Tokens each replica owes (prompts + n x max_tokens - produced).", "outstanding_tokens"),
+                ("rlserve_dp_replica_up", "gauge", "1 while the replica serves.", None),
+                ("rlserve_dp_replica_restarts_total", "counter", "Restarts of each replica.", "restarts")):
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+            for row in rows:
+                value = (1 if row["state"] == UP else 0) if key is None else row[key]
+                lines.append(f'{name}{{engine="{row["replica"]}"}} {value}')
+        return "\n".join(lines) + "\n"
+
+    # -- stop ----------------------------------------------------------------------------
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        self.closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*(r.client.shutdown(timeout_s) for r in self.replicas if r.client is not None),
+                             return_exceptions=True)
+
+
+def _combine(errors: list[tuple[int, BaseException]], note: str = "") -> BaseException:
+    """Per-replica failures as one exception of the first one's type (so it maps to the
+    same HTTP status), naming every replica."""
+    first = errors[0][1]
+    message = "; ".join(f"replica {i}: {e}" for i, e in errors) + (f" ({note})" if note else "")
+    return error_from_result(CallResult(0, False, error=message, error_type=type(first).__name__,
+                                        param=getattr(first, "param", None)))
