@@ -139,10 +139,17 @@ def receiver_handshake(group: TransferGroup, refusal: str | None,
         # The trainer gave up on that turn before we answered: pair with its next one.
     if problem is not None:
         raise InvalidUpdateError(problem)
+    _await_go(group, turn)
+    assert isinstance(plan, TrainerPlan)
+    return plan._replace(turn=turn)
+
+
+def _await_go(group: TransferGroup, turn: int) -> None:
+    """Wait for the trainer's go-ahead on an agreed turn; raise if it calls the push off."""
     # The trainer gives every rank up to timeout_s (from its offer, before our verdict) to
     # answer, then says go either way: a little longer here covers its last steps.
     go_wait = group.timeout_s + GO_MARGIN_S
-    text = group.await_key(key(r, turn, "go"), go_wait, "the trainer's go-ahead")
+    text = group.await_key(key(group.rank, turn, "go"), go_wait, "the trainer's go-ahead")
     if text is None:
         raise group.fail(f"no go-ahead from the trainer within {go_wait:g}s")
     try:
@@ -158,8 +165,6 @@ def receiver_handshake(group: TransferGroup, refusal: str | None,
         if go.get("refused", True):
             raise InvalidUpdateError(str(error or "refused by another receiving rank"))
         raise WeightTransferError(f"{error}; nothing changed and the group is still usable")
-    assert isinstance(plan, TrainerPlan)
-    return plan._replace(turn=turn)
 
 
 def report_done(group: TransferGroup, turn: int) -> None:
