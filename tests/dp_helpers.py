@@ -9,6 +9,8 @@ import time
 import httpx
 import torch
 
+from conftest import hf_greedy as oracle
+
 PROMPTS = ["The capital of France is", "Hello, my name is", "def fibonacci(n):", "Once upon a time",
            "The quick brown fox", "In 1492, Columbus", "import numpy as np", "My favourite colour is"]
 TOKENS = 12
@@ -27,14 +29,7 @@ def trainer_model(model_dir: str, seed: int = 0):
 
 
 def hf_greedy(model, prompt_ids: list[int], n: int = TOKENS) -> list[int]:
-    ids, past, out = torch.tensor([prompt_ids]), None, []
-    with torch.no_grad():
-        for _ in range(n):
-            step = model(ids, past_key_values=past, use_cache=True)
-            past = step.past_key_values
-            out.append(int(step.logits[0, -1].argmax()))
-            ids = torch.tensor([[out[-1]]])
-    return out
+    return oracle(model, prompt_ids, n)[0]
 
 
 def complete(url: str, prompt: str, max_tokens: int = TOKENS, model: str = "m") -> dict:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from conftest import hf_greedy as oracle
 from conftest import start_server, stop_server
 from rlserve.distributed import HeadShard, partition_heads, split_evenly
 from rlserve.weight_transfer import WeightSyncClient
@@ -53,14 +54,7 @@ def trainer_model(demo_model):
 
 
 def hf_greedy(model, tokenizer, prompt: str) -> list[int]:
-    ids, past, out = torch.tensor([tokenizer.encode(prompt)]), None, []
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            step = model(ids, past_key_values=past, use_cache=True)
-            past = step.past_key_values
-            out.append(int(step.logits[0, -1].argmax()))
-            ids = torch.tensor([[out[-1]]])
-    return out
+    return oracle(model, tokenizer.encode(prompt), MAX_TOKENS)[0]
 
 
 @pytest.fixture(scope="module")
