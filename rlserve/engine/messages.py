@@ -31,6 +31,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     stream: bool  # report its tokens every step (else once, when it finishes)
     client: int = 0  # the API server it came from: its outputs go back there
     cache_salt: str | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter to run with (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
