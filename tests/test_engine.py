@@ -331,11 +331,11 @@ def test_block_tables_through_engine_preemption(model_path, llm):
     tables_seen = []
     launch = engine.executor.driver.runner.launch
 
-    def checked_launch(sched, block_tables, prev=None):
+    def checked_launch(sched, block_tables, prev=None, **kw):
         reqs = [item.request for item in sched.scheduled]
         _check_block_tables(engine.kv, reqs)
         tables_seen.append(block_tables.shape)
-        return launch(sched, block_tables, prev)
+        return launch(sched, block_tables, prev, **kw)
 
     engine.executor.driver.runner.launch = checked_launch
     outs = small.generate(PROMPTS[:6], params)

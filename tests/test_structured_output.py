@@ -87,14 +87,19 @@ def generate(llm, hf, compiler, spec, temperature: float = 0.8, max_steps: int =
     return [tok.decode([t for t in out if t not in eos]) for out in outputs]
 
 
+def check_person(text: str) -> None:
+    """`text` parses, and validates against SCHEMA."""
+    value = json.loads(text)
+    assert set(value) == {"name", "age", "city"}, text
+    assert isinstance(value["name"], str) and len(value["name"]) <= 10
+    assert isinstance(value["age"], int) and 0 <= value["age"] <= 120
+    assert value["city"] in ("Paris", "Rome", "Oslo")
+
+
 def test_json_schema_outputs_parse_and_validate_for_20_seeds(llm, hf, compiler):
     texts = generate(llm, hf, compiler, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
     for text in texts:
-        value = json.loads(text)
-        assert set(value) == {"name", "age", "city"}, text
-        assert isinstance(value["name"], str) and len(value["name"]) <= 10
-        assert isinstance(value["age"], int) and 0 <= value["age"] <= 120
-        assert value["city"] in ("Paris", "Rome", "Oslo")
+        check_person(text)
     assert len(set(texts)) > 1  # seeds differ
 
 
@@ -248,3 +253,57 @@ def test_spec_survives_the_step_message():
     p = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["x", "y"], disable_any_whitespace=True))
     wire = msgpack.unpackb(msgpack.packb(_request_to_wire(Request("r", [1], p)), use_bin_type=True), raw=False)
     assert _request_from_wire(wire).sampling_params == p
+
+
+# ---------------------------------------------------------------- through the engine's step
+
+
+def _engine_outputs(llm, spec, overlapped: bool, n: int = 20, max_tokens: int = 64) -> list[str]:
+    llm.engine.async_scheduling = overlapped
+    try:
+        params = SamplingParams(n=n, temperature=0.8, seed=11, max_tokens=max_tokens,
+                                structured_outputs=spec)
+        return [c.text for c in llm.generate(PROMPT, params)[0].outputs]
+    finally:
+        llm.engine.async_scheduling = False
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_the_engine_samples_json_schema_outputs_that_validate(llm, overlapped):
+    """The step loop itself: grammars compiled off the loop, rows sampled under their mask
+    (with overlapped scheduling, after the previous step's tokens reached the matchers)."""
+    texts = _engine_outputs(llm, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+                            overlapped, max_tokens=96)
+    for text in texts:
+        check_person(text)
+    assert len(set(texts)) > 1
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_the_engine_keeps_choice_and_regex_outputs_in_their_language(llm, overlapped):
+    choices = ["Paris", "Rome", "New York City"]
+    assert set(_engine_outputs(llm, StructuredOutputsParams(choice=choices), overlapped)) <= set(choices)
+    pattern = r"[A-Z][a-z]{2,8} (is|was) [0-9]{1,3}"
+    for text in _engine_outputs(llm, StructuredOutputsParams(regex=pattern), overlapped):
+        assert re.fullmatch(pattern, text), text
+
+
+def test_grammar_rows_and_plain_rows_share_a_batch(llm):
+    """A batch mixing grammar rows and free rows: each keeps its own rules, and the free
+    rows' tokens equal what they get alone."""
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate([PROMPT, "The capital of France is"], free)
+    mixed = llm.generate([PROMPT, "The capital of France is", PROMPT],
+                         [free, free, SamplingParams(max_tokens=32, temperature=0,
+                                                     structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))])
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == [o.outputs[0].token_ids for o in alone]
+    assert mixed[2].outputs[0].text in ("yes", "no")
+
+
+def test_a_grammar_request_refuses_min_tokens_and_a_bad_spec_names_its_field(llm):
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate(PROMPT, SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+")))
+    assert e.value.param == "min_tokens"
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate(PROMPT, SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed")))
+    assert e.value.param == "structured_outputs.regex"

@@ -231,6 +231,24 @@ def test_init_is_validated_and_bounded(server, agent):
     init(url, agent)
 
 
+def test_a_new_init_replaces_one_stuck_on_a_silent_master(server, agent, checkpoint):
+    """The trainer restarted while the server still waits on its old address: the new
+    /init_weight_transfer_engine is not held up, and the old one answers at once."""
+    url = server.url
+    silent = _silent_master()
+    started = time.monotonic()
+    stuck, stuck_box = in_thread(lambda: post(url, "/init_weight_transfer_engine", {"init_info": dict(
+        master_address="127.0.0.1", master_port=silent.getsockname()[1], rank_offset=1, world_size=2)}))
+    time.sleep(1.0)  # it is waiting on the silent master now
+    init(url, agent)
+    stuck.join(30)
+    assert stuck_box["value"].status_code == 502, stuck_box["value"].text
+    assert time.monotonic() - started < TIMEOUT_S  # neither waited for the timeout
+    silent.close()
+    r, answer, _ = push(url, agent, update_info(checkpoint))
+    assert r.status_code == 200 and answer["ok"], r.text
+
+
 # -- the worker's side of refusals and inits (what the engine calls) ---------------------
 
 @pytest.fixture(scope="module")

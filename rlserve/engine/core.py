@@ -19,7 +19,7 @@ import torch
 
 from rlserve.config import EngineConfig
 from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, FinalTokens, Finished, Started
+from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, FinalTokens, Finished, Rejected, Started
 from rlserve.engine.request import (EngineUnavailableError, FinishReason, InvalidRequestError, Request,
                                     RequestStatus, SamplingParams, sample_ids, validate_prompt,
                                     version_spans)
@@ -70,7 +70,7 @@ class _InFlight:
 class _StepOut:
     """What a step produced, gathered as the tokens are accepted."""
 
-    __slots__ = ("ids", "tokens", "logprobs", "any_logprobs", "started", "finished")
+    __slots__ = ("ids", "tokens", "logprobs", "any_logprobs", "started", "finished", "rejected")
 
     def __init__(self) -> None:
         self.ids: list[str] = []
@@ -79,13 +79,14 @@ class _StepOut:
         self.any_logprobs = False
         self.started: list[Started] = []
         self.finished: list[Finished] = []
+        self.rejected: list[Rejected] = []
 
     def build(self, version: int) -> EngineCoreOutputs | None:
-        if not (self.ids or self.finished or self.started):
+        if not (self.ids or self.finished or self.started or self.rejected):
             return None
         return EngineCoreOutputs(version, self.ids, self.tokens,
                                  self.logprobs if self.any_logprobs else None,
-                                 self.started, self.finished)
+                                 self.started, self.finished, self.rejected)
 
 
 class EngineCore:
@@ -128,6 +129,8 @@ class EngineCore:
         self.paused = False
         self.pause_mode: str | None = None
         self.held: list[Request] = []  # arrived while paused: admitted on resume
+        self.compiling: list[Request] = []  # waiting for their grammar: admitted once compiled
+        self._grammars = None  # StructuredOutputCompiler, made at the first grammar
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.aborted_total = 0
@@ -165,10 +168,29 @@ class EngineCore:
                                           "--enable-lora)", "model")
             adapter = self.lora.resolve(lora_name)
             slot, cache_salt = adapter.slot, adapter.cache_salt(cache_salt)
-        return [Request(rid, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
+        grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
+        reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
                         group_id=request_id if params.n > 1 else None, sample_index=i, stream=stream,
                         cache_salt=cache_salt, lora_name=lora_name, lora_slot=slot)
                 for i, rid in enumerate(sample_ids(request_id, params.n))]
+        for req in reqs:
+            req.grammar = grammar
+        return reqs
+
+    def _compile_grammar(self, params: SamplingParams):
+        """Check a structured-output spec now (a 400 if bad) and start compiling it on a
+        thread: the request is scheduled once its grammar is ready."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured_outputs: needs the tokenizer, which this "
+                                      "engine was started without", "structured_outputs")
+        if params.min_tokens:  # a finished grammar may allow nothing but its end
+            raise InvalidRequestError("min_tokens: cannot be combined with structured outputs",
+                                      "min_tokens")
+        if self._grammars is None:
+            from rlserve.engine.structured_output import StructuredOutputCompiler
+            self._grammars = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._grammars.validate(params.structured_outputs)
+        return self._grammars.compile(params.structured_outputs)
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.scheduler.requests or any(r.request_id == req.request_id for r in self.held):
@@ -177,10 +199,32 @@ class EngineCore:
             raise EngineUnavailableError(
                 "the weights were dropped by /sleep?level=2: generation resumes after a full "
                 "weight update (POST /update_weights)")
+        if req.grammar is not None and req.matcher is None:
+            self.compiling.append(req)
+        else:
+            self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
         if self.paused:
             self.held.append(req)
         else:
             self.scheduler.add(req)
+
+    def _admit_compiled(self, out: "_StepOut") -> None:
+        """Requests whose grammar is ready join the queue (with their matcher); one whose
+        grammar failed to compile is refused."""
+        ready = [r for r in self.compiling if r.grammar.done()]
+        for req in ready:
+            self.compiling.remove(req)
+            error = req.grammar.exception()
+            if error is not None:
+                req.status = RequestStatus.FINISHED
+                if req.sample_index == 0:
+                    out.rejected.append(Rejected(req.group_id or req.request_id, str(error),
+                                                 getattr(error, "param", "structured_outputs")))
+                continue
+            req.matcher = self._grammars.matcher(req.grammar.result())
+            self._enqueue(req)
 
     def abort(self, request_ids: Iterable[str]) -> list[Finished]:
         """End requests now; unknown (or already finished) ids are ignored."""
@@ -188,40 +232,72 @@ class EngineCore:
         for rid in request_ids:
             req = self.scheduler.requests.get(rid)
             if req is None:
-                held = [r for r in self.held if r.request_id == rid]
-                if not held:
+                waiting = self.held if any(r.request_id == rid for r in self.held) else self.compiling
+                found = [r for r in waiting if r.request_id == rid]
+                if not found:
                     continue
-                req = held[0]
-                self.held.remove(req)
+                req = found[0]
+                waiting.remove(req)
             outputs.append(self._finish(req, FinishReason.ABORT))
             self.aborted_total += 1
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self.inflight is not None
+        return self.scheduler.num_unfinished > 0 or self.inflight is not None or bool(self.compiling)
 
     def has_work(self) -> bool:
+        """A step would compute something now (requests waiting for a grammar do not count:
+        `step` admits them once it is ready)."""
         return self.inflight is not None or (self.scheduler.num_unfinished > 0
                                              and not self.scheduler.stopped)
+
+    def unfinished_ids(self) -> list[str]:
+        return ([*self.scheduler.requests] + [r.request_id for r in self.held]
+                + [r.request_id for r in self.compiling])
 
     # -- the step ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs | None:
         """One engine step: schedule, launch on the device, then process a step's sampled
         tokens. With overlapped scheduling the step processed is the previous one: step
         N+1 is queued on the device before step N's tokens are brought back, so the
-        host's scheduling and output handling hide behind the device's work."""
+        host's scheduling and output handling hide behind the device's work.
+
+        A step with a grammar row samples only once the grammar's mask is known, which
+        needs the previous step's tokens: its forward pass is queued first, its sampling
+        after the previous step is processed (still before the next launch)."""
+        early = _StepOut()
+        if self.compiling:
+            self._admit_compiled(early)
         sched = self.scheduler.schedule()
         launched = None
+        masked = False
         if not sched.empty:
             overlapped = self.async_scheduling and self.inflight is not None
+            masked = any(item.request.matcher is not None for item in sched.scheduled)
             handle = self.executor.launch(sched, self._tables(sched),
-                                          self.inflight.handle if overlapped else None)
+                                          self.inflight.handle if overlapped else None,
+                                          sample=not masked)
             launched = _InFlight(handle, self._advance(sched), self.weight_version)
         if not self.async_scheduling:
-            return self._process(launched) if launched is not None else None
-        outputs = self._process(self.inflight) if self.inflight is not None else None
-        self.inflight = launched
+            if masked:
+                self._sample_masked(launched.handle)
+            outputs = self._process(launched) if launched is not None else None
+        else:
+            outputs = self._process(self.inflight) if self.inflight is not None else None
+            if masked:
+                self._sample_masked(launched.handle)
+            self.inflight = launched
+        if early.rejected:
+            outputs = _merge(early.build(self.weight_version), outputs)
         return outputs
+
+    def _sample_masked(self, handle) -> None:
+        """Sample a launched step under its rows' grammar masks (their matchers have taken
+        every token before this one)."""
+        from rlserve.engine.structured_output import fill_bitmask
+        finished = RequestStatus.FINISHED
+        matchers = [r.matcher if r.status is not finished else None for r in handle.requests]
+        self.executor.sample(handle, fill_bitmask(matchers, self.vocab_size))
 
     def _tables(self, sched):
         """The scheduled requests' block tables: the KV manager's array, or lists where
@@ -275,7 +351,7 @@ class EngineCore:
             # Most tokens of a non-streamed request only need recording: not a stop token,
             # not its last, and completing no KV block.
             if (not req.stream and index < req.last_index and (index + 1) % bs
-                    and token not in req.stop_ids):
+                    and token not in req.stop_ids and req.matcher is None):
                 req.token_ids[index] = token
                 req.token_versions.append(version)
                 if logprob is not None:
@@ -315,7 +391,9 @@ class EngineCore:
                     req.request_id, req.num_cached_tokens,
                     req.prompt_logprobs if p.prompt_logprobs is not None else None))
         finish, stop_reason = None, None
-        if token in req.stop_ids and n_out >= req.sampling_params.min_tokens:
+        if req.matcher is not None and not self._advance_grammar(req, token):
+            finish = FinishReason.STOP  # the grammar is complete (or could not go on)
+        elif token in req.stop_ids and n_out >= req.sampling_params.min_tokens:
             finish = FinishReason.STOP
             if req.sampling_params.ignore_eos or token not in req.eos_token_ids:
                 stop_reason = token  # a stop_token_ids hit, not end-of-sequence
@@ -324,6 +402,16 @@ class EngineCore:
         if finish is not None:
             del token_ids[index + 1:]  # a token the next step sampled is discarded
             out.finished.append(self._finish(req, finish, stop_reason))
+
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> bool:
+        """Feed the token to the request's grammar; False once the grammar is done."""
+        if not req.matcher.accept([token]):
+            # Sampled under its mask, a token is always accepted; say so if not.
+            logger.warning("request %s: token %d broke its grammar; the request ends here",
+                           req.request_id, token)
+            return False
+        return not req.matcher.is_terminated()
 
     def _finish(self, req: Request, reason: FinishReason, stop_reason: int | None = None) -> Finished:
         req.status = RequestStatus.FINISHED
@@ -357,7 +445,7 @@ class EngineCore:
         self.scheduler.frozen = mode == "keep"
         outputs: list[Finished] = []
         if mode == "abort":
-            outputs = self.abort(list(self.scheduler.requests))
+            outputs = self.abort(self.unfinished_ids())
         elif mode == "keep" and clear_cache:
             for req in reversed(list(self.scheduler.running)):
                 self.scheduler.drop_kv(req)
@@ -488,4 +576,16 @@ class EngineCore:
             sleeping=self.sleeping)
 
     def shutdown(self) -> None:
+        if self._grammars is not None:
+            self._grammars.shutdown()
         self.executor.shutdown()
+
+
+def _merge(a: EngineCoreOutputs | None, b: EngineCoreOutputs | None) -> EngineCoreOutputs | None:
+    """Two step outputs as one (b's version wins)."""
+    if a is None or b is None:
+        return a or b
+    b.started[:0] = a.started
+    b.finished[:0] = a.finished
+    b.rejected[:0] = a.rejected
+    return b

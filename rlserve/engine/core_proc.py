@@ -48,6 +48,7 @@ from rlserve.process import watch_parent
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100  # an idle loop still looks at its workers' health this often
+_GRAMMAR_POLL_MS = 2  # how soon a compiled grammar's request starts
 
 
 class EngineCoreProc:
@@ -148,8 +149,9 @@ class EngineCoreProc:
         core = self.core
         assert core is not None
         while not self.stopping:
-            self._read_inputs(block=not core.has_work())
-            if core.has_work():
+            self._read_inputs(block=not core.has_work(),
+                              timeout_ms=_GRAMMAR_POLL_MS if core.compiling else _IDLE_POLL_MS)
+            if core.has_work() or core.compiling:
                 out = core.step()
                 if out is not None:
                     self._emit(out)
@@ -158,9 +160,9 @@ class EngineCoreProc:
             if self.waits:
                 self._check_waits()
 
-    def _read_inputs(self, block: bool) -> None:
+    def _read_inputs(self, block: bool, timeout_ms: int = _IDLE_POLL_MS) -> None:
         sock = self.input
-        if block and not sock.poll(_IDLE_POLL_MS):
+        if block and not sock.poll(timeout_ms):
             return
         while True:
             try:
@@ -356,8 +358,7 @@ class EngineCoreProc:
         return self.core.stats()
 
     def _call_abort_all(self, call: UtilityCall) -> int:
-        core = self.core
-        ids = list(core.scheduler.requests) + [r.request_id for r in core.held]
+        ids = self.core.unfinished_ids()
         self._abort(ids)
         return len(ids)
 

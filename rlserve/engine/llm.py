@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Sequence
 
 from rlserve.config import EngineConfig
@@ -74,6 +75,8 @@ class LLM:
         engine = self.engine
         while engine.has_unfinished():
             out = engine.step()
+            if out is None and not engine.has_work():
+                time.sleep(0.001)  # only grammars still compiling
             if out is not None:
                 aborts = processor.process(out)
                 if aborts:  # stop strings: the samples ended here

@@ -377,6 +377,9 @@ class Request:
         self.num_preemptions = 0
         self.paused_kept = False
         self.kv_capacity = 0  # tokens its KV blocks hold (KVCacheManager keeps it)
+        # Structured outputs: the grammar's compile (a Future), then the request's matcher.
+        self.grammar = None
+        self.matcher = None
         # Fixed for the request's life, read for every token: computed once.
         p = self.sampling_params
         room = self.max_model_len - self.num_prompt_tokens

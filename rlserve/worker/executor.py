@@ -286,14 +286,21 @@ class Executor:
         return [set(r) for r in results] if method == "load_weights" else results
 
     def launch(self, sched, block_tables: np.ndarray | list[list[int]],
-               prev: StepHandle | None = None) -> StepHandle:
+               prev: StepHandle | None = None, sample: bool = True) -> StepHandle:
         """Queue a step on every rank; nothing here waits for the device. `prev`, the step
-        still in flight, supplies the tokens it is sampling (overlapped scheduling)."""
+        still in flight, supplies the tokens it is sampling (overlapped scheduling).
+        `sample=False`: rank 0 samples later, in `sample` (the other ranks sample at once;
+        only rank 0's tokens are used)."""
         self.check_health()
         with self._step_failures():
             if self.workers:
                 self._send_all(self._steps.encode(sched, block_tables))
-            return self.driver.runner.launch(sched, block_tables, prev)
+            return self.driver.runner.launch(sched, block_tables, prev, sample=sample)
+
+    def sample(self, handle: StepHandle, token_bitmask) -> None:
+        """Queue the sampling of a step launched with sample=False, under a grammar mask."""
+        with self._step_failures():
+            self.driver.runner.sample(handle, token_bitmask)
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """A launched step's results on the host: the one wait of a step."""
