@@ -164,8 +164,9 @@ class EngineCore:
         slot = -1
         if lora_name is not None:
             if self.lora is None:
-                raise InvalidRequestError(f"model: {lora_name!r} is not served (LoRA adapters need "
-                                          "--enable-lora)", "model")
+                from rlserve.engine.messages import ModelNotFoundError
+                raise ModelNotFoundError(f"model: {lora_name!r} is not served (LoRA adapters need "
+                                         "--enable-lora)")
             adapter = self.lora.resolve(lora_name)
             slot, cache_salt = adapter.slot, adapter.cache_salt(cache_salt)
         grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
@@ -539,7 +540,7 @@ class EngineCore:
         """Refused (ConflictError) while requests use the adapter: its slot may be reused."""
         from rlserve.engine.messages import ConflictError
         lora = self.require_lora()
-        lora.resolve(name)
+        lora.resolve(name, "lora_name")
         users = sum(r.lora_name == name for r in (*self.scheduler.requests.values(), *self.held))
         if users:
             raise ConflictError(f"lora_name: {users} request(s) still run with {name!r}; let them "

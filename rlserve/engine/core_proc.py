@@ -40,7 +40,8 @@ import zmq
 
 from rlserve.engine.core import EngineCore
 from rlserve.engine.messages import (AbortRequests, AddRequest, CallResult, ConflictError, EngineDead,
-                                     EngineInput, EngineReady, UtilityCall, error_result)
+                                     EngineInput, EngineReady, ModelNotFoundError, UtilityCall,
+                                     error_result)
 from rlserve.engine.outputs import EngineCoreOutputs, Rejected
 from rlserve.engine.request import EngineUnavailableError, InvalidRequestError
 from rlserve.process import watch_parent
@@ -174,8 +175,10 @@ class EngineCoreProc:
                 self._add(message)
             elif isinstance(message, AbortRequests):
                 self._abort(message.request_ids)
-            else:
+            elif isinstance(message, UtilityCall):
                 self._call(message)
+            else:  # the typed adapter calls
+                self._call(message.as_call())
 
     def _add(self, m: AddRequest) -> None:
         core = self.core
@@ -185,7 +188,8 @@ class EngineCoreProc:
             for req in reqs:
                 core.add_request(req)
         except (InvalidRequestError, EngineUnavailableError) as e:
-            status = 503 if isinstance(e, EngineUnavailableError) else 400
+            status = (503 if isinstance(e, EngineUnavailableError) else
+                      404 if isinstance(e, ModelNotFoundError) else 400)
             self._send(m.client, EngineCoreOutputs(core.weight_version, rejected=[
                 Rejected(m.request_id, str(e), getattr(e, "param", None), status)]))
             return

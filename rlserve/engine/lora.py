@@ -54,6 +54,29 @@ def canonical_peft_names(named: Iterable[tuple[str, Any]]) -> list[tuple[str, An
     return out
 
 
+def peft_adapter_tensors(peft_model, adapter: str | None = None) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """A PeftModel's adapter (its active one by default) as an update carries it: the
+    config's fields rlserve uses, and its LoRA tensors under their canonical PEFT names."""
+    adapter = adapter or peft_model.active_adapter
+    if adapter not in peft_model.peft_config:
+        raise ValueError(f"adapter: {adapter!r} is not one of the model's ({', '.join(peft_model.peft_config)})")
+    data = peft_model.peft_config[adapter].to_dict()
+    for key, value in data.items():  # sets (target_modules) and enums, as JSON has them
+        if isinstance(value, (set, frozenset)):
+            data[key] = sorted(value)
+    data["peft_type"] = str(getattr(data.get("peft_type"), "value", data.get("peft_type") or "LORA"))
+    config = LoRAConfig.parse(data, "lora_config", max_rank=1 << 30)
+    tensors = []
+    for name, tensor in peft_model.named_parameters():
+        m = _PEFT_NAME.match(name.removeprefix(PEFT_PREFIX))
+        # PEFT's in-memory names carry the adapter: "...lora_A.<adapter>.weight"
+        if m and name.endswith(f".lora_{m['kind']}.{adapter}.weight"):
+            tensors.append((peft_name(m["module"], m["kind"]), tensor.detach()))
+    if not tensors:
+        raise ValueError(f"adapter {adapter!r} has no LoRA tensors")
+    return config.to_wire(), tensors
+
+
 def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
     for key, value in patterns.items():  # PEFT's get_pattern_key: the module name ends with the key
         if re.match(rf"(.*\.)?({key})$", module):
@@ -227,11 +250,13 @@ class LoRARegistry:
         self.adapters: dict[str, LoRAAdapter] = {}
         self._generation = 0
 
-    def get(self, name: str) -> LoRAAdapter:
+    def get(self, name: str, param: str = "model") -> LoRAAdapter:
+        """Raises ModelNotFoundError (a 404, as vLLM answers) naming `param`."""
         adapter = self.adapters.get(name)
         if adapter is None:
+            from rlserve.engine.messages import ModelNotFoundError
             known = ", ".join(sorted(self.adapters)) or "none"
-            raise InvalidRequestError(f"model: LoRA adapter {name!r} is not loaded (loaded: {known})", "model")
+            raise ModelNotFoundError(f"{param}: LoRA adapter {name!r} is not loaded (loaded: {known})", param)
         return adapter
 
     def free_slot(self, name: str) -> int:
@@ -252,7 +277,7 @@ class LoRARegistry:
         return adapter
 
     def remove(self, name: str) -> LoRAAdapter:
-        adapter = self.get(name)
+        adapter = self.get(name, "lora_name")
         del self.adapters[name]
         return adapter
 
@@ -272,8 +297,8 @@ class LoRAManager:
         self.executor = executor
         self.registry = LoRARegistry(max_loras, max_rank)
 
-    def resolve(self, name: str | None) -> LoRAAdapter | None:
-        return None if name is None else self.registry.get(name)
+    def resolve(self, name: str | None, param: str = "model") -> LoRAAdapter | None:
+        return None if name is None else self.registry.get(name, param)
 
     def load(self, name: str, path: str, load_inplace: bool = False) -> tuple[LoRAAdapter, bool]:
         """Read a PEFT directory and put it in a slot. Returns the adapter and whether it

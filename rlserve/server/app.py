@@ -84,6 +84,9 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     _add_error_handlers(app)
     _add_service_routes(app)
     app.include_router(routes_openai.router)
+    if config.enable_lora:
+        from rlserve.server.routes_lora import add_lora_routes
+        add_lora_routes(app)
     if config.weight_transfer is not None:
         # The control plane exists only when a weight-transfer backend is configured.
         from rlserve.server.routes_control import add_control_routes
