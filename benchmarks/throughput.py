@@ -8,6 +8,11 @@
     python benchmarks/throughput.py --model smollm2 --device cpu --num-seqs 8 --max-len 128
 
 --model takes a preset (qwen3-0.6b, llama-3.1-8b, qwen3-8b, tiny, smollm2) or an HF directory.
+
+--loras N: the same workload on the base model, then with N random rank-`--lora-rank` adapters
+on every projection, request i on adapter i mod N (all N in every batch), and the ratio:
+
+    python benchmarks/throughput.py --model qwen3-8b --loras 4
 """
 
 from __future__ import annotations
@@ -49,24 +54,64 @@ def bound_tokens_per_s(cfg: dict, prompts, out_lens, dtype_bytes: int = 2,
     return sum(out_lens) / ((weight_bytes + kv_bytes) / hbm_bytes_per_s)
 
 
-def run_rlserve(args, path, prompts, out_lens, profiler=None) -> float:
-    """Output tokens/s of the timed run; `profiler` (a torch.profiler context) covers only it."""
+def write_random_adapters(path: str, num: int, rank: int, root: str) -> list[str]:
+    """`num` PEFT adapter directories with random weights on every projection of `path`'s
+    architecture (Llama / Qwen names)."""
+    import json
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(path)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+              "mlp.down_proj": (inter, h)}
+    dirs = []
+    for i in range(num):
+        gen = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(cfg.num_hidden_layers):
+            for module, (fan_in, fan_out) in shapes.items():
+                name = f"base_model.model.model.layers.{layer}.{module}"
+                tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
+                tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 1e-3
+        d = os.path.join(root, f"adapter{i}")
+        os.makedirs(d, exist_ok=True)
+        save_file(tensors, os.path.join(d, "adapter_model.safetensors"))
+        with open(os.path.join(d, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                       "target_modules": [m.split(".")[1] for m in shapes]}, f)
+        dirs.append(d)
+    return dirs
+
+
+def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] | None = None) -> float:
+    """Output tokens/s of the timed run; `profiler` (a torch.profiler context) covers only it.
+    `loras`: PEFT adapter directories, request i on adapter i mod len(loras)."""
     from rlserve import LLM, SamplingParams
+    lora_kw = {}
+    if loras:
+        lora_kw = dict(enable_lora=True, max_loras=len(loras), max_lora_rank=args.lora_rank,
+                       lora_modules={f"lora{i}": d for i, d in enumerate(loras)})
     llm = LLM(path, device=args.device, dtype=args.dtype, load_format="dummy",
               skip_tokenizer_init=True, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization)
+              enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+              **lora_kw)
+    names = [f"lora{i % len(loras)}" for i in range(len(prompts))] if loras else None
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n,
                              detokenize=False) for n in out_lens]
     # Warm-up on a slice of the workload's shapes: Triton compiles a kernel variant the first
     # time it meets one (prefill tile sizes, split counts), which is start-up cost, not throughput.
     llm.generate(prompts[:32], SamplingParams(temperature=args.temperature, ignore_eos=True,
-                                              max_tokens=16, detokenize=False))
+                                              max_tokens=16, detokenize=False),
+                 lora_request=names[:32] if names else None)
     llm.reset_prefix_cache()  # the timed run must not find these prompts cached
     sync()
     with profiler or contextlib.nullcontext(), triton_variants_met() as met:
         t = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, lora_request=names)
         sync()
         elapsed = time.perf_counter() - t
     if met:  # each one compiled (or at best loaded from Triton's disk cache) inside the timed run
@@ -74,7 +119,8 @@ def run_rlserve(args, path, prompts, out_lens, profiler=None) -> float:
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(out_lens), (produced, sum(out_lens))
     stats = llm.engine.stats()
-    print(f"rlserve: {produced} tokens in {elapsed:.2f}s = {produced / elapsed:,.0f} output tok/s "
+    what = f" with {len(loras)} LoRA adapters mixed" if loras else ""
+    print(f"rlserve{what}: {produced} tokens in {elapsed:.2f}s = {produced / elapsed:,.0f} output tok/s "
           f"(preemptions {stats.preemptions_total}, KV capacity {stats.kv_cache_capacity_tokens} tokens)")
     del llm
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -164,6 +210,9 @@ def main() -> None:
                    help="profile the rlserve run with torch.profiler and print the top ops")
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="with --profile: write the chrome trace to PATH and summarise the device timeline")
+    p.add_argument("--loras", type=int, default=0,
+                   help="also run with this many random LoRA adapters mixed in every batch")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--transformers", action="store_true", help="also run transformers' continuous batching")
     p.add_argument("--transformers-num-seqs", type=int, default=None,
                    help="run transformers on the first N sequences only (it is slow)")
@@ -189,6 +238,12 @@ def main() -> None:
     if args.model in PRESETS and args.device.startswith("cuda"):
         bound = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens)
         print(f"byte-counting bound (H200, 4.8 TB/s): {bound:,.0f} tok/s; rlserve at {ours / bound:.0%}")
+    if args.loras:
+        import tempfile
+        with tempfile.TemporaryDirectory() as root:
+            with_loras = run_rlserve(args, path, prompts, out_lens,
+                                     loras=write_random_adapters(path, args.loras, args.lora_rank, root))
+        print(f"{args.loras} LoRA adapters mixed: {with_loras / ours:.0%} of the base model's throughput")
     if args.transformers:
         theirs = run_transformers(args, path, prompts, out_lens)
         print(f"ratio rlserve / transformers: {ours / theirs:.1f}x")

@@ -10,6 +10,14 @@ reports each push against it; --checksum-cost also pushes without bucket checksu
     python benchmarks/weight_sync.py --model qwen3-8b --backend nccl --device cuda:1 --server-device cuda:0 \
         --bucket-mib 1024 256 --checksum-cost                                        # 2 GPUs
     python benchmarks/weight_sync.py --model qwen3-8b --backend ipc    # trainer and server on one GPU
+    python benchmarks/weight_sync.py --model qwen3-8b --backend ipc --lora --repeats 20   # a LoRA push
+    python benchmarks/weight_sync.py --model qwen3-8b --backend nccl --device cuda:1 --server-device cuda:0 \
+        --lora --repeats 20
+    python benchmarks/weight_sync.py --model smollm2 --backend gloo --lora --repeats 10   # CPU
+
+--lora: the trainer holds a PEFT LoRA adapter (--lora-rank, 16 by default) on every projection
+(q/k/v/o, gate/up/down) and pushes only it with WeightSyncClient.push_lora to a server started
+with --enable-lora: the first push creates the adapter, the timed ones replace it.
 
 --model takes a preset of benchmarks/throughput.py or an HF directory.
 
@@ -57,6 +65,8 @@ def start_server(path: str, args, port: int) -> ServerProcess:
              "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
              "--weight-transfer-config", json.dumps({"backend": args.backend, "timeout_s": 300}),
              "--log-level", "warning"]
+    if args.lora:
+        flags += ["--enable-lora", "--max-lora-rank", str(args.lora_rank)]
     if args.skip_tokenizer:  # a bare preset config: any tokenizer will do for pushes
         flags += ["--tokenizer", any_tokenizer(path)]
     return ServerProcess(path, *flags, port=port, timeout_s=600)
@@ -128,6 +138,8 @@ def main() -> None:
     p.add_argument("--bucket-mib", type=int, nargs="*", default=[512])
     p.add_argument("--checksum-cost", action="store_true", help="also push without bucket checksums")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain broadcast")
+    p.add_argument("--lora", action="store_true", help="push a LoRA adapter on every projection instead")
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--peer", type=int, help=argparse.SUPPRESS)  # the baseline's receiving process
     p.add_argument("--peer-bytes", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -145,6 +157,17 @@ def main() -> None:
     with torch.device(args.device):  # initialised where it lives: an 8B model on the host is slow
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     tensors = [(n, p.detach()) for n, p in model.named_parameters()]
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+        from rlserve.engine.lora import peft_adapter_tensors
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                                                 target_modules=targets, lora_dropout=0.0))
+        with torch.no_grad():  # non-zero B: the pushes carry real values
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 1e-3)
+        _, tensors = peft_adapter_tensors(model)
     size = sum(t.numel() * t.element_size() for _, t in tensors)
     print(f"{args.model}: {len(tensors)} tensors, {size / 1e9:.3f} GB in {args.dtype}, "
           f"backend {args.backend}, trainer on {args.device}, server on {args.server_device}")
@@ -161,6 +184,9 @@ def main() -> None:
         client = WeightSyncClient(f"http://127.0.0.1:{port}", backend=args.backend,
                                   device=args.device if args.backend == "nccl" else None)
         client.init()
+        if args.lora:
+            bench_lora(client, model, size, args.repeats)
+            return
         if args.backend == "ipc":
             bench_ipc(client, tensors, size, args.repeats)
             return
@@ -179,6 +205,21 @@ def main() -> None:
                   f"(best of {args.repeats}; first send {times[0].send_seconds:.4f} s)")
     finally:
         server.stop()
+
+
+def bench_lora(client: WeightSyncClient, peft_model, size: int, repeats: int) -> None:
+    """The first push creates the adapter (ipc: exports and opens every handle); warm pushes
+    replace it: the update call as the trainer sees it, and the whole pause-push-resume."""
+    import statistics
+    first = client.push_lora("bench", peft_model)
+    print(f"{'first LoRA push (creates it)':>34}: update {first.transfer_seconds * 1e3:.2f} ms, "
+          f"pause-push-resume {first.seconds * 1e3:.2f} ms")
+    runs = [client.push_lora("bench", peft_model) for _ in range(repeats)]
+    upd, cyc = [r.transfer_seconds for r in runs], [r.seconds for r in runs]
+    print(f"{'warm LoRA push (update call)':>34}: median {statistics.median(upd) * 1e3:.2f} ms, "
+          f"best {min(upd) * 1e3:.2f} ms ({size / 1e6:.1f} MB; {repeats} pushes)")
+    print(f"{'pause-push-resume (push_lora)':>34}: median {statistics.median(cyc) * 1e3:.2f} ms, "
+          f"best {min(cyc) * 1e3:.2f} ms")
 
 
 def bench_ipc(client: WeightSyncClient, tensors, size: int, repeats: int) -> None:

@@ -10,7 +10,7 @@ Each step:
 2. Samples not produced entirely by the weights the trainer holds are refused.
 3. Reward 1 when the last number in the answer is the sum; advantages normalised per group.
 4. A clipped policy-gradient loss with the rollout logprobs as the behaviour policy; one AdamW step.
-5. The new weights go to the server as version `step`. A failed push is logged and retried at
+5. The new weights go to the server as version `step` (with `--lora`, only the adapter's). A failed push is logged and retried at
    the start of the next step; until one succeeds no rollout is trained on.
 
 The loss never sees a token the trainer cannot attribute to its own weights, and the log shows
@@ -40,6 +40,8 @@ from rlserve.server.launcher import ServerProcess
 from rlserve.weight_transfer import WeightSyncClient, WeightTransferError
 
 QUESTION = "What is {a} + {b}? Answer with just the number."
+LORA_NAME = "grpo-lora"  # the adapter's model name on the server (--lora)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @dataclass
@@ -59,6 +61,11 @@ class Config:
     high: int = 15
     micro_batch: int = 16  # sequences per forward/backward, to bound activation memory
     seed: int = 0
+    # --lora: train a PEFT LoRA adapter on every projection instead of all weights, and push
+    # only the adapter (served as the model LORA_NAME); its own learning rate.
+    lora: bool = False
+    lora_rank: int = 16
+    lora_lr: float = 2e-4
 
 
 @dataclass
@@ -145,6 +152,8 @@ def token_logprobs(model, samples: list[Sample]) -> list[torch.Tensor]:
         rows += [i] * len(s.ids)
         cols += range(len(s.prompt_ids) - 1, len(seq) - 1)
         targets += s.ids
+    if hasattr(model, "get_base_model"):  # a PeftModel (--lora): its LoRA layers are in there
+        model = model.get_base_model()
     hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
     # The LM head only where a sampled token is predicted: most of a sequence is prompt.
     logits = model.lm_head(hidden[rows, cols])
@@ -188,7 +197,10 @@ def push(sync: WeightSyncClient, model, version: int, log) -> bool:
     try:
         if sync.group is None or sync.group.broken:  # a transport failure needs a fresh group
             sync.init()
-        result = sync.push(model.named_parameters(), version=version)
+        if hasattr(model, "peft_config"):  # --lora: the adapter alone, a few MB
+            result = sync.push_lora(LORA_NAME, model, version=version)
+        else:
+            result = sync.push(model.named_parameters(), version=version)
     except (WeightTransferError, requests.RequestException) as e:
         log(f"push of version {version} failed, retrying next step: {e}")
         return False
@@ -205,10 +217,18 @@ def train(cfg: Config, base_url: str, model_path: str, admin_key: str | None = N
     rng = random.Random(cfg.seed + 1)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    lr = cfg.lr
+    if cfg.lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
+                                                 target_modules=LORA_TARGETS, lora_dropout=0.0))
+        lr = cfg.lora_lr
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     client = OpenAI(base_url=f"{base_url}/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
                     timeout=600)
-    served = client.models.list().data[0].id
+    # --lora: rollouts name the adapter, which the first push creates on the server
+    served = LORA_NAME if cfg.lora else client.models.list().data[0].id
     chat = lambda q: tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                                    tokenize=False, add_generation_prompt=True)
     heldout, train_set = make_problems(cfg)
@@ -240,7 +260,7 @@ def train(cfg: Config, base_url: str, model_path: str, admin_key: str | None = N
 
         opt.zero_grad(set_to_none=True)
         stats = policy_gradient(model, samples, group_advantages(samples), cfg) if samples else {}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         rollout_version, version = version, step
         t2 = time.perf_counter()
@@ -303,15 +323,19 @@ def save_plot(records: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def start_server(model_path: str, log_path: str) -> ServerProcess:
+def start_server(model_path: str, log_path: str, cfg: Config | None = None) -> ServerProcess:
+    lora = ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank)] if cfg is not None and cfg.lora else []
     return ServerProcess(model_path, "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
-                         "--weight-transfer-config", json.dumps({"backend": "gloo"}), log=log_path)
+                         "--weight-transfer-config", json.dumps({"backend": "gloo"}), *lora, log=log_path)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, value in asdict(Config()).items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+        if isinstance(value, bool):
+            p.add_argument(f"--{name.replace('_', '-')}", action="store_true")
+        else:
+            p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--model", default=None, help="HF directory (default: the demo model)")
     p.add_argument("--base-url", default=None, help="a running server (default: start one)")
     p.add_argument("--admin-key", default=os.environ.get("RLSERVE_ADMIN_KEY"))
@@ -334,7 +358,7 @@ def main() -> int:
     if url is None:
         server_log = os.path.join(tempfile.gettempdir(), f"grpo_server_{os.getpid()}.log")
         print(f"starting rlserve on {args.model} (log: {server_log})")
-        server = start_server(args.model, server_log)
+        server = start_server(args.model, server_log, cfg)
         url = server.url
     try:
         _, records = train(cfg, url.rstrip("/"), args.model, args.admin_key, on_step=on_step)

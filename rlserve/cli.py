@@ -137,10 +137,34 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--weight-transfer-config", default=None, metavar="JSON",
                      help='enable live weight updates, e.g. \'{"backend": "nccl"}\' '
                           "(backends: nccl, gloo, ipc)")
+    lora = p.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters (PEFT format), chosen per request by `model`")
+    lora.add_argument("--max-loras", type=_positive_int, default=1,
+                      help="adapters loaded at once (their slots are allocated at start)")
+    lora.add_argument("--max-lora-rank", type=_positive_int, default=16,
+                      help="the largest adapter rank served")
+    lora.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                      help='adapters loaded at start: name=path, or JSON {"name": ..., "path": ...}')
     run.add_argument("--reject-while-asleep", action="store_true",
                      help="answer generation requests with 503 while /sleep is in effect "
                           "(default: they wait for /wake_up)")
     p.set_defaults(func=serve)
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """`name=path` or vLLM's JSON form `{"name": ..., "path": ...}`."""
+    if value.lstrip().startswith("{"):
+        import json
+        try:
+            data = json.loads(value)
+            return str(data["name"]), str(data["path"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise argparse.ArgumentTypeError(f'not {{"name": ..., "path": ...}}: {value!r} ({e})')
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"not name=path: {value!r}")
+    return name, path
 
 
 def _read_chat_template(value: str | None) -> str | None:
@@ -193,7 +217,9 @@ def config_from_args(args: argparse.Namespace) -> "EngineConfig":
             served_model_name=served_name,
             chat_template=_read_chat_template(args.chat_template),
             weight_transfer=WeightTransferConfig.parse(args.weight_transfer_config),
-            trust_remote_code=args.trust_remote_code)
+            trust_remote_code=args.trust_remote_code,
+            enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+            lora_modules=dict(args.lora_modules or []))
     except ValueError as e:  # config errors name the flag; no traceback for a typo
         raise SystemExit(f"rlserve serve: {e}") from None
     if config.data_parallel_size > 1 and args.api_server_count > 1:

@@ -105,6 +105,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     logprobs_mode: str = "raw_logprobs"  # see LOGPROBS_MODES
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # LoRA adapters (rlserve/engine/lora.py): slots and the largest rank are fixed at start.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT directory, loaded at start
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -124,6 +129,10 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size: must be at least 1")
         if self.data_parallel_size < 1:
             raise ValueError("data_parallel_size: must be at least 1")
+        if self.data_parallel_size > 1 and self.enable_lora:
+            # The router does not yet carry adapter names and adapter loads to every replica.
+            raise ValueError("enable_lora: not supported with data_parallel_size > 1 yet; "
+                             "run one server per replica")
         if self.dp_engines is not None and len(self.dp_engines) != self.data_parallel_size:
             raise ValueError(f"dp_engines: {len(self.dp_engines)} given for data_parallel_size "
                              f"{self.data_parallel_size}")
@@ -132,6 +141,7 @@ class EngineConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, "
                              f"got {self.logprobs_mode!r}")
+        self._check_lora()
         if isinstance(self.weight_transfer, (str, dict)):
             self.weight_transfer = WeightTransferConfig.parse(self.weight_transfer)
         if self.weight_transfer is not None and self.weight_transfer.backend == "ipc":
@@ -143,6 +153,22 @@ class EngineConfig:
                 raise ValueError("weight-transfer-config: backend ipc needs tensor_parallel_size 1 "
                                  "and data_parallel_size 1 "
                                  "(each rank would need the trainer on its own GPU; use nccl)")
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.max_loras, int) or not 1 <= self.max_loras <= 256:
+            raise ValueError(f"max_loras: must be an integer in 1..256, got {self.max_loras!r}")
+        if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank: must be an integer in 1..512, got {self.max_lora_rank!r}")
+        self.lora_modules = dict(self.lora_modules or {})
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules: adapters need enable_lora (--enable-lora)")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"lora_modules: {len(self.lora_modules)} adapters, but max_loras is "
+                             f"{self.max_loras} (raise --max-loras)")
+        for name in self.lora_modules:
+            if not name or name == self.name:
+                raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty and differ "
+                                 "from the served model's name")
 
     @property
     def name(self) -> str:

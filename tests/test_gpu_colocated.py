@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import start_server, stop_server
+from conftest import random_qwen3_checkpoint, start_server, stop_server
 from rlserve.weight_transfer import IPCWeightTransferEngine, UpdateRefusedError
 
 pytestmark = [
@@ -27,25 +27,9 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    """A random Qwen3 checkpoint, and a word-level tokenizer for it. The embedding (tied
-    to the head) is drawn wide enough that few greedy choices are bf16 near-ties."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+    """A random Qwen3 checkpoint, and a word-level tokenizer for it."""
     path = tmp_path_factory.mktemp("colocated")
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                      max_position_embeddings=2048, tie_word_embeddings=True,
-                      architectures=["Qwen3ForCausalLM"], eos_token_id=0)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15 if "embed" in name else 0.05)
-    hf.save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t0").save_pretrained(path)
+    random_qwen3_checkpoint(path, VOCAB, 512, tie_word_embeddings=True)
     return str(path)
 
 

@@ -17,7 +17,8 @@ import msgspec
 
 from rlserve.config import EngineConfig
 from rlserve.engine.core_client import EngineAddresses, EngineCoreClient
-from rlserve.engine.messages import EngineDeadError, EngineReady
+from rlserve.engine.messages import (EngineDeadError, EngineReady, LoadLoRAAdapter, LoRAAdapterInfo,
+                                     ModelNotFoundError, UnloadLoRAAdapter)
 from rlserve.engine.output_processor import LatencyObserver, OutputProcessor, RequestState
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
 from rlserve.engine.request import (EngineUnavailableError, InvalidRequestError, RequestOutput,
@@ -99,9 +100,12 @@ class AsyncEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                     request_id: str | None = None, prompt: str | None = None,
                     arrival: float | None = None, notify: Callable[[], None] | None = None,
-                    stream: bool = False, cache_salt: str | None = None) -> RequestState:
+                    stream: bool = False, cache_salt: str | None = None,
+                    lora_name: str | None = None) -> RequestState:
         """Validate and send one prompt (all its n samples). `notify` is called as its
-        state changes: after every engine step with `stream`, else once, at the end."""
+        state changes: after every engine step with `stream`, else once, at the end.
+        `lora_name`: a loaded LoRA adapter to run with (the engine resolves it: 404 if not
+        loaded), None for the base model."""
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
         check_cache_salt(cache_salt)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -109,7 +113,7 @@ class AsyncEngine:
             raise InvalidRequestError(f"request_id: {request_id!r} is already running", "request_id")
         state = RequestState(request_id, prompt, prompt_token_ids, params, arrival, notify, stream)
         self.client.add_request(request_id, prompt_token_ids, params,
-                                stream or OutputProcessor.needs_steps(params), cache_salt)
+                                stream or OutputProcessor.needs_steps(params), cache_salt, lora_name)
         self.processor.add(state)
         self.requests[request_id] = state
         return state
@@ -143,6 +147,7 @@ class AsyncEngine:
             state = self.requests.get(r.request_id)
             if state is not None:
                 error = (InvalidRequestError(r.message, r.param) if r.status == 400
+                         else ModelNotFoundError(r.message, r.param) if r.status == 404
                          else EngineUnavailableError(r.message))
                 self.processor.fail(state, error)
 
@@ -191,6 +196,19 @@ class AsyncEngine:
 
     async def abort_all(self) -> int:
         return await self.call("abort_all")
+
+    # -- LoRA adapters (rlserve/engine/lora.py) ------------------------------------------
+    async def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> LoRAAdapterInfo:
+        client = self.client
+        info = await client.send_call(lambda i: LoadLoRAAdapter(i, name, path, load_inplace, client.client_index))
+        return msgspec.convert(info, LoRAAdapterInfo)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        client = self.client
+        await client.send_call(lambda i: UnloadLoRAAdapter(i, name, client.client_index))
+
+    async def list_lora_adapters(self) -> list[LoRAAdapterInfo]:
+        return msgspec.convert(await self.call("list_loras"), list[LoRAAdapterInfo])
 
     async def init_weight_transfer(self, init_info: dict) -> None:
         """Join the trainer's group; answers once the group has formed."""

@@ -113,6 +113,12 @@ class EngineCore:
             t1 = time.perf_counter()
             self.executor.collective_rpc("capture_cuda_graphs", config.max_num_seqs, self.max_model_len)
             logger.info("captured CUDA graphs in %.1fs", time.perf_counter() - t1)
+        self.lora = None  # rlserve.engine.lora.LoRAManager, with enable_lora
+        if config.enable_lora:
+            from rlserve.engine.lora import LoRAManager
+            self.lora = LoRAManager(self.executor, config.max_loras, config.max_lora_rank)
+            for name, path in config.lora_modules.items():
+                self.lora.load(name, path)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         # Overlapped scheduling needs a device that runs ahead of the host, and one rank.
@@ -149,16 +155,24 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------------
     def make_requests(self, prompt_token_ids: list[int], params: SamplingParams,
                       request_id: str, stream: bool = False,
-                      cache_salt: str | None = None) -> list[Request]:
+                      cache_salt: str | None = None, lora_name: str | None = None) -> list[Request]:
         """Validate one prompt and expand it into its n sample requests. `stream`: every
         step reports the request's new token; otherwise it reports everything once, when
         the request finishes. `cache_salt`: prefix-cache blocks are shared only with
-        requests of the same salt."""
+        requests of the same salt. `lora_name`: a loaded LoRA adapter to run with."""
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        slot = -1
+        if lora_name is not None:
+            if self.lora is None:
+                from rlserve.engine.messages import ModelNotFoundError
+                raise ModelNotFoundError(f"model: {lora_name!r} is not served (LoRA adapters need "
+                                         "--enable-lora)")
+            adapter = self.lora.resolve(lora_name)
+            slot, cache_salt = adapter.slot, adapter.cache_salt(cache_salt)
         grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
         reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
                         group_id=request_id if params.n > 1 else None, sample_index=i, stream=stream,
-                        cache_salt=cache_salt)
+                        cache_salt=cache_salt, lora_name=lora_name, lora_slot=slot)
                 for i, rid in enumerate(sample_ids(request_id, params.n))]
         for req in reqs:
             req.grammar = grammar
@@ -489,8 +503,10 @@ class EngineCore:
         self.executor.collective_rpc("load_weights", weights)
         return self._new_version(version)
 
-    def apply_staged_weights(self, version: int | None = None) -> int:
+    def apply_staged_weights(self, version: int | None = None,
+                             lora: tuple[str, dict] | None = None) -> int:
         """Copy the workers' received, validated tensors into the model, between steps.
+        `lora`: the update was an adapter's, (name, its config for the workers).
 
         Runs in the engine thread, so no step ever sees a half-updated model.
         """
@@ -498,9 +514,41 @@ class EngineCore:
             self.executor.collective_rpc("drop_staged_weights")
             raise InvalidRequestError("the server is asleep: POST /wake_up before updating weights",
                                       "update_info")
+        if lora is not None:
+            self.lora.apply_update(*lora)
+            return self._new_version(version)
         self.executor.collective_rpc("apply_staged_weights")
         self.scheduler.no_weights = False  # an update carries every required weight
         return self._new_version(version)
+
+    # -- LoRA adapters (rlserve/engine/lora.py) ------------------------------------------
+    def require_lora(self):
+        if self.lora is None:
+            raise InvalidRequestError("lora_name: LoRA adapters need a server started with --enable-lora",
+                                      "lora_name")
+        return self.lora
+
+    def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> dict:
+        """Load a PEFT adapter directory as `name`. In place (load_inplace), the requests
+        running with it continue on the new weights, which is a new weight version."""
+        adapter, replaced = self.require_lora().load(name, path, load_inplace)
+        if replaced:
+            self._new_version(None)
+        return adapter.info()
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Refused (ConflictError) while requests use the adapter: its slot may be reused."""
+        from rlserve.engine.messages import ConflictError
+        lora = self.require_lora()
+        lora.resolve(name, "lora_name")
+        users = sum(r.lora_name == name for r in (*self.scheduler.requests.values(), *self.held))
+        if users:
+            raise ConflictError(f"lora_name: {users} request(s) still run with {name!r}; let them "
+                                "finish (or /pause?mode=abort) before unloading it")
+        lora.unload(name)
+
+    def list_lora_adapters(self) -> list[dict]:
+        return [] if self.lora is None else self.lora.list()
 
     def _new_version(self, version: int | None) -> int:
         self.weight_version = self.weight_version + 1 if version is None else int(version)

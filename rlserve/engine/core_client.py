@@ -181,10 +181,10 @@ class EngineCoreClient:
             raise EngineDeadError(f"the engine is down: {self.dead}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    stream: bool, cache_salt: str | None = None) -> None:
+                    stream: bool, cache_salt: str | None = None, lora_name: str | None = None) -> None:
         self._check_alive()
         self._input.send(self._encode(AddRequest(request_id, prompt_token_ids, params, stream,
-                                                 self.client_index, cache_salt)), copy=False)
+                                                 self.client_index, cache_salt, lora_name)), copy=False)
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.dead is None:
@@ -193,12 +193,16 @@ class EngineCoreClient:
     async def call(self, method: str, *args: Any) -> Any:
         """Run a control call in the engine (between two steps, or beside them for the
         calls that wait on a trainer) and return its result."""
+        return await self.send_call(lambda call_id: UtilityCall(call_id, method, list(args), self.client_index))
+
+    async def send_call(self, make: Callable[[int], Any]) -> Any:
+        """Send the call message `make(call_id)` (a UtilityCall or a typed call such as
+        LoadLoRAAdapter) and return the engine's answer."""
         self._check_alive()
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._input.send(self._encode(UtilityCall(call_id, method, list(args), self.client_index)),
-                         copy=False)
+        self._input.send(self._encode(make(call_id)), copy=False)
         return await fut
 
     # -- stop --------------------------------------------------------------------------

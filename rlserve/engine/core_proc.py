@@ -40,7 +40,8 @@ import zmq
 
 from rlserve.engine.core import EngineCore
 from rlserve.engine.messages import (AbortRequests, AddRequest, CallResult, ConflictError, EngineDead,
-                                     EngineInput, EngineReady, UtilityCall, error_result)
+                                     EngineInput, EngineReady, ModelNotFoundError, UtilityCall,
+                                     error_result)
 from rlserve.engine.outputs import EngineCoreOutputs, Rejected
 from rlserve.engine.request import EngineUnavailableError, InvalidRequestError
 from rlserve.process import watch_parent
@@ -175,17 +176,21 @@ class EngineCoreProc:
                 self._add(message)
             elif isinstance(message, AbortRequests):
                 self._abort(message.request_ids)
-            else:
+            elif isinstance(message, UtilityCall):
                 self._call(message)
+            else:  # the typed adapter calls
+                self._call(message.as_call())
 
     def _add(self, m: AddRequest) -> None:
         core = self.core
         try:
-            reqs = core.make_requests(m.prompt_token_ids, m.params, m.request_id, m.stream, m.cache_salt)
+            reqs = core.make_requests(m.prompt_token_ids, m.params, m.request_id, m.stream, m.cache_salt,
+                                      m.lora_name)
             for req in reqs:
                 core.add_request(req)
         except (InvalidRequestError, EngineUnavailableError) as e:
-            status = 503 if isinstance(e, EngineUnavailableError) else 400
+            status = (503 if isinstance(e, EngineUnavailableError) else
+                      404 if isinstance(e, ModelNotFoundError) else 400)
             self._send(m.client, EngineCoreOutputs(core.weight_version, rejected=[
                 Rejected(m.request_id, str(e), getattr(e, "param", None), status)]))
             return
@@ -247,9 +252,16 @@ class EngineCoreProc:
         elif self.core.sleeping:
             refusal = InvalidRequestError(
                 "the server is asleep: POST /wake_up before updating weights", "update_info")
+        lora = None  # an adapter's update: (name, its config for the workers)
+        if refusal is None and isinstance(update_info, dict) and update_info.get("lora_name") is not None:
+            try:
+                lora = [update_info["lora_name"], self.core.require_lora().update_config(update_info)]
+            except InvalidRequestError as e:
+                refusal = e
         self.transfer = call
         threading.Thread(target=self._receive if refusal is None else self._refuse,
-                         args=(call, update_info, version if refusal is None else refusal),
+                         args=(call, update_info, version, lora) if refusal is None else
+                         (call, update_info, refusal),
                          name="rlserve-receive-update", daemon=True).start()
         return _DEFERRED
 
@@ -263,10 +275,12 @@ class EngineCoreProc:
                 self.transfer = None
             self._fail_call(call, refusal)
 
-    def _receive(self, call: UtilityCall, update_info: dict, version: int | None) -> None:
+    def _receive(self, call: UtilityCall, update_info: dict, version: int | None,
+                 lora: list | None = None) -> None:
         t0 = time.perf_counter()
         try:
-            sizes = self.core.executor.collective_rpc("receive_weights", update_info)
+            extra = () if lora is None else (lora[1],)
+            sizes = self.core.executor.collective_rpc("receive_weights", update_info, *extra)
         except Exception as e:
             if self.transfer is call:
                 self.transfer = None
@@ -277,17 +291,17 @@ class EngineCoreProc:
             return
         # Applied between two steps: the loop reads this like any other message.
         apply = UtilityCall(call.call_id, "apply_update",
-                            [version, sizes[0], time.perf_counter() - t0], call.client)
+                            [version, sizes[0], time.perf_counter() - t0, lora], call.client)
         sock = self.ctx.socket(zmq.PUSH)
         sock.connect(self.input_address)
         sock.send(msgspec.msgpack.encode(apply))
         sock.close(linger=-1)
 
     def _call_apply_update(self, call: UtilityCall, version: int | None, num_bytes: int,
-                           receive_seconds: float) -> dict:
+                           receive_seconds: float, lora: list | None = None) -> dict:
         t0 = time.perf_counter()
         try:
-            new_version = self.core.apply_staged_weights(version)
+            new_version = self.core.apply_staged_weights(version, None if lora is None else tuple(lora))
         finally:
             t = self.transfer  # this update's (a newer init may have taken over meanwhile)
             if t is not None and (t.call_id, t.client, t.method) == (call.call_id, call.client, "update_weights"):
@@ -369,6 +383,15 @@ class EngineCoreProc:
                   timeout_s: float) -> list[int]:
         # The layouts were compared above, rank by rank; every rank pair then copies at once.
         return [int(x) for x in self.core.executor.collective_rpc(method, address, ports, None, timeout_s)]
+
+    def _call_load_lora(self, call: UtilityCall, name: str, path: str, load_inplace: bool = False) -> dict:
+        return self.core.load_lora_adapter(name, path, load_inplace)
+
+    def _call_unload_lora(self, call: UtilityCall, name: str) -> None:
+        self.core.unload_lora_adapter(name)
+
+    def _call_list_loras(self, call: UtilityCall) -> list:
+        return self.core.list_lora_adapters()
 
     def _call_stats(self, call: UtilityCall):
         return self.core.stats()

@@ -36,10 +36,13 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+                 cache_salt: str | None = None, lora_request=None) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists), returned in input order.
 
         `cache_salt`: these prompts share prefix-cache blocks only with requests of the same salt.
+        `lora_request`: the LoRA adapter to run with, for all prompts or one per prompt
+        (None: the base model): a LoRARequest(name, id, path) as in vLLM (loaded from
+        `path` on first use) or a loaded adapter's name.
         """
         check_cache_salt(cache_salt)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -48,6 +51,7 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params: one per prompt, or a single one for all")
+        lora_names = self._lora_names(lora_request, len(prompts))
 
         processor = OutputProcessor(self.tokenizer)
         # Validate everything before admitting anything, so a bad prompt leaves no work behind.
@@ -62,7 +66,7 @@ class LLM:
             rid = str(next(self._ids))
             stream = self._report_every_step or processor.needs_steps(p)
             pending.append((RequestState(rid, text, ids, p),
-                            self.engine.make_requests(ids, p, rid, stream, cache_salt)))
+                            self.engine.make_requests(ids, p, rid, stream, cache_salt, lora_names[len(pending)])))
         for state, reqs in pending:
             processor.add(state)
             for req in reqs:
@@ -92,6 +96,31 @@ class LLM:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer versions
             ids = ids["input_ids"]
         return list(ids)
+
+    def _lora_names(self, lora_request, num_prompts: int) -> list[str | None]:
+        from rlserve.engine.lora import LoRARequest
+        many = isinstance(lora_request, (list, tuple)) and not isinstance(lora_request, LoRARequest)
+        requests = list(lora_request) if many else [lora_request] * num_prompts
+        if len(requests) != num_prompts:
+            raise ValueError("lora_request: one per prompt, or a single one for all")
+        names = []
+        for r in requests:
+            if isinstance(r, LoRARequest):
+                if r.lora_path is not None and r.lora_name not in {a["name"] for a in self.list_lora_adapters()}:
+                    self.load_lora_adapter(r.lora_name, r.lora_path)
+                r = r.lora_name
+            names.append(r)
+        return names
+
+    def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> dict:
+        """Load a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+        return self.engine.load_lora_adapter(name, path, load_inplace)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.engine.unload_lora_adapter(name)
+
+    def list_lora_adapters(self) -> list[dict]:
+        return self.engine.list_lora_adapters()
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()

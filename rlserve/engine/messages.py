@@ -7,6 +7,7 @@ API server -> engine (one PULL socket the engine binds; every API server PUSHes 
     AddRequest       a prompt with its sampling parameters (its n samples are made there)
     AbortRequests    end these samples now
     UtilityCall      a control call (pause, update, sleep, stats, ...), answered by a CallResult
+    LoadLoRAAdapter, UnloadLoRAAdapter   adapter calls (typed), answered by a CallResult
 Engine -> API server (one PULL socket per API server, which binds it; the engine PUSHes):
     EngineReady      once, when the model is loaded: what the front end needs to know
     EngineCoreOutputs  one per step: see outputs.py
@@ -31,6 +32,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     stream: bool  # report its tokens every step (else once, when it finishes)
     client: int = 0  # the API server it came from: its outputs go back there
     cache_salt: str | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter to run with (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -42,6 +44,39 @@ class UtilityCall(msgspec.Struct, tag="call", array_like=True):
     method: str
     args: list[Any] = []
     client: int = 0
+
+
+class LoadLoRAAdapter(msgspec.Struct, tag="load_lora", array_like=True):
+    """Load a PEFT adapter directory as `lora_name` (vLLM's /v1/load_lora_adapter)."""
+
+    call_id: int
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # replace a loaded adapter of that name
+    client: int = 0
+
+    def as_call(self) -> UtilityCall:
+        return UtilityCall(self.call_id, "load_lora", [self.lora_name, self.lora_path, self.load_inplace],
+                           self.client)
+
+
+class UnloadLoRAAdapter(msgspec.Struct, tag="unload_lora", array_like=True):
+    call_id: int
+    lora_name: str
+    client: int = 0
+
+    def as_call(self) -> UtilityCall:
+        return UtilityCall(self.call_id, "unload_lora", [self.lora_name], self.client)
+
+
+class LoRAAdapterInfo(msgspec.Struct):
+    """A loaded adapter, as list_loras and load_lora answer."""
+
+    name: str
+    slot: int
+    path: str | None  # None: pushed by a trainer
+    r: int
+    lora_alpha: float
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -72,8 +107,15 @@ class EngineDead(msgspec.Struct, tag="dead", array_like=True):
     reason: str
 
 
-EngineInput = Union[AddRequest, AbortRequests, UtilityCall]
+EngineInput = Union[AddRequest, AbortRequests, UtilityCall, LoadLoRAAdapter, UnloadLoRAAdapter]
 EngineOutput = Union[EngineCoreOutputs, CallResult, EngineReady, EngineDead]
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """`model` (or `param`) names neither the served model nor a loaded adapter (HTTP 404)."""
+
+    def __init__(self, message: str, param: str | None = "model"):
+        super().__init__(message, param)
 
 
 class ConflictError(RuntimeError):
@@ -86,7 +128,7 @@ class EngineDeadError(RuntimeError):
 
 def _error_types() -> dict[str, type[BaseException]]:
     from rlserve.weight_transfer.errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
-    types = [InvalidRequestError, EngineUnavailableError, ConflictError, EngineDeadError,
+    types = [ModelNotFoundError, InvalidRequestError, EngineUnavailableError, ConflictError, EngineDeadError,
              InvalidUpdateError, UpdateRefusedError, WeightTransferError, ValueError, RuntimeError]
     return {t.__name__: t for t in types}
 
@@ -101,6 +143,8 @@ def error_from_result(r: CallResult) -> BaseException:
     cls = _error_types().get(r.error_type)
     if cls is InvalidRequestError:
         return InvalidRequestError(r.error, r.param)
+    if cls is ModelNotFoundError:
+        return ModelNotFoundError(r.error, r.param)
     if cls is None:
         return RuntimeError(f"{r.error_type}: {r.error}")
     return cls(r.error)

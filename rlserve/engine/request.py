@@ -357,6 +357,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Prefix-cache isolation (vLLM's name): only requests with the same salt share blocks.
     cache_salt: str | None = None
+    # The LoRA adapter it runs with (rlserve.engine.lora): its name and the slot its weights
+    # sit in; None / -1: the base model.
+    lora_name: str | None = None
+    lora_slot: int = -1
 
     def __post_init__(self) -> None:
         check_cache_salt(self.cache_salt)

@@ -51,9 +51,13 @@ class ColumnParallelLinear(ShardedModule):
         out_features = sum(s.size for s in outputs)
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.lora = None  # a LoRALayer once rlserve.model.lora.attach_lora ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora(y, x)
+        return y
 
     def weight_shards(self, leaf: str) -> list[Shard | None]:
         return list(self.outputs)
@@ -70,11 +74,18 @@ class RowParallelLinear(ShardedModule):
         self.inputs = Shard(1, inputs.start, inputs.size, inputs.full)
         self.weight = nn.Parameter(torch.empty(out_features, inputs.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.lora = None  # a LoRALayer once rlserve.model.lora.attach_lora ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            y = F.linear(x, self.weight, self.bias)
+            if self.lora is not None:
+                self.lora(y, x)
+            return y
+        out = F.linear(x, self.weight)
+        if self.lora is not None:
+            self.lora(out, x)  # this rank's partial delta: the all-reduce sums them
+        out = self.tp.all_reduce(out)
         return out + self.bias if self.bias is not None else out
 
     def weight_shards(self, leaf: str) -> list[Shard | None]:

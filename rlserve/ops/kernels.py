@@ -36,6 +36,8 @@ class Kernels:
     rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps)
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, residual, weight, eps)
     silu_and_mul: Callable[..., torch.Tensor]  # (x)
+    # y += LoRA deltas in place: (y, x, a, b, slices, slice_table, LoRABatch); see ops/lora.py
+    lora: Callable[..., None]
     # Fused rotary embedding (with the q/k norms and the KV store folded in); None: torch rotary.
     rope: Callable[..., None] | None = None
     # Gumbel-max sampling over tempered logits; None: the torch sampler.
@@ -55,6 +57,11 @@ def _torch_paged_attention(query, k_cache, v_cache, meta, scale: float) -> torch
                                          meta.seq_lens, meta.block_tables, scale)
 
 
+def _torch_lora(y, x, a, b, slices, slice_table, batch) -> None:
+    from rlserve.ops.lora import lora_reference
+    lora_reference(y, x, a, b, slices, batch)
+
+
 TORCH = Kernels(
     name="torch",
     store_kv_cache=attention_ref.store_kv_cache,
@@ -62,11 +69,12 @@ TORCH = Kernels(
     rms_norm=fused_ref.rms_norm,
     fused_add_rms_norm=fused_ref.fused_add_rms_norm,
     silu_and_mul=fused_ref.silu_and_mul,
+    lora=_torch_lora,
 )
 
 
 def _triton() -> Kernels:
-    from rlserve.ops import triton_attention, triton_fused
+    from rlserve.ops import triton_attention, triton_fused, triton_lora
     from rlserve.ops.triton_rotary import rope_
     from rlserve.ops.triton_sampling import gumbel_sample
 
@@ -82,10 +90,14 @@ def _triton() -> Kernels:
             return triton_fused.rms_norm(x, weight, eps)
         return fused_ref.rms_norm(x, weight, eps)
 
+    def lora(y, x, a, b, slices, slice_table, batch) -> None:
+        triton_lora.lora_shrink_expand(y, x, a, b, slices, slice_table, batch.sorted_tokens,
+                                       batch.slot_starts)
+
     return Kernels(name="triton", store_kv_cache=triton_attention.store_kv_cache,
                    paged_attention=paged_attention, rms_norm=rms_norm,
                    fused_add_rms_norm=triton_fused.fused_add_rms_norm,
-                   silu_and_mul=triton_fused.silu_and_mul, rope=rope_, sample=gumbel_sample,
+                   silu_and_mul=triton_fused.silu_and_mul, lora=lora, rope=rope_, sample=gumbel_sample,
                    graphs=True)
 
 

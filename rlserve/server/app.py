@@ -87,6 +87,9 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     if config.data_parallel_size > 1:
         from rlserve.server.routes_replicas import router as replicas_router
         app.include_router(replicas_router)
+    if config.enable_lora:
+        from rlserve.server.routes_lora import add_lora_routes
+        add_lora_routes(app)
     if config.weight_transfer is not None:
         # The control plane exists only when a weight-transfer backend is configured.
         from rlserve.server.routes_control import add_control_routes

@@ -281,6 +281,7 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "rlserve"
     root: str
+    parent: str | None = Extension(None, "a LoRA adapter's base model")
     max_model_len: int
 
 

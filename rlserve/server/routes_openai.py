@@ -46,10 +46,11 @@ router = APIRouter(dependencies=[Depends(require_api_key)], responses=ERRORS)
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> Response:
+    from rlserve.server.routes_lora import lora_model_cards
     serving = request.app.state.completions
     return json_response(ModelList(data=[ModelCard(
         id=serving.model_name, created=serving.created, root=serving.model_name,
-        max_model_len=serving.engine.max_model_len)]))
+        max_model_len=serving.engine.max_model_len), *await lora_model_cards(request)]))
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, dependencies=[Depends(require_awake)],

@@ -59,7 +59,8 @@ class Generation:
     """
 
     def __init__(self, engine: "AsyncEngine", request_id: str, prompts: list[Prompt],
-                 params: SamplingParams, arrival: float, stream: bool, cache_salt: str | None = None):
+                 params: SamplingParams, arrival: float, stream: bool, cache_salt: str | None = None,
+                 lora_name: str | None = None):
         for p in prompts:  # all checked before any is sent
             validate_prompt(p.token_ids, params, engine.max_model_len, engine.vocab_size)
         self.engine = engine
@@ -70,7 +71,7 @@ class Generation:
             for p, rid in zip(prompts, ids):
                 self.states.append(engine.add_request(
                     p.token_ids, params, request_id=rid, prompt=p.text, arrival=arrival,
-                    notify=self.changed.set, stream=stream, cache_salt=cache_salt))
+                    notify=self.changed.set, stream=stream, cache_salt=cache_salt, lora_name=lora_name))
         except BaseException:
             self.close()
             raise
@@ -127,10 +128,15 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ checks and inputs
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model: {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model). With --enable-lora any
+        other name goes to the engine, which knows the adapters loaded (404 if not)."""
+        if model is None or model == self.model_name:
+            return None
+        if self.config.enable_lora:
+            return model
+        raise APIError(404, f"model: {model!r} does not exist; this server serves "
+                            f"{self.model_name!r}", param="model", code="model_not_found")
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         for t in ids:

@@ -20,7 +20,7 @@ from rlserve.server.token_strings import floor_logprob
 
 class ChatServing(OpenAIServing):
     async def create(self, body: ChatCompletionRequest, arrival: float) -> Response:
-        self.check_model(body.model)
+        lora_name = self.check_model(body.model)
         self.refuse_unsupported(body)
         if body.tools:
             raise InvalidRequestError("tools: not supported", "tools")
@@ -36,7 +36,7 @@ class ChatServing(OpenAIServing):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         generation = Generation(self.engine, request_id, [prompt], params, arrival, body.stream,
-                                body.cache_salt)
+                                body.cache_salt, lora_name)
         events = self._events(body, request_id, created, prompt, generation) if body.stream else None
         return await self.respond(generation, events,
                                   lambda: self._body(body, request_id, created, prompt, generation))
@@ -78,7 +78,7 @@ class ChatServing(OpenAIServing):
             self._extras(body, choice, state, delta)
             choices.append(choice)
         return ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices,
+            id=request_id, created=created, model=body.model or self.model_name, choices=choices,
             usage=usage([prompt], sum(len(s.token_ids) for s in state.samples), state.num_cached_tokens),
             prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
             weight_version=state.weight_version)
@@ -89,7 +89,7 @@ class ChatServing(OpenAIServing):
         version = max(self.engine.weight_version, state.weight_version)
 
         def chunk(choices: list[ChatChunkChoice], **extra: Any) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=body.model or self.model_name,
                                            choices=choices, weight_version=version, **extra))
 
         # The role comes first, in a chunk of its own, as OpenAI sends it.

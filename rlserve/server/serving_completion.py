@@ -17,7 +17,7 @@ from rlserve.server.token_strings import floor_logprob
 
 class CompletionServing(OpenAIServing):
     async def create(self, body: CompletionRequest, arrival: float) -> Response:
-        self.check_model(body.model)
+        lora_name = self.check_model(body.model)
         self.refuse_unsupported(body)
         if body.suffix:
             raise InvalidRequestError("suffix: not supported", "suffix")
@@ -30,7 +30,7 @@ class CompletionServing(OpenAIServing):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         generation = Generation(self.engine, request_id, prompts, params, arrival, body.stream,
-                                body.cache_salt)
+                                body.cache_salt, lora_name)
         events = (self._events(body, request_id, created, prompts, generation) if body.stream else None)
         return await self.respond(generation, events,
                                   lambda: self._body(body, request_id, created, prompts, generation))
@@ -115,7 +115,7 @@ class CompletionServing(OpenAIServing):
                 choices.append(self._choice(body, i * body.n + delta.index, prompt, state, delta))
         states = generation.states
         return CompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices,
+            id=request_id, created=created, model=body.model or self.model_name, choices=choices,
             usage=usage(prompts, sum(len(s.token_ids) for st in states for s in st.samples),
                         sum(st.num_cached_tokens for st in states)),
             weight_version=max(st.weight_version for st in states))
@@ -135,7 +135,7 @@ class CompletionServing(OpenAIServing):
                         continue
                     choice = self._choice(body, i * body.n + delta.index, prompts[i], state, delta, offsets)
                     parts.append(sse(CompletionResponse(id=request_id, created=created,
-                                                        model=self.model_name, choices=[choice],
+                                                        model=body.model or self.model_name, choices=[choice],
                                                         weight_version=version)))
             if parts:
                 yield "".join(parts)
@@ -146,5 +146,5 @@ class CompletionServing(OpenAIServing):
             states = generation.states
             u = usage(prompts, sum(len(s.token_ids) for st in states for s in st.samples),
                       sum(st.num_cached_tokens for st in states))
-            yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
+            yield sse(CompletionResponse(id=request_id, created=created, model=body.model or self.model_name,
                                          choices=[], usage=u, weight_version=version))

@@ -192,20 +192,48 @@ class WeightSyncClient:
         """Pause every server, send the tensors, load them, resume. All or nothing per server:
         a failure leaves that server on its previous weights and raises here.
         `checksum=False` sends no bucket checksums (nccl, gloo; for measuring their cost)."""
+        return self._push([(n, t.detach()) for n, t in named_tensors], {}, version, pause_mode, packed,
+                          packed_buffer_size_bytes, packed_num_buffers, checksum)
+
+    def push_lora(self, adapter_name: str, peft_model, version: int | None = None,
+                  pause_mode: str = "keep", adapter: str | None = None, packed: bool | None = None,
+                  checksum: bool = True, lora_config: dict | None = None) -> PushResult:
+        """Push a PEFT model's LoRA adapter (its active one, or `adapter`) to the servers
+        as the adapter `adapter_name`: only its lora_A / lora_B tensors and its config
+        travel. The adapter is created if the servers do not have it yet (a free slot
+        needed), else replaced; requests then pick it by `model=adapter_name`. Same
+        guarantees as `push`: validated before any byte moves (unknown modules, ranks
+        and shapes refused), all or nothing, a new weight version.
+
+        With `lora_config` (PEFT's adapter_config fields), `peft_model` may instead be
+        (PEFT name, tensor) pairs, e.g. a training framework's adapter state dict."""
+        from rlserve.engine.lora import canonical_peft_names, peft_adapter_tensors
+        if lora_config is not None:
+            config = dict(lora_config)
+            tensors = [(n, t.detach()) for n, t in canonical_peft_names(
+                peft_model.named_parameters() if hasattr(peft_model, "named_parameters") else peft_model)]
+        else:
+            config, tensors = peft_adapter_tensors(peft_model, adapter)
+        return self._push(tensors, {"lora_name": adapter_name, "lora_config": config}, version, pause_mode,
+                          packed, DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, checksum)
+
+    def _push(self, tensors: list[tuple[str, torch.Tensor]], extra: dict, version: int | None,
+              pause_mode: str, packed: bool | None, packed_buffer_size_bytes: int,
+              packed_num_buffers: int, checksum: bool) -> PushResult:
+        """`extra`: further update_info fields (a LoRA adapter's name and config)."""
         if self.group is None and self._sizes is None:
             raise WeightTransferError("call init() before push()")
         if packed is None:
             # Measured (benchmarks/RESULTS.md): over gloo on CPU one broadcast per tensor
             # beats packing, whose host copies cost more than they save.
             packed = self.backend != "gloo"
-        tensors = [(n, t.detach()) for n, t in named_tensors]
         if self.backend != "ipc":
             self._group_for(tensors)
         update_info = dict(names=[n for n, _ in tensors],
                            dtype_names=[str(t.dtype).split(".")[-1] for _, t in tensors],
                            shapes=[list(t.shape) for _, t in tensors], packed=packed,
                            packed_buffer_size_bytes=packed_buffer_size_bytes,
-                           packed_num_buffers=packed_num_buffers)
+                           packed_num_buffers=packed_num_buffers, **extra)
         if version is not None:
             update_info["weight_version"] = version
         num_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
@@ -218,7 +246,7 @@ class WeightSyncClient:
             t1 = time.perf_counter()
             send_seconds = None
             if self.backend == "ipc":
-                results = self._send_ipc(tensors, version)
+                results = self._send_ipc(tensors, version, extra)
             else:
                 results, send_seconds = self._send_collective(
                     tensors, update_info, packed, packed_buffer_size_bytes, packed_num_buffers, checksum)
@@ -253,9 +281,9 @@ class WeightSyncClient:
             raise WeightTransferError("; ".join(errors) or str(send_error)) from send_error
         return results, send_seconds
 
-    def _send_ipc(self, tensors, version: int | None) -> list[dict]:
+    def _send_ipc(self, tensors, version: int | None, extra: dict) -> list[dict]:
         """Each server copies from this process's memory; its answer means the copy is done."""
         # The session carries the admin key.
-        return [post_update(u, sender.update_info(tensors, version), timeout_s=self.timeout_s,
+        return [post_update(u, {**sender.update_info(tensors, version), **extra}, timeout_s=self.timeout_s,
                             session=self.session)
                 for u, sender in zip(self.urls, self.group)]

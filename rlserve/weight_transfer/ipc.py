@@ -232,9 +232,11 @@ class IPCReceiver:
         # same parameters again sends the same document, which then needs no parsing.
         self._last: tuple[dict, list[tuple[str, torch.Tensor]]] | None = None
 
-    def receive(self, update_info: Mapping[str, Any], expected: Mapping[str, Any]
+    def receive(self, update_info: Mapping[str, Any], expected: Mapping[str, Any],
+                validate: Callable[[Sequence[TensorMeta]], None] | None = None
                 ) -> list[tuple[str, torch.Tensor]]:
-        """Validate update_info (seed fields + ipc_handles) against the model and open it."""
+        """Validate update_info (seed fields + ipc_handles) against the model (and with
+        `validate`, as receiver.receive_weights does) and open it."""
         from .receiver import UpdateInfo, check_against_model
         if not isinstance(update_info, Mapping):
             raise InvalidUpdateError("update_info must be a JSON object")
@@ -244,6 +246,8 @@ class IPCReceiver:
         info = UpdateInfo.parse(update_info)
         metas = info.metas()
         check_against_model(metas, expected)
+        if validate is not None:
+            validate(metas)
         views = self.open(IPCHandles.parse(info.ipc_handles, metas), metas)
         self._last = (body, views)
         return views

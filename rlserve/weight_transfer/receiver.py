@@ -12,7 +12,7 @@ bool tensors are refused, since a model's weights are floating point.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +103,10 @@ class UpdateInfo:
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     weight_version: int | str | None = None
     ipc_handles: Any = None  # the ipc backend's handles, validated by ipc.IPCHandles.parse
+    # A LoRA update: the tensors are this adapter's PEFT weights (rlserve.engine.lora);
+    # lora_config (PEFT's adapter_config fields) is required for an adapter not yet loaded.
+    lora_name: str | None = None
+    lora_config: Mapping[str, Any] | None = None
 
     @classmethod
     def parse(cls, data: Mapping[str, Any]) -> "UpdateInfo":
@@ -110,7 +114,7 @@ class UpdateInfo:
         if not isinstance(data, Mapping):
             raise InvalidUpdateError("update_info must be a JSON object")
         known = ("names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes",
-                 "packed_num_buffers", "weight_version", "ipc_handles")
+                 "packed_num_buffers", "weight_version", "ipc_handles", "lora_name", "lora_config")
         problems = [f"{k} is required" for k in known[:3] if k not in data]
         unknown = sorted(set(data) - set(known))
         if unknown:
@@ -156,10 +160,15 @@ class UpdateInfo:
             problems.append(f"packed_num_buffers must be an integer in 1..{MAX_NUM_BUFFERS}, got {nbuf!r}")
         if not (version is None or _is_int(version) or isinstance(version, str)):
             problems.append(f"weight_version must be an integer, a string or null, got {version!r}")
+        lora_name, lora_config = data.get("lora_name"), data.get("lora_config")
+        if lora_name is not None and not (isinstance(lora_name, str) and lora_name):
+            problems.append(f"lora_name must be a non-empty string, got {lora_name!r}")
+        if lora_config is not None and (lora_name is None or not isinstance(lora_config, Mapping)):
+            problems.append("lora_config must be an object (PEFT's adapter_config), and comes with lora_name")
         if problems:
             raise InvalidUpdateError("update_info: " + "; ".join(problems))
         return cls(tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes), packed, size, nbuf, version,
-                   data.get("ipc_handles"))
+                   data.get("ipc_handles"), lora_name, lora_config)
 
     def metas(self) -> list[TensorMeta]:
         return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
@@ -227,8 +236,11 @@ def receive_weights(
     expected: Mapping[str, ExpectedParam],
     device: torch.device | str | None = None,
     target_dtype: torch.dtype | None = None,
+    validate: Callable[[Sequence[TensorMeta]], None] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """Vet the update, then receive every tensor into fresh staging tensors on `device`.
+    `validate`: a further check of the tensor list (raising InvalidUpdateError), made with
+    the others, before any byte moves.
 
     Raises InvalidUpdateError (HTTP 400; the trainer raises the same message) on a
     refusal, WeightTransferError (HTTP 502) if no trainer came or the transfer failed:
@@ -244,6 +256,8 @@ def receive_weights(
                                      f"this server receives over {group.backend}")
         metas = info.metas()
         check_against_model(metas, expected)
+        if validate is not None:
+            validate(metas)
     except InvalidUpdateError as e:
         refusal = str(e)
     plan = receiver_handshake(group, refusal, lambda plan: _plan_problem(info, metas, plan))

@@ -237,8 +237,8 @@ class Executor:
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every rank; results in rank order. Raises if any rank failed,
         with that rank's message (rank 0's own exception when it failed too)."""
-        if method == "load_weights" and self.workers:
-            return self._load_weights(*args, **kwargs)
+        if method in ("load_weights", "load_lora") and self.workers:
+            return self._load_tensors(method, *args)
         self.check_health()
         if not self.workers:
             return [getattr(self.driver, method)(*args, **kwargs)]
@@ -268,20 +268,22 @@ class Executor:
             raise error
         return [value] + [r["result"] for r in replies]
 
-    def _load_weights(self, weights) -> list[set[str]]:
-        """Rank 0 broadcasts the tensors over the TP group; every rank keeps its shards."""
+    def _load_tensors(self, method: str, weights, *args: Any) -> list[Any]:
+        """Rank 0 broadcasts the tensors over the TP group, then every rank calls
+        method(tensors, *args) and keeps its shards (load_weights, load_lora)."""
         from rlserve.weight_transfer.packing import as_bytes
         self.check_health()
         weights = [(name, t.detach()) for name, t in weights]
         metas = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in weights]
         with self._call_lock:
-            self._send_all({"op": "load", "tensors": metas})
+            self._send_all({"op": "load", "tensors": metas, "method": method, "args": list(args)})
             for _, t in weights:
                 if t.numel():
                     self.tp.broadcast(as_bytes(t.to(self.driver.device)), src=0)
-            local = self._call_local(lambda: self.driver.load_weights(weights))
+            local = self._call_local(lambda: getattr(self.driver, method)(weights, *args))
             replies = [self._reply(w) for w in self.workers]
-        return [set(r) for r in self._gather(local, replies)]
+        results = self._gather(local, replies)
+        return [set(r) for r in results] if method == "load_weights" else results
 
     def launch(self, sched, block_tables: np.ndarray | list[list[int]],
                prev: StepHandle | None = None, sample: bool = True) -> StepHandle:

@@ -5,8 +5,10 @@ Executor -> worker:
     {"op": "init", ...}                     first message: config, model path, rank, TP port
     {"op": "step", "new", "items", "finished"}   one engine step, no reply
     {"op": "call", "method", "args"}        answered by one reply
-    {"op": "load", "tensors": [[name, dtype, shape], ...]}   the tensors follow over the TP
-                                            group (rank 0 broadcasts); answered by one reply
+    {"op": "load", "tensors": [[name, dtype, shape], ...], "method", "args"}   the tensors follow
+                                            over the TP group (rank 0 broadcasts), then the worker
+                                            calls method(tensors, *args) (load_weights, load_lora);
+                                            answered by one reply
     {"op": "shutdown"}
 Worker -> executor:
     {"op": "reply", "ok": true, "result"} | {"op": "reply", "ok": false, "error", "type"}
@@ -111,13 +113,13 @@ def _request_to_wire(req: Request) -> list:
     if params["logit_bias"] is not None:  # msgpack maps take string keys; SamplingParams reads them back
         params["logit_bias"] = {str(k): v for k, v in params["logit_bias"].items()}
     return [req.request_id, req.prompt_token_ids, params,
-            sorted(req.eos_token_ids), req.max_model_len, req.group_id, req.sample_index]
+            sorted(req.eos_token_ids), req.max_model_len, req.group_id, req.sample_index, req.lora_slot]
 
 
 def _request_from_wire(w: list) -> Request:
-    rid, prompt, params, eos, max_model_len, group_id, sample_index = w
+    rid, prompt, params, eos, max_model_len, group_id, sample_index, lora_slot = w
     return Request(rid, list(prompt), SamplingParams(**params), frozenset(eos), max_model_len,
-                   group_id=group_id, sample_index=sample_index)
+                   group_id=group_id, sample_index=sample_index, lora_slot=lora_slot)
 
 
 class StepEncoder:

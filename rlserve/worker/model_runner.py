@@ -16,6 +16,7 @@ from rlserve.engine.scheduler import SchedulerOutput
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import AttentionMetadata, PagedAttention
 from rlserve.ops import kernels
+from rlserve.ops.lora import LoRABatch, group_tokens
 from rlserve.worker import sampler as S
 from rlserve.worker.penalties import PenaltyHistory, PenaltyPlan
 
@@ -95,6 +96,7 @@ class BatchInputs:
     prompt_rows: dict[str, tuple[int, list[int]]]  # req id -> (first logits row, target ids)
     sample_index: torch.Tensor | None = None  # sample_rows on the device, when not every row samples
     sampling: S.SamplingBatch | None = None  # parameters of the sampling rows
+    lora: LoRABatch | None = None  # which tokens use which adapter (runner with LoRA only)
 
 
 @dataclass
@@ -115,13 +117,16 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, block_size: int,
-                 logprobs_mode: str = "raw_logprobs"):
+                 logprobs_mode: str = "raw_logprobs", lora=None):
         self.model = model
+        self.lora = lora  # rlserve.model.lora.LoRAModel, when adapters are enabled
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.kernels = kernels.select(device)  # once, for the model's every layer
         kernels.bind(model, self.kernels)
+        if lora is not None:
+            lora.context.kernels = self.kernels
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
@@ -232,6 +237,13 @@ class ModelRunner:
                  qsl.astype(np.int32), seq_lens.astype(np.int32), tables, seq_order]
         if sample_index is not None:
             parts.append(sample_index)
+        segments = None
+        if self.lora is not None:
+            # Each token's adapter slot (-1: the base model), tokens grouped by slot.
+            row_slots = np.fromiter((r.lora_slot for r in reqs), dtype=np.int32, count=num_seqs)
+            order, starts, segments = group_tokens(
+                row_slots if num_tokens == num_seqs else np.repeat(row_slots, count_a), self.lora.max_loras)
+            parts += [order, starts]
         step = self._sampling_host(sample_reqs) if sample_reqs else None
         if step is not None:
             parts += step.arrays
@@ -240,6 +252,9 @@ class ModelRunner:
         ids_t, pos_t, slot_t, logit_t, at_t, from_t, qsl_t, lens_t, tables_t, order_t = dev[:10]
         rest = dev[10:]
         sample_index_t = rest.pop(0) if sample_index is not None else None
+        lora = None
+        if segments is not None:
+            lora = LoRABatch(rest.pop(0), rest.pop(0), segments)
         if fill_all:
             ids_t.copy_(prev.sampled.token_ids)
         elif fill_at.size:
@@ -258,7 +273,7 @@ class ModelRunner:
         return BatchInputs(
             input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logit_t,
             sample_rows=sample_rows, sample_requests=sample_requests, requests=sample_reqs,
-            prompt_rows=prompt_rows, sample_index=sample_index_t, sampling=sampling)
+            prompt_rows=prompt_rows, sample_index=sample_index_t, sampling=sampling, lora=lora)
 
     @staticmethod
     def _gather_rows(items):
@@ -552,7 +567,14 @@ class ModelRunner:
         n = batch.input_ids.shape[0]
         if decode_only and self.graphs is not None and n <= self.graphs.max_batch:
             return self.graphs.run(batch)
-        return self.model(batch.input_ids, batch.positions, batch.meta)
+        if self.lora is None:
+            return self.model(batch.input_ids, batch.positions, batch.meta)
+        # Eager: the LoRA layers run only when some token of the step has an adapter.
+        self.lora.context.batch = batch.lora if batch.lora.segments else None
+        try:
+            return self.model(batch.input_ids, batch.positions, batch.meta)
+        finally:
+            self.lora.context.batch = None
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
@@ -669,12 +691,18 @@ class CudaGraphs:
         self.tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=dev)
         self.order = torch.arange(b, dtype=torch.int32, device=dev)
         self.identity = torch.arange(b, dtype=torch.int32, device=dev)  # padded rows go last
+        lora = runner.lora
+        if lora is not None:  # the step's token grouping by adapter (padded rows in no slot)
+            self.lora_tokens = torch.zeros(b, dtype=torch.int32, device=dev)
+            self.lora_starts = torch.zeros(lora.max_loras + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = None
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: smaller ones reuse its pool
                 meta = self._meta(size)
                 args = (self.input_ids[:size], self.positions[:size], meta)
+                if lora is not None:  # the LoRA kernels are captured reading the static buffers
+                    lora.context.batch = LoRABatch(self.lora_tokens[:size], self.lora_starts)
                 runner.model(*args)  # compiles kernels outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
@@ -682,6 +710,8 @@ class CudaGraphs:
                     out = runner.model(*args)
                 pool = graph.pool()
                 self.graphs[size] = (graph, out)
+            if lora is not None:
+                lora.context.batch = None
         torch.cuda.synchronize(dev)
 
     def _meta(self, size: int) -> AttentionMetadata:
@@ -703,6 +733,9 @@ class CudaGraphs:
         self.tables[n:size, 0].fill_(0)
         self.order[:n].copy_(m.seq_order)
         self.order[n:size].copy_(self.identity[n:size])
+        if batch.lora is not None:
+            self.lora_tokens[:n].copy_(batch.lora.sorted_tokens)
+            self.lora_starts.copy_(batch.lora.slot_starts)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:n]

@@ -39,16 +39,22 @@ class Worker:
                                      model_path, seed=config.seed)
         if config.load_format == "dummy" and self.tp.world_size > 1:
             self._init_dummy_unsharded(config.seed)
+        self.lora = None
+        if config.enable_lora:
+            from rlserve.model.lora import attach_lora
+            self.lora = attach_lora(self.model, config.max_loras, config.max_lora_rank)
         self.load_seconds = time.perf_counter() - t0
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size,
-                                  config.logprobs_mode)
+                                  config.logprobs_mode, lora=self.lora)
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
         # Taken while the parameters have their real shapes (sleep empties them).
         self.expected = self.model.expected_weights()
         self.ipc_receiver = None
         self._ipc_plan = None
+        self.lora_ipc_receivers: dict = {}  # adapter name -> its own IPCReceiver (handles stay open)
         self.transfer_group = None
         self.staged = None
+        self.staged_lora = None  # the LoRAConfig of a staged adapter update
         self._connecting = None  # a transfer group whose init is under way (abortable)
         self._transfer_lock = threading.Lock()  # one receive (or refusal) at a time
 
@@ -179,6 +185,7 @@ class Worker:
     def close_weight_transfer(self) -> None:
         group, self.transfer_group = self.transfer_group, None
         self.ipc_receiver = None
+        self.lora_ipc_receivers = {}
         self._ipc_plan = None
         if group is not None:
             group.close()
@@ -204,25 +211,60 @@ class Worker:
         finally:
             self._transfer_lock.release()
 
-    def receive_weights(self, update_info: dict) -> int:
+    def receive_weights(self, update_info: dict, lora_config: dict | None = None) -> int:
         """Receive a whole update into staging tensors; the model is untouched until
         `apply_staged_weights`. Returns the number of bytes received.
 
         ipc: the staging tensors are views into the trainer's memory, opened (once) and
         checked here; the one copy happens in `apply_staged_weights`.
+        `lora_config` (LoRAConfig.to_wire): the update is an adapter's PEFT tensors
+        (update_info.lora_name), checked against this config's ranks.
         """
-        from rlserve.weight_transfer import ExpectedParam, receive_weights
+        from rlserve.weight_transfer import ExpectedParam, IPCReceiver, receive_weights
         with self._exclusive():
-            self.staged = None
+            self.staged = self.staged_lora = None
+            validate = None
+            if lora_config is not None:
+                config, expected, validate = self._lora_expected(lora_config)
+            else:
+                expected = {name: ExpectedParam(e.shape, e.required) for name, e in self.expected.items()}
             if self.ipc_receiver is not None:
-                self.staged = self.ipc_receiver.receive(update_info, self.expected)
+                receiver = self.ipc_receiver
+                if lora_config is not None:  # each adapter keeps its own handles open
+                    receiver = self.lora_ipc_receivers.setdefault(update_info.get("lora_name"),
+                                                                  IPCReceiver(self.device))
+                self.staged = receiver.receive(update_info, expected, validate)
             else:
                 group = self._usable_group()
-                expected = {name: ExpectedParam(e.shape, e.required)
-                            for name, e in self.expected.items()}
                 self.staged = receive_weights(group, update_info, expected, device=self.device,
-                                              target_dtype=self.dtype)
+                                              target_dtype=self.dtype, validate=validate)
+            if lora_config is not None:
+                self.staged_lora = config
             return sum(t.numel() * t.element_size() for _, t in self.staged)
+
+    def _lora_expected(self, wire: dict):
+        """An adapter update's config, the PEFT names and full shapes it may carry (staged
+        in float32: the scaling is applied on the copy), and the check that its tensors
+        come in A/B pairs, made before any byte moves."""
+        from rlserve.engine.lora import LoRAConfig, pair_tensors, peft_name
+        from rlserve.weight_transfer import ExpectedParam, InvalidUpdateError
+        if self.lora is None:
+            raise InvalidUpdateError("update_info.lora_name: this server was started without --enable-lora")
+        config = LoRAConfig.parse(wire, "update_info.lora_config", self.lora.max_rank)
+        expected = {}
+        for module in self.lora.targets:
+            a, b = self.lora.module_shapes(module, config.rank(module))
+            expected[peft_name(module, "A")] = ExpectedParam(a, False, torch.float32)
+            expected[peft_name(module, "B")] = ExpectedParam(b, False, torch.float32)
+
+        def validate(metas) -> None:
+            try:
+                pair_tensors(((m.name, torch.empty(m.shape, device="meta")) for m in metas), config,
+                             "update_info")
+            except ValueError as e:
+                raise InvalidUpdateError(str(e)) from None
+
+        return config, expected, validate
 
     def refuse_update(self, update_info: dict, message: str) -> None:
         """The engine refused this update before receiving it (asleep, a bad weight_version,
@@ -239,10 +281,20 @@ class Worker:
         except (WeightTransferError, ValueError) as e:
             logger.warning("could not pass the refusal of an update to the trainer: %s", e)
 
-    def apply_staged_weights(self) -> None:
+    def apply_staged_weights(self, lora_slot: int | None = None) -> None:
+        """Copy the staged update into the model; an adapter update goes to `lora_slot`."""
         staged, self.staged = getattr(self, "staged", None), None
+        lora, self.staged_lora = self.staged_lora, None
         if staged is None:
             raise RuntimeError("no staged weights to apply")
+        if lora is not None:
+            from rlserve.engine.lora import pair_tensors
+            if lora_slot is None:
+                raise RuntimeError("a staged LoRA update needs its slot")
+            self.lora.load(lora_slot, pair_tensors(staged, lora, "update_info"), lora.scaling)
+            if self.device.type == "cuda":  # done reading staging (or the trainer's memory)
+                torch.cuda.current_stream(self.device).synchronize()
+            return
         if self.ipc_receiver is None:
             self.model.load_weights(staged)
             if self.device.type == "cuda":
@@ -262,7 +314,7 @@ class Worker:
         torch.cuda.current_stream(self.device).synchronize()
 
     def drop_staged_weights(self) -> None:
-        self.staged = None
+        self.staged = self.staged_lora = None
 
     # -- a new data-parallel replica takes a healthy one's weights (weight_transfer/peer.py)
     def weights_layout(self) -> str:
@@ -278,3 +330,17 @@ class Worker:
         from rlserve.weight_transfer.peer import copy_parameters
         return copy_parameters(self.model, send=False, address=address, port=ports[self.rank],
                                device=self.device, digest=digest, timeout_s=timeout_s)
+
+    # -- LoRA adapters -------------------------------------------------------------------
+    def load_lora(self, tensors: list, slot: int, config: dict) -> None:
+        """Put an adapter's full PEFT tensors (this rank keeps its shards) in `slot`."""
+        from rlserve.engine.lora import LoRAConfig, pair_tensors
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this server (--enable-lora)")
+        cfg = LoRAConfig.parse(config, "adapter_config", self.lora.max_rank)
+        self.lora.load(slot, pair_tensors(tensors, cfg, "adapter"), cfg.scaling)
+
+    def remove_lora(self, slot: int, name: str | None = None) -> None:
+        self.lora.clear(slot)
+        if name is not None:
+            self.lora_ipc_receivers.pop(name, None)

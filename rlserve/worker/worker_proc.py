@@ -88,7 +88,10 @@ class WorkerLoop:
                     tensors = self._receive_tensors(msg["tensors"])
                 except Exception:
                     return self._fatal("receiving tensors from rank 0 failed")
-                self._reply("load_weights", [tensors], {})
+                method = msg.get("method", "load_weights")
+                if method not in ("load_weights", "load_lora"):
+                    return self._fatal(f"unknown load method {method!r}")
+                self._reply(method, [tensors, *msg.get("args", [])], {})
             elif op == "shutdown":
                 if self.background is not None:
                     self.background.join(timeout=5)

@@ -1,0 +1,158 @@
+"""LoRA adapters on a model's linear layers, every adapter slot preallocated.
+
+`attach_lora` gives each tensor-parallel linear layer (q/k/v/o and gate/up/down in the
+Llama family, whatever ColumnParallelLinear / RowParallelLinear a model has) a
+`LoRALayer`: its stacked adapter weights a [max_loras, slices, max_rank, in] and
+b [max_loras, out, max_rank], zeros until an adapter is loaded into a slot. They are
+allocated once, at start: loading, updating or removing an adapter copies into them, so
+CUDA graphs captured over them stay valid. A fused layer (qkv_proj, gate_up_proj) has one
+slice per projection it fuses, each with its own A and its rows of B.
+
+Tensor parallelism: a column-parallel layer keeps A whole and its rows of each slice's B;
+a row-parallel one keeps its columns of A and all of B. Each rank then adds its partial
+delta before the layer's all-reduce, which sums them (the delta is linear in A's input
+columns), so LoRA needs no communication of its own.
+
+An adapter arrives as full (unsharded) PEFT tensors per HF module name, e.g.
+"model.layers.0.self_attn.q_proj" -> (A [r, in], B [out, r]); its scaling is folded into B.
+A rank below max_rank leaves the rest of the slot's rows zero.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, NamedTuple
+
+import torch
+
+from rlserve.model.parallel import ColumnParallelLinear, RowParallelLinear, Shard
+from rlserve.ops.kernels import TORCH, Kernels
+from rlserve.ops.lora import LoRABatch
+
+
+class LoRAContext:
+    """The step's LoRABatch, read by every LoRALayer of a model; None: no token of the step
+    uses an adapter (eager steps then skip LoRA entirely)."""
+
+    def __init__(self) -> None:
+        self.batch: LoRABatch | None = None
+        self.kernels: Kernels = TORCH  # the model runner's set (its lora op)
+
+
+class LoRALayer:
+    """One linear layer's adapter weights (this rank's shard) for every slot."""
+
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, context: LoRAContext,
+                 max_loras: int, max_rank: int):
+        w = base.weight
+        out_local, in_local = w.shape
+        if isinstance(base, RowParallelLinear):
+            self.slices = [(0, out_local)]
+        else:
+            offsets = [sum(s.size for s in base.outputs[:i]) for i in range(len(base.outputs))]
+            self.slices = [(o, s.size) for o, s in zip(offsets, base.outputs)]
+        self.context = context
+        self.a = torch.zeros((max_loras, len(self.slices), max_rank, in_local), dtype=w.dtype, device=w.device)
+        self.b = torch.zeros((max_loras, out_local, max_rank), dtype=w.dtype, device=w.device)
+        self.slice_table = torch.tensor([[o for o, _ in self.slices], [n for _, n in self.slices]],
+                                        dtype=torch.int32, device=w.device)
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """y += this step's adapter deltas, in place (nothing when no token has an adapter)."""
+        batch = self.context.batch
+        if batch is not None:
+            self.context.kernels.lora(y, x, self.a, self.b, self.slices, self.slice_table, batch)
+
+
+class LoRATarget(NamedTuple):
+    """Where one HF module's adapter goes: slice `index` of `layer`, and which part of the
+    full A / B this rank keeps (None: all of it)."""
+
+    layer: LoRALayer
+    index: int
+    in_features: int  # full, as A [r, in_features]
+    out_features: int  # full, as B [out_features, r]
+    a_shard: Shard | None  # columns of A (row-parallel layers)
+    b_shard: Shard | None  # rows of B (column-parallel layers)
+
+
+class LoRAModel:
+    """The adapter slots of one model (one tensor-parallel rank)."""
+
+    def __init__(self, targets: dict[str, LoRATarget], context: LoRAContext, max_loras: int, max_rank: int):
+        self.targets = targets
+        self.context = context
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.layers = list({id(t.layer): t.layer for t in targets.values()}.values())
+
+    def module_shapes(self, module: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The full shapes of `module`'s A and B at `rank`."""
+        t = self.targets[module]
+        return (rank, t.in_features), (t.out_features, rank)
+
+    @torch.no_grad()
+    def load(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+             scaling: Callable[[str], float]) -> None:
+        """Put an adapter in `slot`: modules absent from `pairs` get zeros. Every module,
+        shape and rank is checked before anything is written, so a refusal changes nothing."""
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"lora slot {slot} is outside 0..{self.max_loras - 1}")
+        unknown = sorted(m for m in pairs if m not in self.targets)
+        if unknown:
+            raise ValueError(f"LoRA modules this model cannot adapt: {', '.join(unknown[:10])} "
+                             f"(adaptable: q/k/v/o and gate/up/down projections, e.g. "
+                             f"{next(iter(self.targets), '')})")
+        for module, (a, b) in pairs.items():
+            rank = a.shape[0]
+            if rank > self.max_rank:
+                raise ValueError(f"{module}: rank {rank} exceeds max_lora_rank ({self.max_rank})")
+            want_a, want_b = self.module_shapes(module, rank)
+            if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+                raise ValueError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not "
+                                 f"match the model (expected {list(want_a)} and {list(want_b)})")
+        self.clear(slot)
+        for module, (a, b) in pairs.items():
+            t = self.targets[module]
+            rank = a.shape[0]
+            if t.a_shard is not None:
+                a = a.narrow(1, t.a_shard.start, t.a_shard.size)
+            if t.b_shard is not None:
+                b = b.narrow(0, t.b_shard.start, t.b_shard.size)
+            offset, size = t.layer.slices[t.index]
+            t.layer.a[slot, t.index, :rank].copy_(a)
+            # float32 product, rounded once into the layer's dtype
+            t.layer.b[slot, offset:offset + size, :rank].copy_(b.float() * scaling(module))
+
+    @torch.no_grad()
+    def clear(self, slot: int) -> None:
+        for layer in self.layers:
+            layer.a[slot].zero_()
+            layer.b[slot].zero_()
+
+
+def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> LoRAModel:
+    """Give every ColumnParallelLinear / RowParallelLinear of `model` a LoRALayer (its
+    `lora`, which its forward calls) and map HF module names onto them."""
+    context = LoRAContext()
+    targets: dict[str, LoRATarget] = {}
+    packed = getattr(model, "packed_modules", {})
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        layer = LoRALayer(module, context, max_loras, max_rank)
+        # A plain attribute, not a submodule: the adapter weights are not model parameters
+        # (weight loading, updates, sleep and dummy init never see them).
+        object.__setattr__(module, "lora", layer)
+        prefix, _, last = name.rpartition(".")
+        hf_names = [f"{prefix}.{h}" if prefix else h for h in packed[last]] if last in packed else [name]
+        if isinstance(module, RowParallelLinear):
+            s = module.inputs
+            targets[name] = LoRATarget(layer, 0, s.full, module.weight.shape[0],
+                                       s if s.size != s.full else None, None)
+            continue
+        for i, (hf, s) in enumerate(zip(hf_names, module.outputs, strict=True)):
+            targets[hf] = LoRATarget(layer, i, module.weight.shape[1], s.full, None,
+                                     s if s.size != s.full else None)
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no layers LoRA can adapt")
+    return LoRAModel(targets, context, max_loras, max_rank)
