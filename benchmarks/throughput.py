@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import random
 import time
@@ -122,7 +123,9 @@ def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] |
     what = f" with {len(loras)} LoRA adapters mixed" if loras else ""
     print(f"rlserve{what}: {produced} tokens in {elapsed:.2f}s = {produced / elapsed:,.0f} output tok/s "
           f"(preemptions {stats.preemptions_total}, KV capacity {stats.kv_cache_capacity_tokens} tokens)")
+    llm.shutdown()  # frees the KV cache and graphs: a second run in this process needs them
     del llm
+    gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return produced / elapsed
 

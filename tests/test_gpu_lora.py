@@ -68,12 +68,14 @@ def _hf_greedy(model, ids, n=MAX_TOKENS):
     return out
 
 
-def _hf_logprobs(model, prompt, tokens):
-    """The model's logprobs of `tokens` after `prompt` (teacher forced, float32)."""
+def _hf_logprobs(model, prompt, tokens, best: bool = False):
+    """The model's logprobs of `tokens` after `prompt` (teacher forced, float32); with
+    `best`, also the largest logprob at each position."""
     ids = torch.tensor([prompt + tokens], device="cuda")
     with torch.no_grad():
-        logits = model.float()(ids).logits[0, len(prompt) - 1:-1].float()
-    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+        lps = model.float()(ids).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+    chosen = lps.gather(-1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+    return (chosen, lps.max(-1).values) if best else chosen
 
 
 def _llm(path, dtype, adapters, **kw):
@@ -115,10 +117,11 @@ def test_bfloat16_adapter_logprobs_within_tolerance_of_the_merged_model(checkpoi
             for p, out in zip(prompts, outs):
                 o = out.outputs[0]
                 ours = torch.tensor([lp.logprob for lp in o.logprobs], device="cuda")
-                theirs = _hf_logprobs(merged, p, list(o.token_ids))
+                theirs, best = _hf_logprobs(merged, p, list(o.token_ids), best=True)
                 assert (ours - theirs).abs().max() < 0.1, (name, ours, theirs)
-                # bf16 may break a near-tie late; the first tokens agree with the float32 merged model
-                assert o.token_ids[:4] == _hf_greedy(merged, p, 4), name
+                # Each greedy token is the float32 merged model's argmax after the same prefix,
+                # or a near-tie that bf16 rounding may break the other way.
+                assert (best - theirs).max() < 0.1, (name, best - theirs)
     finally:
         llm.shutdown()
 
