@@ -49,6 +49,7 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
                     "weight version %d", engine.model_name, info.model_type, info.device, info.dtype,
                     info.load_seconds, info.max_model_len, info.kv_capacity_tokens, info.weight_version)
         engine.set_latency_observer(metrics)
+        metrics.set_max_model_len(engine.max_model_len)
         app.state.completions = CompletionServing(engine, config, metrics, max_prompts)
         app.state.chat = ChatServing(engine, config, metrics, max_prompts)
         _limit_max_tokens_in_schema(app, engine.max_model_len)

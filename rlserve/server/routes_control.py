@@ -71,10 +71,13 @@ async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: 
 
 @router.post("/update_weights")
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
+    metrics = request.app.state.metrics
     try:
         result = await _engine(request).update_weights(body.update_info)
     except Exception as e:
+        metrics.weight_update(False, 0.0)
         raise _transfer_error(e) from e
+    metrics.weight_update(True, result.receive_seconds + result.apply_seconds, result.num_bytes)
     gbps = result.num_bytes / max(result.receive_seconds, 1e-9) / 1e9
     return {"status": "ok", "weight_version": result.weight_version, "bytes": result.num_bytes,
             "receive_seconds": result.receive_seconds, "apply_seconds": result.apply_seconds,

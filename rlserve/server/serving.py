@@ -59,10 +59,13 @@ class Generation:
     """
 
     def __init__(self, engine: "AsyncEngine", request_id: str, prompts: list[Prompt],
-                 params: SamplingParams, arrival: float, stream: bool, cache_salt: str | None = None):
+                 params: SamplingParams, arrival: float, stream: bool, cache_salt: str | None = None,
+                 metrics: ServerMetrics | None = None):
         for p in prompts:  # all checked before any is sent
             validate_prompt(p.token_ids, params, engine.max_model_len, engine.vocab_size)
         self.engine = engine
+        self.metrics = metrics
+        self.closed = False
         self.changed = asyncio.Event()
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self.states: list[RequestState] = []
@@ -105,6 +108,9 @@ class Generation:
     def close(self) -> None:
         for s in self.states:
             self.engine.release(s)
+        if self.metrics is not None and not self.closed:
+            self.metrics.requests_done([s for s in self.states if s.finished and s.error is None])
+        self.closed = True
 
 
 class OpenAIServing:
@@ -283,7 +289,7 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
         finally:
             if not ended:
-                self.metrics.disconnects.inc()
+                self.metrics.client_left()
             # A gone client cancels this generator; a shielded scope lets the aborts complete.
             with anyio.CancelScope(shield=True):
                 await events.aclose()  # type: ignore[attr-defined]
