@@ -99,12 +99,14 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
 
 def _run(engine: "AsyncEngine", config: EngineConfig, opts: ServeOptions, sock: socket.socket) -> int:
     from rlserve.server.app import create_app
+    from rlserve.server.serving import ServingOptions
     shown_host = "localhost" if opts.host in ("0.0.0.0", "::", "") else opts.host
     url = f"http://{shown_host}:{opts.port}" if engine.client.client_index == 0 else None
     app = create_app(engine, config, api_key=opts.api_key, admin_key=opts.admin_key, url=url,
                      reject_while_asleep=opts.reject_while_asleep,
                      allow_remote_control=opts.allow_remote_control,
-                     max_body_bytes=opts.max_body_bytes, max_prompts=opts.max_prompts)
+                     max_body_bytes=opts.max_body_bytes,
+                     serving=ServingOptions(max_prompts=opts.max_prompts))
     server = Server(app, engine, log_level=opts.log_level, grace_s=opts.grace_s, linger_s=opts.linger_s)
     server.run(sockets=[sock])
     if engine.dead is not None:
