@@ -92,6 +92,9 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
         # The control plane exists only when a weight-transfer backend is configured.
         from rlserve.server.routes_control import add_control_routes
         add_control_routes(app, engine, config)
+    elif enable_sleep_mode:
+        from rlserve.server.routes_control import add_sleep_routes
+        add_sleep_routes(app)
     return app
 
 

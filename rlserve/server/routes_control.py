@@ -8,9 +8,10 @@
     GET  /is_paused, GET /weight_version, POST /reset_prefix_cache
     POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping
 
-These routes exist only when a weight-transfer backend is configured. They answer only
-loopback clients, or with `--admin-key` only requests bearing it, and never cross-origin
-browser requests: see rlserve/server/security.py.
+These routes exist only when a weight-transfer backend is configured (the sleep routes
+also with --enable-sleep-mode). They answer only loopback clients, or with `--admin-key`
+only requests bearing it, and never cross-origin browser requests: see
+rlserve/server/security.py.
 """
 
 from __future__ import annotations
@@ -109,7 +110,11 @@ async def is_paused(request: Request) -> dict:
     return {"is_paused": (await _engine(request).stats()).paused}
 
 
-@router.post("/sleep")
+# Without a weight-transfer backend, --enable-sleep-mode gives these three alone.
+sleep_router = APIRouter(tags=["sleep"], dependencies=[Depends(require_control_access)])
+
+
+@sleep_router.post("/sleep")
 async def sleep(request: Request,
                 level: int = Query(1, ge=1, le=2, description="1: weights to host memory; "
                                                               "2: weights dropped (the next "
@@ -118,13 +123,13 @@ async def sleep(request: Request,
     return {"status": "sleeping", "level": level}
 
 
-@router.post("/wake_up")
+@sleep_router.post("/wake_up")
 async def wake_up(request: Request) -> dict:
     await _engine(request).wake_up()
     return {"status": "awake"}
 
 
-@router.get("/is_sleeping")
+@sleep_router.get("/is_sleeping")
 async def is_sleeping(request: Request) -> dict:
     return {"is_sleeping": (await _engine(request).stats()).sleeping}
 
@@ -142,3 +147,8 @@ async def reset_prefix_cache(request: Request) -> dict:
 
 def add_control_routes(app: FastAPI, engine, config: EngineConfig) -> None:
     app.include_router(router)
+    app.include_router(sleep_router)
+
+
+def add_sleep_routes(app: FastAPI) -> None:
+    app.include_router(sleep_router)
