@@ -160,32 +160,35 @@ class ServerMetrics:
 
         s = self.stats
         if s is not None:
-            yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                        s.num_running)
-            yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                        s.num_waiting)
-            yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                        s.kv_cache_usage)
-            yield counter("vllm:prefix_cache_queries",
-                          "Prefix cache queries, in terms of number of queried tokens.",
-                          s.prefix_cache_queries)
-            yield counter("vllm:prefix_cache_hits",
-                          "Prefix cache hits, in terms of number of cached tokens.",
-                          s.prefix_cache_hit_tokens)
-            yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                          s.preemptions_total)
-            yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                          s.prompt_tokens_total)
-            yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                          s.generation_tokens_total)
-            yield counter("rlserve_requests_aborted", "Requests aborted before they finished.",
-                          s.aborted_total)
-            yield gauge("rlserve_kv_cache_capacity_tokens", "Tokens the KV cache holds.",
-                        s.kv_cache_capacity_tokens)
-            yield gauge("rlserve_weight_version", "Version of the weights being served.",
-                        s.weight_version)
-            yield gauge("rlserve_is_paused", "1 while generation is paused (/pause).", s.paused)
-            yield gauge("rlserve_is_sleeping", "1 while the engine sleeps (/sleep).", s.sleeping)
+            gauges = [
+                ("vllm:num_requests_running", "Number of requests in model execution batches.",
+                 s.num_running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                 s.num_waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 s.kv_cache_usage),
+                ("rlserve_kv_cache_capacity_tokens", "Tokens the KV cache holds.",
+                 s.kv_cache_capacity_tokens),
+                ("rlserve_weight_version", "Version of the weights being served.", s.weight_version),
+                ("rlserve_is_paused", "1 while generation is paused (/pause).", s.paused),
+                ("rlserve_is_sleeping", "1 while the engine sleeps (/sleep).", s.sleeping),
+            ]
+            counters = [
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+                                              "tokens.", s.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                 s.prefix_cache_hit_tokens),
+                ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                 s.preemptions_total),
+                ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total),
+                ("vllm:generation_tokens", "Number of generation tokens processed.",
+                 s.generation_tokens_total),
+                ("rlserve_requests_aborted", "Requests aborted before they finished.", s.aborted_total),
+            ]
+            for name, doc, value in gauges:
+                yield gauge(name, doc, value)
+            for name, doc, value in counters:
+                yield counter(name, doc, value)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=(*LABELS, "finished_reason"))
         for reason, n in self.finished_samples.items():
