@@ -80,12 +80,15 @@ def _sources(body: CompletionRequest | ChatCompletionRequest) -> list[tuple[str,
         if value is not None:
             out.append((name, {kind: value}))
     if isinstance(body, ChatCompletionRequest) and body.tools:
+        # Compact JSON: arguments are data for a program, and a grammar that allows any
+        # whitespace lets a weak model fill max_tokens with it, leaving no call at all.
         choice = body.tool_choice
         if isinstance(choice, NamedToolChoice):
-            out.append(("tools", dict(json=named_tool_schema(body.tools, choice))))
+            out.append(("tools", dict(json=named_tool_schema(body.tools, choice),
+                                      disable_any_whitespace=True)))
         elif choice == "required":
             out.append(("tools", dict(json=required_tools_schema(
-                body.tools, body.parallel_tool_calls is not False))))
+                body.tools, body.parallel_tool_calls is not False), disable_any_whitespace=True)))
     return out
 
 
