@@ -407,7 +407,9 @@ def test_bad_parameters_are_400_naming_the_field(server):
         ({"prompt": "hi", "stop": [""]}, "stop"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [10**7]}, "prompt"),
-        ({"prompt": "hi", "presence_penalty": 1.0}, "presence_penalty"),
+        ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "hi", "temprature": 0.5}, "temprature"),
         ({"max_tokens": 4}, "prompt"),
     ]
     for body, param in cases:
