@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -10,6 +11,8 @@ import sys
 from typing import TYPE_CHECKING, Sequence
 
 from rlserve import __version__
+from rlserve.engine.request import LOGPROBS_MODES, MAX_LOGPROBS
+from rlserve.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from rlserve.config import EngineConfig
@@ -81,6 +84,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                           "(default: the tokenizer's)")
     net.add_argument("--log-level", default="info",
                      choices=["debug", "info", "warning", "error"])
+    net.add_argument("--uvicorn-log-level", default=None,
+                     choices=["critical", "error", "warning", "info", "debug", "trace"],
+                     help="uvicorn's log level (access log included) (default: --log-level)")
+    net.add_argument("--disable-log-requests", action="store_true",
+                     help="accepted for vllm serve command lines: rlserve does not log requests")
+    net.add_argument("--disable-log-stats", action="store_true",
+                     help="accepted for vllm serve command lines: rlserve does not log periodic "
+                          "stats (see /metrics)")
     net.add_argument("--api-server-count", type=_positive_int, default=1,
                      help="API server processes on the port (HTTP, tokenization and "
                           "detokenization), all feeding the one engine process")
@@ -109,6 +120,31 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--seed", type=int, default=0)
     model.add_argument("--trust-remote-code", action="store_true")
 
+    sampling = p.add_argument_group("sampling defaults and outputs")
+    sampling.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
+                          help="sampling defaults for fields a request leaves unset: auto = the "
+                               "model's generation_config.json, vllm = none, PATH = the "
+                               "generation_config.json in that folder; its max_new_tokens caps "
+                               "max_tokens")
+    sampling.add_argument("--override-generation-config", type=_json_object, default=None,
+                          metavar="JSON", help='laid over the generation config, e.g. '
+                                               '\'{"temperature": 0.5}\'')
+    sampling.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
+                          help="raw: of the model's logits (what RL importance ratios need); "
+                               "processed: of the logits sampled from (after bias, masks, "
+                               "penalties, temperature, top-k/p, min-p)")
+    sampling.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                          choices=range(MAX_LOGPROBS + 1),
+                          metavar=f"0..{MAX_LOGPROBS}",
+                          help="most logprobs, top_logprobs or prompt_logprobs a request may ask for")
+    sampling.add_argument("--return-tokens-as-token-ids", action="store_true",
+                          help="logprob tokens read 'token_id:<id>' unless a request says otherwise")
+    sampling.add_argument("--enable-auto-tool-choice", action="store_true",
+                          help="accepted for vllm serve command lines: tool_choice auto is always on")
+    sampling.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                          help="how tool calls are read from the model's text (hermes: "
+                               "<tool_call>{...}</tool_call>, as Qwen writes them)")
+
     cache = p.add_argument_group("cache and scheduling")
     cache.add_argument("--max-num-seqs", type=_positive_int, default=256,
                        help="sequences in one batch at most")
@@ -121,6 +157,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     cache.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="reuse the KV cache of shared prompt prefixes")
+    cache.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=True, help="long prompts are always prefilled in chunks (the "
+                                          "--no- form is refused)")
 
     run = p.add_argument_group("execution")
     run.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -149,13 +188,17 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--reject-while-asleep", action="store_true",
                      help="answer generation requests with 503 while /sleep is in effect "
                           "(default: they wait for /wake_up)")
+    run.add_argument("--enable-sleep-mode", action="store_true",
+                     help="POST /sleep, POST /wake_up and GET /is_sleeping without a "
+                          "weight-transfer backend (with one they always exist)")
+    run.add_argument("--disable-custom-all-reduce", action="store_true",
+                     help="accepted for vllm serve command lines: rlserve has no custom all-reduce")
     p.set_defaults(func=serve)
 
 
 def _lora_module(value: str) -> tuple[str, str]:
     """`name=path` or vLLM's JSON form `{"name": ..., "path": ...}`."""
     if value.lstrip().startswith("{"):
-        import json
         try:
             data = json.loads(value)
             return str(data["name"]), str(data["path"])
@@ -165,6 +208,16 @@ def _lora_module(value: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"not name=path: {value!r}")
     return name, path
+
+
+def _json_object(value: str) -> dict:
+    try:
+        data = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return data
 
 
 def _read_chat_template(value: str | None) -> str | None:
@@ -197,6 +250,9 @@ def config_from_args(args: argparse.Namespace) -> "EngineConfig":
     when one is wrong). rlserve.ray builds its replicas' configuration with it too."""
     from rlserve.config import EngineConfig, WeightTransferConfig
 
+    if not args.enable_chunked_prefill:
+        raise SystemExit("rlserve serve: --no-enable-chunked-prefill: prompts are always prefilled "
+                         "in chunks of --max-num-batched-tokens; raise that instead")
     model, served_name = args.model, args.served_model_name
     if model is None:
         from rlserve.model.demo_model import DEMO_MODEL_NAME, demo_model_path
@@ -217,7 +273,7 @@ def config_from_args(args: argparse.Namespace) -> "EngineConfig":
             served_model_name=served_name,
             chat_template=_read_chat_template(args.chat_template),
             weight_transfer=WeightTransferConfig.parse(args.weight_transfer_config),
-            trust_remote_code=args.trust_remote_code,
+            trust_remote_code=args.trust_remote_code, logprobs_mode=args.logprobs_mode,
             enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
             lora_modules=dict(args.lora_modules or []))
     except ValueError as e:  # config errors name the flag; no traceback for a typo
@@ -229,9 +285,18 @@ def config_from_args(args: argparse.Namespace) -> "EngineConfig":
 
 
 def serve(args: argparse.Namespace) -> int:
+    from rlserve.model.loader import resolve_model_path
     from rlserve.server import lifecycle
+    from rlserve.server.generation_config import generation_defaults
 
     config = config_from_args(args)
+    try:
+        defaults = generation_defaults(
+            args.generation_config,
+            resolve_model_path(config.model) if args.generation_config == "auto" else None,
+            args.override_generation_config)
+    except ValueError as e:
+        raise SystemExit(f"rlserve serve: {e}") from None
 
     if config.weight_transfer is not None:
         from rlserve.server.security import describe_control_access
@@ -243,7 +308,10 @@ def serve(args: argparse.Namespace) -> int:
         reject_while_asleep=args.reject_while_asleep, max_body_bytes=args.max_request_body_bytes,
         max_prompts=args.max_prompts_per_request, log_level=args.log_level,
         grace_s=args.shutdown_grace_period, linger_s=args.engine_death_linger,
-        api_server_count=args.api_server_count))
+        api_server_count=args.api_server_count, uvicorn_log_level=args.uvicorn_log_level,
+        enable_sleep_mode=args.enable_sleep_mode, generation_defaults=defaults,
+        max_logprobs=args.max_logprobs, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        tool_call_parser=args.tool_call_parser))
 
 
 def build_parser() -> argparse.ArgumentParser:

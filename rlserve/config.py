@@ -9,15 +9,14 @@ from typing import Any
 
 import torch
 
+from rlserve.engine.request import LOGPROBS_MODES
+
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "pt")
-# raw: log_softmax of the model's logits (what RL importance ratios need); processed: of the
-# logits sampled from, after bias, masks, penalties, temperature, min-p, top-k and top-p.
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str, config_dtype: Any = None) -> torch.dtype:

@@ -39,7 +39,7 @@ def _wait_running(url: str) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         text = httpx.get(f"{url}/metrics", timeout=30).text
-        if any(line.startswith("rlserve_num_requests_running ") and float(line.split()[1]) >= 1
+        if any(line.startswith("vllm:num_requests_running{") and float(line.split()[1]) >= 1
                for line in text.splitlines()):
             return
         time.sleep(0.05)

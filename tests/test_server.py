@@ -24,8 +24,9 @@ LOGPROB_TOL = 1e-4
 
 def metric_samples(server: RunningServer) -> dict[str, float]:
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    # One engine, one model: every sample but the per-reason ones has one label set.
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-            if not s.labels}
+            if set(s.labels) == {"model_name", "engine"}}
 
 
 def post(server: RunningServer, path: str, body: dict | str, **headers: str) -> httpx.Response:
@@ -346,13 +347,13 @@ def test_client_disconnect_aborts_request(server, client):
     while time.monotonic() < deadline:
         after = metric_samples(server)
         if (after["rlserve_requests_aborted_total"] > before["rlserve_requests_aborted_total"]
-                and after["rlserve_num_requests_running"] == 0):
+                and after["vllm:num_requests_running"] == 0):
             break
         time.sleep(0.2)
     else:
         pytest.fail(f"no abort seen in /metrics: {after}")
     assert after["rlserve_client_disconnects_total"] > before["rlserve_client_disconnects_total"]
-    generated = after["rlserve_generation_tokens_total"] - before["rlserve_generation_tokens_total"]
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated < 900
     # ... and the server keeps serving.
     resp = client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=2)
@@ -366,16 +367,16 @@ def test_metrics_parse(server, client):
     client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=3)
     text = httpx.get(f"{server.url}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("rlserve_num_requests_running", "rlserve_num_requests_waiting",
-                 "rlserve_kv_cache_usage_perc", "rlserve_prompt_tokens",
-                 "rlserve_generation_tokens", "rlserve_requests_aborted",
-                 "rlserve_time_to_first_token_seconds", "rlserve_inter_token_latency_seconds"):
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prompt_tokens",
+                 "vllm:generation_tokens", "rlserve_requests_aborted",
+                 "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"):
         assert name in families, name
     samples = metric_samples(server)
-    assert samples["rlserve_time_to_first_token_seconds_count"] >= 1
-    assert samples["rlserve_inter_token_latency_seconds_count"] >= 2
-    assert samples["rlserve_prompt_tokens_total"] > 0
-    assert 0 <= samples["rlserve_kv_cache_usage_perc"] <= 1
+    assert samples["vllm:time_to_first_token_seconds_count"] >= 1
+    assert samples["vllm:inter_token_latency_seconds_count"] >= 2
+    assert samples["vllm:prompt_tokens_total"] > 0
+    assert 0 <= samples["vllm:kv_cache_usage_perc"] <= 1
 
 
 # ---------------------------------------------------------------- errors
@@ -406,7 +407,9 @@ def test_bad_parameters_are_400_naming_the_field(server):
         ({"prompt": "hi", "stop": [""]}, "stop"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [10**7]}, "prompt"),
-        ({"prompt": "hi", "presence_penalty": 1.0}, "presence_penalty"),
+        ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "hi", "temprature": 0.5}, "temprature"),
         ({"max_tokens": 4}, "prompt"),
     ]
     for body, param in cases:

@@ -82,6 +82,10 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
+# raw: log_softmax of the model's logits (what RL importance ratios need); processed: of the
+# logits sampled from, after bias, masks, penalties, temperature, min-p, top-k and top-p.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
 
 @dataclass
 class SamplingParams:

@@ -18,9 +18,10 @@ from rlserve.config import EngineConfig
 from rlserve.engine.messages import ConflictError, EngineDeadError
 from rlserve.engine.request import EngineUnavailableError, InvalidRequestError
 from rlserve.server import routes_openai
-from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS, BodySizeLimit
+from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from rlserve.server.protocol import APIError, VersionResponse
+from rlserve.server.serving import ServingOptions
 from rlserve.server.serving_chat import ChatServing
 from rlserve.server.serving_completion import CompletionServing
 
@@ -37,10 +38,12 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | None = None,
                admin_key: str | None = None, url: str | None = None,
                reject_while_asleep: bool = False, allow_remote_control: bool = False,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompts: int = DEFAULT_MAX_PROMPTS,
-               ) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, serving: ServingOptions | None = None,
+               enable_sleep_mode: bool = False) -> FastAPI:
     """Build the app around an engine whose process is starting: the app's start-up waits
-    until the model has loaded, and its shutdown stops the engine."""
+    until the model has loaded, and its shutdown stops the engine. `enable_sleep_mode`:
+    /sleep, /wake_up and /is_sleeping exist without a weight-transfer backend too."""
+    serving = serving or ServingOptions()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -49,8 +52,9 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
                     "weight version %d", engine.model_name, info.model_type, info.device, info.dtype,
                     info.load_seconds, info.max_model_len, info.kv_capacity_tokens, info.weight_version)
         engine.set_latency_observer(metrics)
-        app.state.completions = CompletionServing(engine, config, metrics, max_prompts)
-        app.state.chat = ChatServing(engine, config, metrics, max_prompts)
+        metrics.set_max_model_len(engine.max_model_len)
+        app.state.completions = CompletionServing(engine, config, metrics, serving)
+        app.state.chat = ChatServing(engine, config, metrics, serving)
         _limit_max_tokens_in_schema(app, engine.max_model_len)
         if url:
             logger.info("serving %r at %s (OpenAI base URL %s/v1)", engine.model_name, url, url)
@@ -94,6 +98,9 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
         # The control plane exists only when a weight-transfer backend is configured.
         from rlserve.server.routes_control import add_control_routes
         add_control_routes(app, engine, config)
+    elif enable_sleep_mode:
+        from rlserve.server.routes_control import add_sleep_routes
+        add_sleep_routes(app)
     return app
 
 
@@ -142,9 +149,15 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
             loc = loc[1:]
         if e.get("type") == "json_invalid":
             return f"body: invalid JSON ({e.get('msg', '')})", None
+        message = e.get("msg", "invalid")
+        if e.get("type") == "unimplemented":  # raised for the model: name the field itself
+            loc.append(e["ctx"]["field"])
+        elif e.get("type") == "extra_forbidden":
+            message = ("unknown field (rlserve refuses the fields it does not implement rather "
+                       "than ignoring them)")
         if loc and param is None:
             param = loc[0]
-        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}")
+        parts.append(f"{'.'.join(loc) or 'body'}: {message}")
     if len(errors) > 3:
         parts.append(f"and {len(errors) - 3} more")
     return "; ".join(parts), param

@@ -21,13 +21,14 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import uvicorn
 
 from rlserve.config import EngineConfig
+from rlserve.engine.request import MAX_LOGPROBS
 from rlserve.process import die_with_parent
 
 if TYPE_CHECKING:
@@ -52,6 +53,12 @@ class ServeOptions:
     grace_s: float = 5.0
     linger_s: float = 5.0
     api_server_count: int = 1
+    uvicorn_log_level: str | None = None  # None: log_level
+    enable_sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping without a transfer backend
+    generation_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.py
+    max_logprobs: int = MAX_LOGPROBS
+    return_tokens_as_token_ids: bool = False
+    tool_call_parser: str = "hermes"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -99,13 +106,20 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
 
 def _run(engine: "AsyncEngine", config: EngineConfig, opts: ServeOptions, sock: socket.socket) -> int:
     from rlserve.server.app import create_app
+    from rlserve.server.serving import ServingOptions
     shown_host = "localhost" if opts.host in ("0.0.0.0", "::", "") else opts.host
     url = f"http://{shown_host}:{opts.port}" if engine.client.client_index == 0 else None
+    serving = ServingOptions(max_prompts=opts.max_prompts, generation_defaults=opts.generation_defaults,
+                             max_logprobs=opts.max_logprobs,
+                             return_tokens_as_token_ids=opts.return_tokens_as_token_ids,
+                             tool_call_parser=opts.tool_call_parser)
     app = create_app(engine, config, api_key=opts.api_key, admin_key=opts.admin_key, url=url,
                      reject_while_asleep=opts.reject_while_asleep,
                      allow_remote_control=opts.allow_remote_control,
-                     max_body_bytes=opts.max_body_bytes, max_prompts=opts.max_prompts)
-    server = Server(app, engine, log_level=opts.log_level, grace_s=opts.grace_s, linger_s=opts.linger_s)
+                     max_body_bytes=opts.max_body_bytes, serving=serving,
+                     enable_sleep_mode=opts.enable_sleep_mode)
+    server = Server(app, engine, log_level=opts.uvicorn_log_level or opts.log_level, grace_s=opts.grace_s,
+                    linger_s=opts.linger_s)
     server.run(sockets=[sock])
     if engine.dead is not None:
         return 1

@@ -1,57 +1,50 @@
-"""Prometheus metrics: engine gauges and counters read at scrape time, latency histograms
-observed by the HTTP layer as outputs stream out."""
+"""Prometheus metrics under vLLM's names, so vLLM's dashboards and alerts work unchanged:
+`vllm:*` with the `model_name` and `engine` labels. Engine gauges and counters are read
+at scrape time (EngineStats); latency and per-request histograms are observed by the HTTP
+layer as outputs stream out. rlserve's own metrics (weight updates, pause and sleep state)
+sit beside them as `rlserve_*`, with the same labels.
+
+With --api-server-count N, the histograms and the counters the HTTP layer keeps are per
+API server process; the engine's numbers are the same in every one.
+"""
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 if TYPE_CHECKING:
+    from rlserve.engine.output_processor import RequestState
     from rlserve.engine.outputs import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 10.0)
-_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+LABELS = ("model_name", "engine")
+FINISH_REASONS = ("stop", "length", "abort")
+
+# vLLM's buckets.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_UPDATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
-class _EngineCollector:
-    """The engine's gauges and counters, from the stats the /metrics handler just fetched."""
-
-    def __init__(self) -> None:
-        self.stats: EngineStats | None = None
-
-    def collect(self) -> Iterator[Metric]:
-        s = self.stats
-        if s is None:
-            return
-        gauges = [
-            ("rlserve_num_requests_running", "Sequences being generated.", s.num_running),
-            ("rlserve_num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
-            ("rlserve_kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
-             s.kv_cache_usage),
-            ("rlserve_kv_cache_capacity_tokens", "Tokens the KV cache holds.",
-             s.kv_cache_capacity_tokens),
-            ("rlserve_weight_version", "Version of the weights being served.", s.weight_version),
-        ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = [
-            ("rlserve_prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total),
-            ("rlserve_generation_tokens", "Tokens generated.", s.generation_tokens_total),
-            ("rlserve_requests_aborted", "Requests aborted before they finished.",
-             s.aborted_total),
-            ("rlserve_preemptions", "Sequences preempted for lack of KV cache.",
-             s.preemptions_total),
-        ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
+def _1_2_5_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class _Histogram:
@@ -60,65 +53,68 @@ class _Histogram:
     together share their gap). prometheus_client's took a quarter of a busy API server's
     time at one observation per token."""
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+    def __init__(self, name: str, documentation: str, buckets: Iterable[float]):
         self.name, self.documentation = name, documentation
         self.bounds = list(buckets)
-        self.counts = [0] * (len(buckets) + 1)  # the last one: above every bound (+Inf)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound (+Inf)
         self.sum = 0.0
 
     def observe(self, value: float, count: int = 1) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += count
         self.sum += value * count
 
-    def family(self) -> HistogramMetricFamily:
+    def family(self, labels: tuple[str, ...]) -> HistogramMetricFamily:
         cumulative, total = [], 0
         for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts):
             total += n
             cumulative.append((bound, total))
-        return HistogramMetricFamily(self.name, self.documentation, buckets=cumulative,
-                                     sum_value=self.sum)
-
-
-class _HistogramCollector:
-    def __init__(self, histograms: list[_Histogram]):
-        self.histograms = histograms
-
-    def collect(self) -> Iterator[Metric]:
-        for h in self.histograms:
-            yield h.family()
+        family = HistogramMetricFamily(self.name, self.documentation, labels=LABELS)
+        family.add_metric(list(labels), cumulative, sum_value=self.sum)
+        return family
 
 
 class ServerMetrics:
     """One registry per app, so several apps in one process never clash. Also the engine's
     latency observer (output_processor.LatencyObserver): it times tokens as they arrive."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20):
         self.model_name = model_name
+        self.labels = (model_name, "0")
+        self.stats: EngineStats | None = None  # fetched by the /metrics handler
+        self.ttft = _Histogram("vllm:time_to_first_token_seconds",
+                               "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.itl = _Histogram("vllm:inter_token_latency_seconds",
+                              "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
+        self.e2e = _Histogram("vllm:e2e_request_latency_seconds",
+                              "Histogram of e2e request latency in seconds.", _E2E_BUCKETS)
+        self.set_max_model_len(max_model_len)
+        self.update_seconds = _Histogram(
+            "rlserve_weight_update_seconds", "Time a weight update took (receive and apply).",
+            _UPDATE_BUCKETS)
+        self.finished_samples = dict.fromkeys(FINISH_REASONS, 0)
+        self.disconnects = 0
+        self.updates = {"ok": 0, "failed": 0}
+        self.update_bytes = 0
         self.registry = CollectorRegistry(auto_describe=True)
-        self._engine = _EngineCollector()
-        self.registry.register(self._engine)
-        self.ttft = _Histogram(
-            "rlserve_time_to_first_token_seconds", "Time from request arrival to first token.",
-            _TTFT_BUCKETS)
-        self.itl = _Histogram(
-            "rlserve_inter_token_latency_seconds", "Time between consecutive tokens of a sample.",
-            _ITL_BUCKETS)
-        self.e2e = _Histogram(
-            "rlserve_e2e_request_latency_seconds", "Time from request arrival to its last token.",
-            _E2E_BUCKETS)
-        self.registry.register(_HistogramCollector([self.ttft, self.itl, self.e2e]))
-        self.finished_samples = Counter(
-            "rlserve_request_finished", "Finished samples by finish reason.", ["finish_reason"],
-            registry=self.registry)
-        self.disconnects = Counter(
-            "rlserve_client_disconnects", "Requests whose client left before the end.",
-            registry=self.registry)
+        self.registry.register(self)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Token-count buckets reach the model's length (known once the engine is up)."""
+        tokens = _1_2_5_buckets(max_model_len)
+        self.prompt_tokens = _Histogram("vllm:request_prompt_tokens",
+                                        "Number of prefill tokens processed.", tokens)
+        self.generation_tokens = _Histogram("vllm:request_generation_tokens",
+                                            "Number of generation tokens processed.", tokens)
+        self.params_n = _Histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                   _N_BUCKETS)
+        self.params_max_tokens = _Histogram("vllm:request_params_max_tokens",
+                                            "Histogram of the max_tokens request parameter.", tokens)
 
     def render(self, stats: "EngineStats | None") -> bytes:
-        self._engine.stats = stats
+        self.stats = stats
         return generate_latest(self.registry)
 
-    # -- LatencyObserver -------------------------------------------------------------------
+    # -- what the HTTP layer observes ------------------------------------------------------
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
@@ -127,4 +123,86 @@ class ServerMetrics:
 
     def finished(self, reason: str, seconds: float) -> None:
         self.e2e.observe(seconds)
-        self.finished_samples.labels(finish_reason=reason).inc()
+        self.finished_samples[reason] = self.finished_samples.get(reason, 0) + 1
+
+    def client_left(self) -> None:
+        self.disconnects += 1
+
+    def requests_done(self, states: "Iterable[RequestState]") -> None:
+        """Per-prompt histograms, once a prompt's samples have all finished."""
+        for st in states:
+            self.prompt_tokens.observe(len(st.prompt_token_ids))
+            for s in st.samples:
+                self.generation_tokens.observe(len(s.token_ids))
+            self.params_n.observe(st.params.n)
+            if st.params.max_tokens is not None:
+                self.params_max_tokens.observe(st.params.max_tokens)
+
+    def weight_update(self, ok: bool, seconds: float, num_bytes: int = 0) -> None:
+        self.updates["ok" if ok else "failed"] += 1
+        if ok:
+            self.update_seconds.observe(seconds)
+            self.update_bytes += num_bytes
+
+    # -- the collector ---------------------------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        labels = list(self.labels)
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(labels, float(value))
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        s = self.stats
+        if s is not None:
+            gauges = [
+                ("vllm:num_requests_running", "Number of requests in model execution batches.",
+                 s.num_running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                 s.num_waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 s.kv_cache_usage),
+                ("rlserve_kv_cache_capacity_tokens", "Tokens the KV cache holds.",
+                 s.kv_cache_capacity_tokens),
+                ("rlserve_weight_version", "Version of the weights being served.", s.weight_version),
+                ("rlserve_is_paused", "1 while generation is paused (/pause).", s.paused),
+                ("rlserve_is_sleeping", "1 while the engine sleeps (/sleep).", s.sleeping),
+            ]
+            counters = [
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+                                              "tokens.", s.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                 s.prefix_cache_hit_tokens),
+                ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                 s.preemptions_total),
+                ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total),
+                ("vllm:generation_tokens", "Number of generation tokens processed.",
+                 s.generation_tokens_total),
+                ("rlserve_requests_aborted", "Requests aborted before they finished.", s.aborted_total),
+            ]
+            for name, doc, value in gauges:
+                yield gauge(name, doc, value)
+            for name, doc, value in counters:
+                yield counter(name, doc, value)
+        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                      labels=(*LABELS, "finished_reason"))
+        for reason, n in self.finished_samples.items():
+            success.add_metric([*labels, reason], n)
+        yield success
+        for h in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens,
+                  self.params_n, self.params_max_tokens, self.update_seconds):
+            yield h.family(self.labels)
+        yield counter("rlserve_client_disconnects", "Requests whose client left before the end.",
+                      self.disconnects)
+        updates = CounterMetricFamily("rlserve_weight_updates", "Weight updates, by outcome.",
+                                      labels=(*LABELS, "outcome"))
+        for outcome, n in self.updates.items():
+            updates.add_metric([*labels, outcome], n)
+        yield updates
+        yield counter("rlserve_weight_update_bytes", "Bytes of weights received by updates.",
+                      self.update_bytes)

@@ -1,18 +1,25 @@
 """Bodies of the OpenAI-compatible API, as pydantic models.
 
 Names, defaults and shapes follow OpenAI's API. The extensions RL rollouts need (top_k,
-min_p, ignore_eos, min_tokens, return_token_ids, return_weight_versions, ...) sit in the
-request body next to them, as vLLM does it, so `extra_body=` of the openai client works.
+min_p, ignore_eos, min_tokens, return_token_ids, return_weight_versions, ...) and vLLM's
+sampling and structured-output fields sit in the request body next to them, as vLLM does
+it, so `extra_body=` of the openai client works.
+
+Every field a body carries either works or is refused with a 400 naming it: unknown fields
+are refused (`extra="forbid"`), and the fields of vLLM's schemas that rlserve does not
+implement are refused with the reason (rlserve/server/unimplemented.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlserve.engine.request import MAX_LOGPROBS
+from rlserve.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from rlserve.server import unimplemented
+from rlserve.server.unimplemented import Unimplemented
 
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # OpenAI's limit on samples per prompt
@@ -30,9 +37,17 @@ def Extension(default: Any = None, description: str | None = None) -> Any:  # no
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI does. Types are strict ("true" is not a bool,
-    # 1.5 is not an int), and NaN or infinities never reach the sampler.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    # Unknown fields are refused: a field this server does not know would otherwise be
+    # silently dropped, and a rollout would run without what it asked for. Types are strict
+    # ("true" is not a bool, 1.5 is not an int), and NaN or infinities never reach the sampler.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # vLLM's fields this model does not implement: accepted only with a neutral value.
+    unimplemented_fields: ClassVar[Mapping[str, Unimplemented]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        return unimplemented.drop_neutral(data, cls.unimplemented_fields)
 
 
 class _Response(BaseModel):
@@ -43,7 +58,40 @@ class _Response(BaseModel):
 
 
 class StreamOptions(_Request):
+    unimplemented_fields = unimplemented.STREAM_OPTIONS
     include_usage: bool = False
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+JsonSchema = dict[str, Any]
+
+
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    # `schema` is OpenAI's name; it would shadow a BaseModel attribute, hence the alias.
+    schema_: JsonSchema | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    unimplemented_fields = unimplemented.STRUCTURED_OUTPUTS
+    # `json` would shadow a BaseModel attribute, hence the alias.
+    json_: str | JsonSchema | None = Field(None, alias="json")
+    regex: NonEmptyStr | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: NonEmptyStr | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class _SamplingRequest(_Request):
@@ -58,13 +106,35 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted for client compatibility; anything but the neutral value is refused (400)
-    # rather than silently ignored.
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, description="Subtracted from the logit of every token the output has.")
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, description="Subtracted from a token's logit once per time the output "
+                                       "has it.")
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = Field(
+        None, description="Token id (as a string) -> added to its logit.")
+    response_format: ResponseFormat | None = None
 
-    # Extensions.
+    # Extensions (vLLM's names and meanings).
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="1: off. Logits of prompt and output tokens are divided by it "
+                                "when positive, multiplied when negative.")
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
+        None, description="Only these tokens can be sampled.")
+    bad_words: list[NonEmptyStr] | None = Field(
+        None, description="Words that must not be generated (as vLLM bans them).")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Logprobs of each prompt token, with this many "
+                                                 "alternatives (vLLM's shape).")
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | JsonSchema | None = Field(None, description="Older name of structured_outputs.json.")
+    guided_regex: NonEmptyStr | None = Field(None, description="Older name of structured_outputs.regex.")
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = Field(
+        None, description="Older name of structured_outputs.choice.")
+    guided_grammar: NonEmptyStr | None = Field(None, description="Older name of structured_outputs.grammar.")
+    request_id: str | None = Field(
+        None, min_length=1, max_length=256, description="Sets the response's id (cmpl-<id>, "
+                                                        "chatcmpl-<id>).")
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="-1 or 0: disabled.")
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
@@ -84,11 +154,11 @@ class _SamplingRequest(_Request):
                                         "requests of the same salt.")
 
 
-NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionRequest(_SamplingRequest):
+    unimplemented_fields = unimplemented.COMPLETION
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | \
         Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
@@ -96,8 +166,11 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
-    return_tokens_as_token_ids: bool = Field(
-        False, description="Logprob tokens as 'token_id:<id>', which never collide.")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="Logprob tokens as 'token_id:<id>', which never collide (default: "
+                          "the server's --return-tokens-as-token-ids).")
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (e.g. BOS) "
+                                                       "to text prompts.")
 
 
 class ContentPart(_Request):
@@ -105,25 +178,75 @@ class ContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: NonEmptyStr
+    arguments: str | dict[str, Any] = Field(description="JSON text, as OpenAI sends it (or an object).")
+
+
+class ToolCall(_Request):
+    """A tool call in the conversation's history (an assistant message's tool_calls)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: str
+    """A message as the chat template receives it; tool-call history included."""
+
+    unimplemented_fields = unimplemented.MESSAGE
+    role: NonEmptyStr
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = Field(None, description="Newer name of reasoning_content.")
+
+
+class FunctionDefinition(_Request):
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: JsonSchema | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    unimplemented_fields = unimplemented.CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Deprecated alias.")
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Annotated[list[ToolDefinition], Field(min_length=1)] | None = None
+    tool_choice: ToolChoice | None = Field(
+        None, description="Default: auto when tools are given, else none.")
+    parallel_tool_calls: bool | None = Field(None, description="False: one tool call at most.")
     # Extensions, as in vLLM.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = Field(False, description="Add the tokenizer's special tokens on top "
+                                                        "of what the chat template writes.")
+    documents: list[dict[str, str]] | None = Field(None, description="Passed to the chat template.")
     chat_template_kwargs: dict[str, Any] | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
 
 
 class TokenizeRequest(_Request):
@@ -136,8 +259,11 @@ class TokenizeRequest(_Request):
 class TokenizeChatRequest(_Request):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[ToolDefinition], Field(min_length=1)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -187,6 +313,19 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """vLLM's Logprob: one token's logprob at a prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token there
+    decoded_token: str | None = None
+
+
+# One entry per prompt token: None for the first (nothing predicts it), else the prompt
+# token and the top alternatives, keyed by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
@@ -194,6 +333,7 @@ class CompletionChoice(_Response):
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = Extension(
         description="The stop string or token id that ended the choice.")
+    prompt_logprobs: PromptLogprobs | None = Extension()
     prompt_token_ids: list[int] | None = Extension()
     token_ids: list[int] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()
@@ -223,16 +363,31 @@ class ChatLogprobs(_Response):
     content: list[TokenLogprobEntry] | None = None
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = Extension()
+
+
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: ChatFinishReason | None = None
     stop_reason: int | str | None = Extension()
     token_ids: list[int] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()
@@ -245,20 +400,37 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = Extension()
+    prompt_logprobs: PromptLogprobs | None = Extension()
     prompt_token_ids: list[int] | None = Extension()
     weight_version: int
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = Extension()
+    arguments: str | None = Extension()
+
+
+class DeltaToolCall(_Response):
+    """A piece of a streamed tool call: the first carries id, type and name; the
+    `arguments` of all pieces of one index concatenate to the call's JSON arguments."""
+
+    index: int
+    id: str | None = Extension()
+    type: Literal["function"] | None = Extension()
+    function: DeltaFunctionCall
 
 
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = Extension()
     content: str | None = Extension()
+    tool_calls: list[DeltaToolCall] | None = Extension()
 
 
 class ChatChunkChoice(_Response):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: ChatFinishReason | None = None
     stop_reason: int | str | None = Extension()
     token_ids: list[int] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()

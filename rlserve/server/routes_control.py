@@ -8,9 +8,10 @@
     GET  /is_paused, GET /weight_version, POST /reset_prefix_cache
     POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping
 
-These routes exist only when a weight-transfer backend is configured. They answer only
-loopback clients, or with `--admin-key` only requests bearing it, and never cross-origin
-browser requests: see rlserve/server/security.py.
+These routes exist only when a weight-transfer backend is configured (the sleep routes
+also with --enable-sleep-mode). They answer only loopback clients, or with `--admin-key`
+only requests bearing it, and never cross-origin browser requests: see
+rlserve/server/security.py.
 """
 
 from __future__ import annotations
@@ -71,10 +72,13 @@ async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: 
 
 @router.post("/update_weights")
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
+    metrics = request.app.state.metrics
     try:
         result = await _engine(request).update_weights(body.update_info)
     except Exception as e:
+        metrics.weight_update(False, 0.0)
         raise _transfer_error(e) from e
+    metrics.weight_update(True, result.receive_seconds + result.apply_seconds, result.num_bytes)
     gbps = result.num_bytes / max(result.receive_seconds, 1e-9) / 1e9
     answer = {"status": "ok", "weight_version": result.weight_version, "bytes": result.num_bytes,
               "receive_seconds": result.receive_seconds, "apply_seconds": result.apply_seconds,
@@ -109,7 +113,11 @@ async def is_paused(request: Request) -> dict:
     return {"is_paused": (await _engine(request).stats()).paused}
 
 
-@router.post("/sleep")
+# Without a weight-transfer backend, --enable-sleep-mode gives these three alone.
+sleep_router = APIRouter(tags=["sleep"], dependencies=[Depends(require_control_access)])
+
+
+@sleep_router.post("/sleep")
 async def sleep(request: Request,
                 level: int = Query(1, ge=1, le=2, description="1: weights to host memory; "
                                                               "2: weights dropped (the next "
@@ -118,13 +126,13 @@ async def sleep(request: Request,
     return {"status": "sleeping", "level": level}
 
 
-@router.post("/wake_up")
+@sleep_router.post("/wake_up")
 async def wake_up(request: Request) -> dict:
     await _engine(request).wake_up()
     return {"status": "awake"}
 
 
-@router.get("/is_sleeping")
+@sleep_router.get("/is_sleeping")
 async def is_sleeping(request: Request) -> dict:
     return {"is_sleeping": (await _engine(request).stats()).sleeping}
 
@@ -142,3 +150,8 @@ async def reset_prefix_cache(request: Request) -> dict:
 
 def add_control_routes(app: FastAPI, engine, config: EngineConfig) -> None:
     app.include_router(router)
+    app.include_router(sleep_router)
+
+
+def add_sleep_routes(app: FastAPI) -> None:
+    app.include_router(sleep_router)

@@ -101,7 +101,7 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():  # the client left first; nobody reads this response
-        request.app.state.metrics.disconnects.inc()
+        request.app.state.metrics.client_left()
         return Response(status_code=499)
     return task.result()
 

@@ -4,22 +4,26 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from rlserve.config import EngineConfig
+from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.output_processor import RequestState
-from rlserve.engine.request import InvalidRequestError, SamplingParams, validate_prompt
+from rlserve.engine.request import MAX_LOGPROBS, InvalidRequestError, SamplingParams, validate_prompt
+from rlserve.engine.structured_output import StructuredOutputCompiler
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                     PromptTokensDetails, TokenizeChatRequest, Usage,
-                                     WeightVersionSpan)
+                                     PromptLogprob, PromptLogprobs, PromptTokensDetails,
+                                     TokenizeChatRequest, Usage, WeightVersionSpan)
 from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
-from rlserve.server.token_strings import TokenStrings
+from rlserve.server.structured import constraint
+from rlserve.server.token_strings import TokenStrings, floor_logprob
 
 if TYPE_CHECKING:
     from rlserve.engine.async_engine import AsyncEngine
@@ -29,6 +33,19 @@ if TYPE_CHECKING:
 class Prompt:
     token_ids: list[int]
     text: str
+
+
+@dataclass
+class ServingOptions:
+    """How `rlserve serve` answers requests, beyond the engine's configuration."""
+
+    max_prompts: int = DEFAULT_MAX_PROMPTS
+    # Sampling defaults for fields a request leaves unset (generation_config.py); a
+    # `max_tokens` here caps every request, as vLLM's max_new_tokens does.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    max_logprobs: int = MAX_LOGPROBS
+    return_tokens_as_token_ids: bool = False  # the default of the request field
+    tool_call_parser: str = "hermes"
 
 
 def json_response(model: BaseModel) -> Response:
@@ -60,10 +77,12 @@ class Generation:
 
     def __init__(self, engine: "AsyncEngine", request_id: str, prompts: list[Prompt],
                  params: SamplingParams, arrival: float, stream: bool, cache_salt: str | None = None,
-                 lora_name: str | None = None):
+                 lora_name: str | None = None, metrics: ServerMetrics | None = None):
         for p in prompts:  # all checked before any is sent
             validate_prompt(p.token_ids, params, engine.max_model_len, engine.vocab_size)
         self.engine = engine
+        self.metrics = metrics
+        self.closed = False
         self.changed = asyncio.Event()
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         self.states: list[RequestState] = []
@@ -106,14 +125,18 @@ class Generation:
     def close(self) -> None:
         for s in self.states:
             self.engine.release(s)
+        if self.metrics is not None and not self.closed:
+            self.metrics.requests_done([s for s in self.states if s.finished and s.error is None])
+        self.closed = True
 
 
 class OpenAIServing:
     """Request handling shared by the routes: validation, prompts, sampling parameters."""
 
     def __init__(self, engine: "AsyncEngine", config: EngineConfig, metrics: ServerMetrics,
-                 max_prompts: int = DEFAULT_MAX_PROMPTS):
-        self.max_prompts = max_prompts
+                 options: ServingOptions | None = None):
+        self.options = options or ServingOptions()
+        self.max_prompts = self.options.max_prompts
         self.engine = engine
         self.config = config
         self.metrics = metrics
@@ -121,6 +144,9 @@ class OpenAIServing:
         self.tokens = TokenStrings(engine.tokenizer)
         self.created = int(time.time())
         self.vocab_size = engine.vocab_size
+        # Only its `validate` runs here (a spec's parse); the engine compiles the masks.
+        self.grammars = StructuredOutputCompiler(engine.tokenizer, engine.vocab_size,
+                                                 engine.info.eos_token_ids)
 
     @property
     def model_name(self) -> str:
@@ -164,9 +190,10 @@ class OpenAIServing:
         except (TypeError, ValueError, OverflowError) as e:
             raise InvalidRequestError(f"{param}: cannot be decoded ({e})", param) from e
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool, kwargs: dict[str, Any] | None) -> str:
-        if add_generation_prompt and continue_final_message:
+    def render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest) -> str:
+        """The conversation through the chat template: messages as given (tool calls, tool
+        results and reasoning included), the tools, documents and template variables."""
+        if body.add_generation_prompt and body.continue_final_message:
             raise InvalidRequestError(
                 "continue_final_message: cannot be combined with add_generation_prompt",
                 "continue_final_message")
@@ -175,29 +202,25 @@ class OpenAIServing:
             raise InvalidRequestError(
                 "messages: this model has no chat template; start the server with "
                 "--chat-template", "messages")
-        conversation = []
-        for m in messages:
-            content = m.content
-            if isinstance(content, list):  # text parts only: the schema refuses others
-                content = "".join(p.text for p in content)
-            entry: dict[str, Any] = {"role": m.role, "content": content or ""}
-            if m.name is not None:
-                entry["name"] = m.name
-            conversation.append(entry)
+        conversation = [_template_message(m, i) for i, m in enumerate(body.messages)]
+        kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
+        if body.documents is not None:
+            kwargs["documents"] = body.documents
         try:
             return self.tokenizer.apply_chat_template(
                 conversation, chat_template=template, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(kwargs or {}))
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, **kwargs)
         except Exception as e:  # template errors are caused by the messages sent
             raise InvalidRequestError(f"messages: the chat template failed: {e}",
                                       "messages") from e
 
     def chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> Prompt:
-        text = self.render_chat(body.messages, body.add_generation_prompt,
-                                body.continue_final_message, body.chat_template_kwargs)
-        # The template already wrote the special tokens it wants.
-        return Prompt(self.encode(text, False, "messages"), text)
+        text = self.render_chat(body)
+        # The template already wrote the special tokens it wants (add_special_tokens: more).
+        return Prompt(self.encode(text, body.add_special_tokens, "messages"), text)
 
     async def chat_prompt_async(self, body: ChatCompletionRequest | TokenizeChatRequest) -> Prompt:
         """`chat_prompt`, on a thread when the messages are long."""
@@ -207,35 +230,65 @@ class OpenAIServing:
             return self.chat_prompt(body)
         return await asyncio.to_thread(self.chat_prompt, body)
 
-    @staticmethod
-    def refuse_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name):
-                raise InvalidRequestError(f"{name}: not supported; leave it unset or 0", name)
-        if body.logit_bias:
-            raise InvalidRequestError("logit_bias: not supported", "logit_bias")
+    def check_request(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """What the schema cannot say about a request on its own."""
         if body.stop and not body.detokenize:
             raise InvalidRequestError("stop: stop strings need detokenize (leave it true, or use "
                                       "stop_token_ids)", "stop")
+        if body.prompt_logprobs is not None and body.stream:
+            raise InvalidRequestError("prompt_logprobs: not available with stream (as in vLLM); "
+                                      "send the request without stream", "prompt_logprobs")
+        limit = self.options.max_logprobs
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(body, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+                raise InvalidRequestError(f"{name}: {value} is more than this server's "
+                                          f"--max-logprobs ({limit})", name)
+
+    def as_token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
+        """Whether logprob tokens are written 'token_id:<id>'."""
+        wanted = body.return_tokens_as_token_ids
+        if wanted is None:
+            wanted = self.options.return_tokens_as_token_ids
+        return wanted or not body.detokenize
 
     def sampling_params(self, body: CompletionRequest | ChatCompletionRequest,
                         max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters: the request's fields, else the generation config's
+        defaults (--generation-config), else OpenAI's and vLLM's."""
         limit = self.engine.max_model_len
         if max_tokens is not None and max_tokens > limit:
             param = "max_completion_tokens" if getattr(body, "max_completion_tokens",
                                                        None) else "max_tokens"
             raise InvalidRequestError(
                 f"{param}: {max_tokens} is more than max_model_len ({limit})", param)
-        top_k = body.top_k if body.top_k is not None else -1
+        defaults = self.options.generation_defaults
+        cap = defaults.get("max_tokens")  # a server-wide limit, as in vLLM
+        if cap is not None:
+            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
+
+        def pick(name: str, neutral: Any) -> Any:
+            value = getattr(body, name)
+            return value if value is not None else defaults.get(name, neutral)
+
+        top_k = pick("top_k", -1)
         if top_k >= self.vocab_size:
             top_k = -1  # keeping every token is the same as no top-k
-        return SamplingParams(
+        structured = constraint(body, self.grammars)
+        params = SamplingParams(
             n=body.n,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
             top_k=top_k,
-            min_p=body.min_p or 0.0,
+            min_p=pick("min_p", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=body.logit_bias,
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
+            structured_outputs=structured.spec if structured is not None else None,
             seed=body.seed,
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
@@ -248,6 +301,26 @@ class OpenAIServing:
             detokenize=body.detokenize,
             skip_special_tokens=body.skip_special_tokens,
         )
+        return convert_bad_words(params, self.tokenizer)
+
+    def prompt_logprobs(self, state: RequestState, k: int, as_ids: bool) -> PromptLogprobs:
+        """vLLM's prompt_logprobs: per prompt token, None for the first, else the token and
+        the k most likely ones at its position, keyed by token id."""
+        out: PromptLogprobs = []
+        logprobs = state.prompt_logprobs or []
+        for i in range(len(state.prompt_token_ids)):
+            lp = logprobs[i] if i < len(logprobs) else None
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): PromptLogprob(
+                logprob=floor_logprob(lp.logprob), rank=lp.rank,
+                decoded_token=self.tokens.text(lp.token_id, as_ids))}
+            for rank, (t, v) in enumerate(lp.top[:k], 1):
+                entry.setdefault(str(t), PromptLogprob(logprob=floor_logprob(v), rank=rank,
+                                                       decoded_token=self.tokens.text(t, as_ids)))
+            out.append(entry)
+        return out
 
     # ------------------------------------------------------------ responses
 
@@ -289,8 +362,39 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
         finally:
             if not ended:
-                self.metrics.disconnects.inc()
+                self.metrics.client_left()
             # A gone client cancels this generator; a shielded scope lets the aborts complete.
             with anyio.CancelScope(shield=True):
                 await events.aclose()  # type: ignore[attr-defined]
                 generation.close()
+
+
+def _template_message(m: ChatMessage, index: int) -> dict[str, Any]:
+    """One message as chat templates read it. Tool-call arguments become objects, as
+    transformers' templates expect (OpenAI sends them as JSON text); `reasoning` (vLLM's
+    newer name) is also given as `reasoning_content`, which templates read."""
+    content = m.content
+    if isinstance(content, list):  # text parts only: the schema refuses others
+        content = "".join(p.text for p in content)
+    entry: dict[str, Any] = {"role": m.role, "content": content or ""}
+    if m.name is not None:
+        entry["name"] = m.name
+    if m.tool_calls is not None:
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            args = call.function.arguments
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError as e:
+                    param = f"messages.{index}.tool_calls.{j}.function.arguments"
+                    raise InvalidRequestError(f"{param}: not valid JSON ({e})", "messages") from None
+            fn = {"name": call.function.name, "arguments": args}
+            calls.append({"type": "function", "function": fn, **({"id": call.id} if call.id else {})})
+        entry["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        entry["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None:
+        entry["reasoning_content"] = entry["reasoning"] = reasoning
+    return entry

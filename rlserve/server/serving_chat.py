@@ -16,27 +16,31 @@ from rlserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoi
                                      DeltaMessage, TokenLogprobEntry, TopLogprob)
 from rlserve.server.serving import Generation, OpenAIServing, Prompt, sse, usage, version_spans
 from rlserve.server.token_strings import floor_logprob
+from rlserve.server.tool_calls import ChoiceToolCalls
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """A choice that ended by stopping after tool calls finished with them (OpenAI)."""
+    return "tool_calls" if reason == "stop" and called else reason
 
 
 class ChatServing(OpenAIServing):
     async def create(self, body: ChatCompletionRequest, arrival: float) -> Response:
         lora_name = self.check_model(body.model)
-        self.refuse_unsupported(body)
-        if body.tools:
-            raise InvalidRequestError("tools: not supported", "tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("response_format: only type 'text' is supported",
-                                      "response_format")
+        self.check_request(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequestError("top_logprobs: needs logprobs set to true", "top_logprobs")
+        if body.tool_choice not in (None, "none") and not body.tools:
+            raise InvalidRequestError("tool_choice: needs tools", "tool_choice")
         prompt = await self.chat_prompt_async(body)
         k = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = self.sampling_params(body, max_tokens, k)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        params = self.sampling_params(body, max_tokens, k, prompt_logprobs=body.prompt_logprobs)
+        engine_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"chatcmpl-{body.request_id}" if body.request_id else engine_id
         created = int(time.time())
-        generation = Generation(self.engine, request_id, [prompt], params, arrival, body.stream,
-                                body.cache_salt, lora_name)
+        generation = Generation(self.engine, engine_id, [prompt], params, arrival, body.stream,
+                                body.cache_salt, lora_name, self.metrics)
         events = self._events(body, request_id, created, prompt, generation) if body.stream else None
         return await self.respond(generation, events,
                                   lambda: self._body(body, request_id, created, prompt, generation))
@@ -59,8 +63,7 @@ class ChatServing(OpenAIServing):
                 state: RequestState, delta: SampleDelta) -> None:
         if body.logprobs:
             choice.logprobs = self._logprobs(delta.logprobs or [], body.top_logprobs or 0,
-                                             body.return_tokens_as_token_ids or not body.detokenize,
-                                             body.detokenize)
+                                             self.as_token_ids(body), body.detokenize)
         if body.return_token_ids:
             choice.token_ids = delta.token_ids
         if delta.finish_reason is not None:
@@ -73,13 +76,17 @@ class ChatServing(OpenAIServing):
         (state,) = generation.states
         choices = []
         for delta in state.deltas():
-            choice = ChatChoice(index=delta.index, message=AssistantMessage(content=delta.text),
-                                finish_reason=delta.finish_reason)
+            content, calls = ChoiceToolCalls(body, self.options.tool_call_parser).whole(delta.text)
+            choice = ChatChoice(index=delta.index, message=AssistantMessage(content=content,
+                                                                            tool_calls=calls or None),
+                                finish_reason=_finish_reason(delta.finish_reason, bool(calls)))
             self._extras(body, choice, state, delta)
             choices.append(choice)
         return ChatCompletionResponse(
             id=request_id, created=created, model=body.model or self.model_name, choices=choices,
             usage=usage([prompt], sum(len(s.token_ids) for s in state.samples), state.num_cached_tokens),
+            prompt_logprobs=(self.prompt_logprobs(state, body.prompt_logprobs, self.as_token_ids(body))
+                             if body.prompt_logprobs is not None else None),
             prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
             weight_version=state.weight_version)
 
@@ -98,14 +105,18 @@ class ChatServing(OpenAIServing):
                                               else None))
                       for index in range(body.n))
         wants_tokens = body.logprobs or body.return_token_ids
+        tools = [ChoiceToolCalls(body, self.options.tool_call_parser) for _ in range(body.n)]
         while True:
             version = max(version, state.weight_version)
             parts = []
             for delta in state.deltas():
-                if not (delta.text or delta.finish_reason or (delta.token_ids and wants_tokens)):
+                final = delta.finish_reason is not None
+                content, calls = tools[delta.index].stream(delta.text, final)
+                if not (content or calls or final or (delta.token_ids and wants_tokens)):
                     continue
-                choice = ChatChunkChoice(index=delta.index, delta=DeltaMessage(content=delta.text or None),
-                                         finish_reason=delta.finish_reason)
+                choice = ChatChunkChoice(
+                    index=delta.index, delta=DeltaMessage(content=content or None, tool_calls=calls or None),
+                    finish_reason=_finish_reason(delta.finish_reason, tools[delta.index].called))
                 self._extras(body, choice, state, delta)
                 parts.append(chunk([choice]))
             if parts:

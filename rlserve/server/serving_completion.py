@@ -18,25 +18,28 @@ from rlserve.server.token_strings import floor_logprob
 class CompletionServing(OpenAIServing):
     async def create(self, body: CompletionRequest, arrival: float) -> Response:
         lora_name = self.check_model(body.model)
-        self.refuse_unsupported(body)
+        self.check_request(body)
         if body.suffix:
             raise InvalidRequestError("suffix: not supported", "suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidRequestError("best_of: only best_of == n is supported", "best_of")
-        prompts = await self._prompts(body.prompt, body.detokenize)
+        prompts = await self._prompts(body.prompt, body.detokenize, body.add_special_tokens)
         k = body.logprobs
+        # Echoed logprobs cover the prompt too: the engine computes the larger top-k.
+        wanted = [x for x in (body.prompt_logprobs, k if body.echo else None) if x is not None]
         params = self.sampling_params(body, body.max_tokens, k,
-                                      prompt_logprobs=k if body.echo and k is not None else None)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+                                      prompt_logprobs=max(wanted) if wanted else None)
+        engine_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{body.request_id}" if body.request_id else engine_id
         created = int(time.time())
-        generation = Generation(self.engine, request_id, prompts, params, arrival, body.stream,
-                                body.cache_salt, lora_name)
+        generation = Generation(self.engine, engine_id, prompts, params, arrival, body.stream,
+                                body.cache_salt, lora_name, self.metrics)
         events = (self._events(body, request_id, created, prompts, generation) if body.stream else None)
         return await self.respond(generation, events,
                                   lambda: self._body(body, request_id, created, prompts, generation))
 
     async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]], detokenize: bool,
-                       ) -> list[Prompt]:
+                       add_special_tokens: bool = True) -> list[Prompt]:
         """One prompt (a string or a token-id list) or a batch of them; never empty. Token
         prompts are decoded for `echo` unless the request skips detokenization."""
         if isinstance(prompt, str) or isinstance(prompt[0], int):
@@ -49,7 +52,7 @@ class CompletionServing(OpenAIServing):
         prompts = []
         for item in items:
             if isinstance(item, str):
-                prompts.append(Prompt(await self.encode_async(item, True, "prompt"), item))
+                prompts.append(Prompt(await self.encode_async(item, add_special_tokens, "prompt"), item))
             elif detokenize:
                 prompts.append(Prompt(list(item), self.decode(item, "prompt")))
             else:
@@ -91,7 +94,7 @@ class CompletionServing(OpenAIServing):
                 ids = prompt.token_ids + ids
                 prompt_lps = list(state.prompt_logprobs or [])
                 lps = prompt_lps + [None] * (len(prompt.token_ids) - len(prompt_lps)) + lps
-            as_ids = body.return_tokens_as_token_ids or not body.detokenize
+            as_ids = self.as_token_ids(body)
             choice.logprobs, offset = self._logprobs(ids, lps, body.logprobs,
                                                      offsets.get(index, 0) if offsets else 0, as_ids,
                                                      body.detokenize)
@@ -101,6 +104,9 @@ class CompletionServing(OpenAIServing):
             choice.token_ids = delta.token_ids
             if delta.first:
                 choice.prompt_token_ids = prompt.token_ids
+        if body.prompt_logprobs is not None and delta.first:
+            choice.prompt_logprobs = self.prompt_logprobs(state, body.prompt_logprobs,
+                                                          self.as_token_ids(body))
         if delta.finish_reason is not None:
             choice.stop_reason = delta.stop_reason
             if body.return_weight_versions:
