@@ -244,8 +244,12 @@ def main() -> None:
     if args.loras:
         import tempfile
         with tempfile.TemporaryDirectory() as root:
-            with_loras = run_rlserve(args, path, prompts, out_lens,
-                                     loras=write_random_adapters(path, args.loras, args.lora_rank, root))
+            loras = write_random_adapters(path, args.loras, args.lora_rank, root)
+            # A process of its own: the base run's device memory is only surely back when its
+            # process ends, and the adapter run sizes its KV cache from what is free.
+            import multiprocessing
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                with_loras = pool.apply(run_rlserve, (args, path, prompts, out_lens, None, loras))
         print(f"{args.loras} LoRA adapters mixed: {with_loras / ours:.0%} of the base model's throughput")
     if args.transformers:
         theirs = run_transformers(args, path, prompts, out_lens)
