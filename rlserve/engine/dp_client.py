@@ -148,7 +148,9 @@ class DPEngineClient:
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    stream: bool, cache_salt: str | None = None) -> None:
+                    stream: bool, cache_salt: str | None = None, lora_name: str | None = None) -> None:
+        # LoRA with data parallel is refused at start-up (EngineConfig): no adapter names here.
+        assert lora_name is None, "LoRA adapters are not routed across data-parallel replicas"
         if self.dead is not None:
             raise EngineDeadError(f"the engine is down: {self.dead}")
         hashes = self.router.block_hashes(prompt_token_ids, cache_salt)
