@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import start_server, stop_server
+from conftest import seeded_wide_model, start_server, stop_server
 from trainer_agent import TrainerProcess
 
 pytestmark = [
@@ -40,7 +40,7 @@ TIMEOUT_S = 20.0
 def checkpoint(tmp_path_factory) -> str:
     import shutil
 
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
     source = os.environ.get("RLSERVE_TEST_TOKENIZER")
     if source is None:
         from rlserve.model.demo_model import demo_model_path
@@ -53,13 +53,7 @@ def checkpoint(tmp_path_factory) -> str:
                       num_attention_heads=8, num_key_value_heads=2, head_dim=32,
                       max_position_embeddings=2048, tie_word_embeddings=False,
                       architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15 if "embed" in name else 0.05)
-    hf.save_pretrained(path)
+    seeded_wide_model(cfg).save_pretrained(path)
     return str(path)
 
 
