@@ -223,7 +223,7 @@ class LLM:
         scheduler = self.engine.scheduler
         if scheduler.no_weights:  # dropped by sleep(level=2): a partial update would leave garbage
             sent = {name for name, _ in weights}
-            expected = self.engine.executor.driver.expected_weights()
+            expected = self.engine.executor.driver.expected
             missing = sorted(n for n, e in expected.items() if e.required and n not in sent)
             if missing:
                 raise ValueError(f"update_weights: the weights were dropped by sleep(level=2), so every "
