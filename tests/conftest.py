@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Iterator
@@ -46,6 +47,27 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
             logprobs.append(lp[tok].item())
             ids = torch.tensor([[tok]], device=device)
     return tokens, logprobs
+
+
+def stream_completion(url: str, model: str, prompt: str, max_tokens: int, results: list,
+                      progress: list, i: int) -> None:
+    """One streamed greedy completion; `results[i]` = ([(token_ids, weight version) per
+    chunk], finish reason, version spans); `progress[i]` counts tokens as they arrive."""
+    import httpx
+    chunks, finish, spans = [], None, None
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                ignore_eos=True, return_token_ids=True, return_weight_versions=True)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[6:])
+            for c in data["choices"]:
+                chunks.append((c.get("token_ids") or [], data["weight_version"]))
+                progress[i] += len(chunks[-1][0])
+                finish = c.get("finish_reason") or finish
+                spans = c.get("weight_version_spans") or spans
+    results[i] = (chunks, finish, spans)
 
 
 class RunningServer(ServerProcess):

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import seeded_wide_model, start_server, stop_server
+from conftest import seeded_wide_model, start_server, stop_server, stream_completion
 from trainer_agent import TrainerProcess
 
 pytestmark = [
@@ -107,20 +107,7 @@ def test_the_seed_script_over_nccl_serves_the_trainers_model(checkpoint, referen
 
 
 def _stream(url: str, model: str, prompt: str, results: list, progress: list, i: int) -> None:
-    chunks, finish, spans = [], None, None
-    body = dict(model=model, prompt=prompt, max_tokens=64, temperature=0, stream=True, ignore_eos=True,
-                return_token_ids=True, return_weight_versions=True)
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            data = json.loads(line[6:])
-            for c in data["choices"]:
-                chunks.append((c.get("token_ids") or [], data["weight_version"]))
-                progress[i] += len(chunks[-1][0])
-                finish = c.get("finish_reason") or finish
-                spans = c.get("weight_version_spans") or spans
-    results[i] = (chunks, finish, spans)
+    stream_completion(url, model, prompt, 64, results, progress, i)
 
 
 def test_a_push_while_keep_mode_streams_run_loses_nothing(checkpoint, tmp_path):

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import hf_greedy, start_server, stop_server
+from conftest import hf_greedy, start_server, stop_server, stream_completion
 from rlserve.weight_transfer import GlooWeightTransferEngine, WeightSyncClient, WeightTransferError, get_open_port
 
 ADMIN_KEY = "admin-secret"
@@ -127,21 +127,7 @@ def sync(dummy_server):
 
 
 def _stream(url: str, prompt: str, results: list, progress: list, i: int, max_tokens: int = 48) -> None:
-    """One streaming request; records (token_ids, weight version) per chunk and the end."""
-    chunks, finish, spans = [], None, None
-    body = dict(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-                ignore_eos=True, return_token_ids=True, return_weight_versions=True)
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            for c in data["choices"]:
-                chunks.append((c.get("token_ids") or [], data["weight_version"]))
-                progress[i] += len(chunks[-1][0])
-                finish = c.get("finish_reason") or finish
-                spans = c.get("weight_version_spans") or spans
-    results[i] = (chunks, finish, spans)
+    stream_completion(url, "m", prompt, max_tokens, results, progress, i)
 
 
 def _run_streams_with_push(url, sync, model, mode: str, version: int, n: int = 16):
