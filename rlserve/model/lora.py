@@ -90,11 +90,17 @@ class LoRAModel:
         t = self.targets[module]
         return (rank, t.in_features), (t.out_features, rank)
 
-    @torch.no_grad()
     def load(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
              scaling: Callable[[str], float]) -> None:
         """Put an adapter in `slot`: modules absent from `pairs` get zeros. Every module,
         shape and rank is checked before anything is written, so a refusal changes nothing."""
+        self.run(self.plan(slot, pairs, scaling))
+
+    def plan(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+             scaling: Callable[[str], float]) -> "LoadPlan":
+        """Check an adapter against the model and work out the copies that put it in `slot`.
+        A plan stays valid while its source tensors do (a trainer's IPC views are the same
+        tensors push after push), so a caller may keep it and `run` it again."""
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"lora slot {slot} is outside 0..{self.max_loras - 1}")
         unknown = sorted(m for m in pairs if m not in self.targets)
@@ -110,7 +116,7 @@ class LoRAModel:
             if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
                 raise ValueError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not "
                                  f"match the model (expected {list(want_a)} and {list(want_b)})")
-        self.clear(slot)
+        plan = LoadPlan([t for layer in self.layers for t in (layer.a[slot], layer.b[slot])], [], [], [], [], [])
         for module, (a, b) in pairs.items():
             t = self.targets[module]
             rank = a.shape[0]
@@ -119,15 +125,39 @@ class LoRAModel:
             if t.b_shard is not None:
                 b = b.narrow(0, t.b_shard.start, t.b_shard.size)
             offset, size = t.layer.slices[t.index]
-            t.layer.a[slot, t.index, :rank].copy_(a)
-            # float32 product, rounded once into the layer's dtype
-            t.layer.b[slot, offset:offset + size, :rank].copy_(b.float() * scaling(module))
+            plan.a_dst.append(t.layer.a[slot, t.index, :rank])
+            plan.a_src.append(a)
+            plan.b_dst.append(t.layer.b[slot, offset:offset + size, :rank])
+            plan.b_src.append(b)
+            plan.b_scales.append(scaling(module))
+        return plan
+
+    @torch.no_grad()
+    def run(self, plan: "LoadPlan") -> None:
+        """Clear the slot, copy A, copy B times its scaling (a float32 product, rounded once
+        into the layer's dtype). Multi-tensor ops: a handful of launches for the hundreds of
+        small tensors an adapter has, where one copy each made the host the bottleneck."""
+        torch._foreach_zero_(plan.zero)
+        if not plan.a_dst:
+            return
+        torch._foreach_copy_(plan.a_dst, plan.a_src)
+        scaled = torch._foreach_mul([b.float() for b in plan.b_src], plan.b_scales)
+        torch._foreach_copy_(plan.b_dst, scaled)
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
-        for layer in self.layers:
-            layer.a[slot].zero_()
-            layer.b[slot].zero_()
+        torch._foreach_zero_([t for layer in self.layers for t in (layer.a[slot], layer.b[slot])])
+
+
+class LoadPlan(NamedTuple):
+    """The copies that put one adapter in one slot (LoRAModel.plan)."""
+
+    zero: list[torch.Tensor]  # the slot's A and B of every layer
+    a_dst: list[torch.Tensor]
+    a_src: list[torch.Tensor]
+    b_dst: list[torch.Tensor]
+    b_src: list[torch.Tensor]
+    b_scales: list[float]
 
 
 def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> LoRAModel:

@@ -49,9 +49,12 @@ class Worker:
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
         # Taken while the parameters have their real shapes (sleep empties them).
         self.expected = self.model.expected_weights()
+        self._update_expected = None  # what an update is checked against (receive_weights)
         self.ipc_receiver = None
         self._ipc_plan = None
         self.lora_ipc_receivers: dict = {}  # adapter name -> its own IPCReceiver (handles stay open)
+        self._lora_plans: dict = {}  # slot -> (staged tensors, LoRAConfig, LoadPlan) of its last update
+        self._lora_expected_memo = None  # (wire config, what _lora_expected made of it)
         self.transfer_group = None
         self.staged = None
         self.staged_lora = None  # the LoRAConfig of a staged adapter update
@@ -186,6 +189,7 @@ class Worker:
         group, self.transfer_group = self.transfer_group, None
         self.ipc_receiver = None
         self.lora_ipc_receivers = {}
+        self._lora_plans = {}  # they hold views of the trainer's memory
         self._ipc_plan = None
         if group is not None:
             group.close()
@@ -227,7 +231,10 @@ class Worker:
             if lora_config is not None:
                 config, expected, validate = self._lora_expected(lora_config)
             else:
-                expected = {name: ExpectedParam(e.shape, e.required) for name, e in self.expected.items()}
+                if self._update_expected is None:  # one object: the IPC receiver skips re-checks against it
+                    self._update_expected = {name: ExpectedParam(e.shape, e.required)
+                                             for name, e in self.expected.items()}
+                expected = self._update_expected
             if self.ipc_receiver is not None:
                 receiver = self.ipc_receiver
                 if lora_config is not None:  # each adapter keeps its own handles open
@@ -250,6 +257,9 @@ class Worker:
         from rlserve.weight_transfer import ExpectedParam, InvalidUpdateError
         if self.lora is None:
             raise InvalidUpdateError("update_info.lora_name: this server was started without --enable-lora")
+        memo = self._lora_expected_memo  # a trainer pushing one adapter sends one config
+        if memo is not None and memo[0] == wire:
+            return memo[1]
         config = LoRAConfig.parse(wire, "update_info.lora_config", self.lora.max_rank)
         expected = {}
         for module in self.lora.targets:
@@ -264,6 +274,7 @@ class Worker:
             except ValueError as e:
                 raise InvalidUpdateError(str(e)) from None
 
+        self._lora_expected_memo = (wire, (config, expected, validate))
         return config, expected, validate
 
     def refuse_update(self, update_info: dict, message: str) -> None:
@@ -291,7 +302,12 @@ class Worker:
             from rlserve.engine.lora import pair_tensors
             if lora_slot is None:
                 raise RuntimeError("a staged LoRA update needs its slot")
-            self.lora.load(lora_slot, pair_tensors(staged, lora, "update_info"), lora.scaling)
+            # A trainer's IPC views are the same list push after push: its plan is kept.
+            cached = self._lora_plans.get(lora_slot)
+            if cached is None or cached[0] is not staged or cached[1] != lora:
+                plan = self.lora.plan(lora_slot, pair_tensors(staged, lora, "update_info"), lora.scaling)
+                cached = self._lora_plans[lora_slot] = (staged, lora, plan)
+            self.lora.run(cached[2])
             if self.device.type == "cuda":  # done reading staging (or the trainer's memory)
                 torch.cuda.current_stream(self.device).synchronize()
             return
@@ -342,5 +358,6 @@ class Worker:
 
     def remove_lora(self, slot: int, name: str | None = None) -> None:
         self.lora.clear(slot)
+        self._lora_plans.pop(slot, None)
         if name is not None:
             self.lora_ipc_receivers.pop(name, None)
