@@ -165,6 +165,35 @@ def test_malformed_handles_are_refused_and_the_old_weights_serve(server, sender,
     assert httpx.get(f"{url}/health").status_code == 200
 
 
+def test_a_warm_push_is_a_reference_and_a_lost_document_is_sent_whole(server, trainer):
+    """WeightSyncClient sends an unchanged document as a reference to the one the server
+    holds; a server that lost it refuses the reference by name and gets the whole document."""
+    from rlserve.weight_transfer import WeightSyncClient
+    url = server.url
+    sync = WeightSyncClient(url, backend="ipc")
+    sync.init()
+    sync.push(trainer.named_parameters(), version=20)
+    expected = outputs(url)
+    info = sync.group[0].update_info(trainer.named_parameters(), reference=True)
+    assert set(info) == {"ipc_handles"} and set(info["ipc_handles"]) == {"same_as"}
+    assert sync.push(trainer.named_parameters(), version=21).weight_versions == [21]
+    assert outputs(url) == expected
+
+    r = httpx.post(f"{url}/update_weights", json={"update_info": {"ipc_handles": {"same_as": "0" * 16},
+                                                                  "weight_version": 22}}, timeout=60)
+    assert r.status_code == 400 and "ipc_handles.same_as" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{url}/update_weights", json={"update_info": {**info, "names": ["model.norm.weight"]}},
+                   timeout=60)
+    assert r.status_code == 400 and "exclude each other" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{url}/weight_version").json() == {"weight_version": 21}
+    assert outputs(url) == expected
+
+    # A new init gives the server fresh receivers: the reference misses and the client resends.
+    httpx.post(f"{url}/init_weight_transfer_engine", json={"init_info": {}}).raise_for_status()
+    assert sync.push(trainer.named_parameters(), version=23).weight_versions == [23]
+    assert outputs(url) == expected
+
+
 def _kv_and_weight_bytes(url: str, hf) -> int:
     metrics = httpx.get(f"{url}/metrics").text
     capacity = next(float(line.split()[-1]) for line in metrics.splitlines()

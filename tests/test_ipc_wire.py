@@ -77,11 +77,20 @@ _DELETE = object()
     # 8 x 4 bf16 at stride [500, 1] ends past the 4096-byte storage: no stray reads.
     ("tensors.0.stride", [500, 1], "past the end of its storage (4096 bytes)"),
     ("tensors.1.offset", 1021, "the view ends at byte 4100"),
+    ("id", "", "id: must be a string of 1 to 64 characters"),
+    ("id", "x" * 65, "id: must be a string of 1 to 64 characters"),
+    ("id", 7, "id: must be a string"),
 ])
 def test_malformed_handles_are_refused_naming_the_field(path, value, fragment):
     with pytest.raises(InvalidUpdateError) as e:
         IPCHandles.parse(_set(valid_doc(), path, value), METAS)
     assert fragment in str(e.value)
+
+
+def test_a_document_may_name_itself():
+    """The id a later push refers to (ipc_handles.same_as) parses alongside the handles."""
+    doc = dict(valid_doc(), id="a3f9c2")
+    assert IPCHandles.parse(doc, METAS) == IPCHandles.parse(valid_doc(), METAS)
 
 
 def test_missing_handles_and_top_level_shape():

@@ -27,6 +27,7 @@ import torch
 
 from rlserve.weight_transfer.address import get_ip, get_open_port
 from rlserve.weight_transfer.errors import UpdateRefusedError, WeightTransferError
+from rlserve.weight_transfer.ipc import is_reference
 from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 
 
@@ -283,7 +284,18 @@ class WeightSyncClient:
 
     def _send_ipc(self, tensors, version: int | None, extra: dict) -> list[dict]:
         """Each server copies from this process's memory; its answer means the copy is done."""
-        # The session carries the admin key.
-        return [post_update(u, {**sender.update_info(tensors, version), **extra}, timeout_s=self.timeout_s,
-                            session=self.session)
-                for u, sender in zip(self.urls, self.group)]
+        channel = extra.get("lora_name")  # the base weights, or one adapter
+        results = []
+        for url, sender in zip(self.urls, self.group):
+            info = {**sender.update_info(tensors, version, channel=channel, reference=True), **extra}
+            try:  # the session carries the admin key
+                result = post_update(url, info, timeout_s=self.timeout_s, session=self.session)
+            except UpdateRefusedError as e:
+                if not (is_reference(info) and "ipc_handles.same_as" in str(e)):
+                    raise
+                sender.forget(channel)  # the server lost the document: send it whole
+                info = {**sender.update_info(tensors, version, channel=channel), **extra}
+                result = post_update(url, info, timeout_s=self.timeout_s, session=self.session)
+            sender.accepted(info, channel)
+            results.append(result)
+        return results

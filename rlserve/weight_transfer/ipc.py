@@ -23,6 +23,14 @@ Wire format (`update_info.ipc_handles`, JSON; bytes are base64)::
 `tensors` is aligned with update_info's names/dtype_names/shapes. Every field is checked
 before anything is opened, and every view is checked to lie inside its storage, so a
 malformed document is a 400 that names the field, never a crash or a stray read.
+
+A document may carry an `"id"` (the sender's name for exactly this set of handles). A
+trainer whose tensors still sit where they sat may then send only a reference to the last
+document the server accepted, ``update_info = {"ipc_handles": {"same_as": id}}`` (plus
+weight_version, lora_name, ...): a few hundred bytes instead of a few hundred kB of JSON for
+a model's or an adapter's hundreds of tensors. A server that holds no such document (it
+restarted, or took another one since) refuses the reference with a 400 naming
+`update_info.ipc_handles.same_as`, and the sender sends the whole document again.
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +49,7 @@ from .errors import InvalidUpdateError
 from .packing import TensorMeta, dtype_name
 
 MAX_HANDLE_BYTES = 1024  # a CUDA IPC handle is 64 bytes (plus a type tag in newer torch)
+MAX_DOCUMENT_ID = 64
 # torch names its IPC reference-counter files /torch_<pid>_<n>...; nothing else may be mapped.
 _REF_COUNTER_NAME = re.compile(r"/torch_[A-Za-z0-9_]{1,100}")
 _REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE
@@ -160,6 +170,10 @@ class IPCHandles:
         if data is None:
             raise InvalidUpdateError(f"{where}: required with the ipc backend (the trainer's "
                                      "IPCWeightTransferEngine fills it in)")
+        if isinstance(data, Mapping) and "id" in data:
+            if not (isinstance(data["id"], str) and 0 < len(data["id"]) <= MAX_DOCUMENT_ID):
+                raise InvalidUpdateError(f"{where}.id: must be a string of 1 to {MAX_DOCUMENT_ID} characters")
+            data = {k: v for k, v in data.items() if k != "id"}
         _check_fields(data, ("device_uuid", "storages", "tensors"), where)
         uuid, storages, tensors = data["device_uuid"], data["storages"], data["tensors"]
         if not (isinstance(uuid, str) and uuid):
@@ -228,9 +242,10 @@ class IPCReceiver:
         self.device = device  # a CUDA device: EngineConfig refuses ipc anywhere else
         self.uuid = device_uuid(device)
         self._storages: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
-        # The last accepted update (less its version) and its views: a trainer pushing the
-        # same parameters again sends the same document, which then needs no parsing.
-        self._last: tuple[dict, list[tuple[str, torch.Tensor]]] | None = None
+        # The last accepted update (less its version), its views, its tensors' metadata and
+        # the checks it passed: a trainer pushing the same parameters again sends the same
+        # document (or a reference to it), which then needs no parsing.
+        self._last: tuple[dict, list, list[TensorMeta], tuple] | None = None
 
     def receive(self, update_info: Mapping[str, Any], expected: Mapping[str, Any],
                 validate: Callable[[Sequence[TensorMeta]], None] | None = None
@@ -240,17 +255,48 @@ class IPCReceiver:
         from .receiver import UpdateInfo, check_against_model
         if not isinstance(update_info, Mapping):
             raise InvalidUpdateError("update_info must be a JSON object")
+        handles = update_info.get("ipc_handles")
+        if is_reference(update_info):
+            return self._reference(update_info, handles, expected, validate)
         body = {k: v for k, v in update_info.items() if k != "weight_version"}
         if self._last is not None and self._last[0] == body:
-            return self._last[1]
+            return self._vetted(expected, validate)
         info = UpdateInfo.parse(update_info)
         metas = info.metas()
         check_against_model(metas, expected)
         if validate is not None:
             validate(metas)
         views = self.open(IPCHandles.parse(info.ipc_handles, metas), metas)
-        self._last = (body, views)
+        self._last = (body, views, metas, (expected, validate))
         return views
+
+    def _vetted(self, expected: Mapping[str, Any], validate: Callable | None) -> list[tuple[str, torch.Tensor]]:
+        """The last document's views, checked again unless against these very checks."""
+        body, views, metas, (last_expected, last_validate) = self._last
+        if expected is not last_expected or validate is not last_validate:
+            from .receiver import check_against_model
+            check_against_model(metas, expected)
+            if validate is not None:
+                validate(metas)
+            self._last = (body, views, metas, (expected, validate))
+        return views
+
+    def _reference(self, update_info: Mapping[str, Any], handles: Mapping[str, Any],
+                   expected: Mapping[str, Any], validate: Callable | None) -> list[tuple[str, torch.Tensor]]:
+        """The views of the last accepted document, which `handles.same_as` names."""
+        where = "update_info.ipc_handles"
+        if len(handles) != 1:
+            raise InvalidUpdateError(f"{where}: same_as comes alone (got {', '.join(sorted(handles))})")
+        extra = [k for k in ("names", "dtype_names", "shapes") if k in update_info]
+        if extra:
+            raise InvalidUpdateError(f"update_info: {', '.join(extra)} and ipc_handles.same_as exclude each "
+                                     "other (a reference repeats the document it names)")
+        last_id = None if self._last is None else self._last[0]["ipc_handles"].get("id")
+        if last_id is None or handles["same_as"] != last_id:
+            raise InvalidUpdateError(
+                f"{where}.same_as: this server holds no document {handles['same_as']!r} (it restarted, "
+                "or took another document since): send the whole document")
+        return self._vetted(expected, validate)
 
     def open(self, handles: IPCHandles, metas: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
         if handles.device_uuid != self.uuid:
@@ -286,31 +332,60 @@ class IPCSender:
     """The trainer's export cache: one `_share_cuda_` per storage, reused by every push.
 
     Keyed by the storage's address, with the storage held, so an address cannot be
-    recycled while its entry lives; entries a push no longer mentions are dropped.
+    recycled while its entry lives; entries a push no longer mentions are dropped. Each
+    channel (the base weights, each LoRA adapter) keeps its own exports and its own last
+    document, so pushes of one do not evict the other's.
     """
 
     def __init__(self, device: torch.device | None = None):
         self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.uuid = device_uuid(self.device)
-        self._exports: dict[int, tuple[torch.UntypedStorage, dict[str, Any]]] = {}
+        self._channels: dict[str | None, _Channel] = {}
         self.exported_last = 0  # storages the last push exported (0 once warm)
 
     def update_info(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                    weight_version: int | None = None) -> dict[str, Any]:
-        """The /update_weights payload for these tensors (seed fields + ipc_handles)."""
+                    weight_version: int | None = None, *, channel: str | None = None,
+                    reference: bool = False) -> dict[str, Any]:
+        """The /update_weights payload for these tensors (seed fields + ipc_handles).
+
+        With `reference`, a push whose document equals the last one the server accepted
+        on this channel (`accepted`) is sent as a reference to it (ipc_handles.same_as)."""
+        ch = self._channels.setdefault(channel, _Channel())
+        named = list(named_tensors)
+        # The same tensors at the same addresses as last time (their storages are held in
+        # `exports`, so an address cannot have been recycled): the document is unchanged.
+        signature = [(name, t.is_cuda, t.data_ptr(), t.shape, t.stride(), t.dtype) for name, t in named]
+        if signature != ch.signature:
+            self._build(ch, named)
+            ch.signature = signature
+        else:
+            self.exported_last = 0
+        # The server reads these bytes as soon as it has the handles: finish pending writes
+        # (the optimizer step) first. Cached handles carry no event of their own.
+        torch.cuda.current_stream(self.device).synchronize()
+        if reference and ch.accepted:
+            info: dict[str, Any] = {"ipc_handles": {"same_as": ch.doc_id}}
+        else:
+            info = {**ch.doc, "ipc_handles": {**ch.doc["ipc_handles"], "id": ch.doc_id}}
+        if weight_version is not None:
+            info["weight_version"] = weight_version
+        return info
+
+    def _build(self, ch: "_Channel", named: list[tuple[str, torch.Tensor]]) -> None:
+        """Export what is new and write the channel's document."""
         names, dtypes, shapes, tensors = [], [], [], []
         storages: list[dict[str, Any]] = []
         index: dict[int, int] = {}
         exports: dict[int, tuple[torch.UntypedStorage, dict[str, Any]]] = {}
         exported = 0
-        for name, t in named_tensors:
+        for name, t in named:
             t = t.detach()
             if t.device.type != "cuda":
                 raise ValueError(f"{name}: the ipc backend shares CUDA tensors, this one is on {t.device}")
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in index:
-                entry = self._exports.get(ptr)
+                entry = ch.exports.get(ptr)
                 if entry is None or entry[0].nbytes() != storage.nbytes():
                     entry = (storage, _export(storage).to_json())
                     exported += 1
@@ -321,17 +396,39 @@ class IPCSender:
             dtypes.append(dtype_name(t.dtype))
             shapes.append(list(t.shape))
             tensors.append(SharedTensor(index[ptr], t.storage_offset(), tuple(t.stride())).to_json())
-        self._exports = exports
+        ch.exports = exports
         self.exported_last = exported
-        # The server reads these bytes as soon as it has the handles: finish pending writes
-        # (the optimizer step) first. Cached handles carry no event of their own.
-        torch.cuda.current_stream(self.device).synchronize()
-        info: dict[str, Any] = {"names": names, "dtype_names": dtypes, "shapes": shapes,
-                                "ipc_handles": {"device_uuid": self.uuid, "storages": storages,
-                                                "tensors": tensors}}
-        if weight_version is not None:
-            info["weight_version"] = weight_version
-        return info
+        doc: dict[str, Any] = {"names": names, "dtype_names": dtypes, "shapes": shapes,
+                               "ipc_handles": {"device_uuid": self.uuid, "storages": storages,
+                                               "tensors": tensors}}
+        if doc != ch.doc:
+            ch.doc, ch.doc_id, ch.accepted = doc, secrets.token_hex(8), False
+
+    def accepted(self, info: Mapping[str, Any], channel: str | None = None) -> None:
+        """The server took `info` (so holds its document): later pushes may refer to it."""
+        ch = self._channels.get(channel)
+        handles = info.get("ipc_handles", {})
+        if ch is not None and ch.doc_id in (handles.get("id"), handles.get("same_as")):
+            ch.accepted = True
+
+    def forget(self, channel: str | None = None) -> None:
+        """The server no longer holds this channel's document: send it whole next time."""
+        if channel in self._channels:
+            self._channels[channel].accepted = False
+
+
+@dataclass
+class _Channel:
+    exports: dict[int, tuple[torch.UntypedStorage, dict[str, Any]]] = field(default_factory=dict)
+    doc: dict[str, Any] | None = None  # the last document built (less its id and version)
+    signature: list | None = None  # (name, on CUDA, address, shape, stride, dtype) of its tensors
+    doc_id: str | None = None
+    accepted: bool = False  # the server holds `doc`
+
+
+def is_reference(info: Mapping[str, Any]) -> bool:
+    handles = info.get("ipc_handles")
+    return isinstance(handles, Mapping) and "same_as" in handles
 
 
 def _export(storage: torch.UntypedStorage) -> SharedStorage:
