@@ -14,6 +14,7 @@ end-to-end percentiles. Presets take a real BPE tokenizer (the demo model's, who
 covers the workload's ids) so detokenization costs what it costs.
 
     python benchmarks/rollout.py --model qwen3-0.6b                  # H200
+    python benchmarks/rollout.py --model qwen3-0.6b --repeats 3      # medians of 3 runs each
     python benchmarks/rollout.py --model smollm2                     # its own tokenizer
     python benchmarks/rollout.py --model qwen3-0.6b --data-parallel-size 2 --num-seqs 512   # 2 GPUs
     python benchmarks/rollout.py --model tiny --device cpu --num-seqs 128 --max-len 256 \\
@@ -56,13 +57,16 @@ def offline(args, path: str, queue) -> None:
                                       detokenize=False))
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n,
                              detokenize=False) for n in out_lens]
-    sync()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync()
-    elapsed = time.perf_counter() - t
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    queue.put(produced / elapsed)
+    rates = []
+    for _ in range(args.repeats):
+        llm.reset_prefix_cache()  # each run prefills every prompt, as the server's runs do
+        sync()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        sync()
+        elapsed = time.perf_counter() - t
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+    queue.put(rates)
 
 
 def sync() -> None:
@@ -165,12 +169,28 @@ def serve_and_measure(args, path: str, tokenizer: str, prompts, out_lens) -> lis
     with ServerProcess(path, *flags, log=log, timeout_s=900) as server:
         for mode in args.modes:
             run_mode(server.url, mode, warm, [16] * len(warm), args)  # compiles, connections
-            httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
-            r = run_mode(server.url, mode, prompts, out_lens, args)
-            httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
-            print(json.dumps(r), flush=True)
-            results.append(r)
+        # Repeats go round the modes (a, b, c, a, b, c, ...) so that drift over the run
+        # reaches every mode alike.
+        for round_ in range(args.repeats):
+            for mode in args.modes:
+                httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
+                r = run_mode(server.url, mode, prompts, out_lens, args)
+                r["round"] = round_
+                print(json.dumps(r), flush=True)
+                results.append(r)
     return results
+
+
+def median_by_mode(results: list[dict]) -> list[dict]:
+    """One row per mode: the run with the median throughput (its latencies with it), and
+    every run's throughput."""
+    rows = []
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        runs = sorted((r for r in results if r["mode"] == mode), key=lambda r: r["tok_per_s"])
+        row = dict(runs[(len(runs) - 1) // 2])
+        row["runs_tok_per_s"] = [r["tok_per_s"] for r in results if r["mode"] == mode]
+        rows.append(row)
+    return rows
 
 
 def print_profiles(directory: str) -> None:
@@ -207,6 +227,8 @@ def main() -> None:
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas behind the server (replica i on cuda:i with TP 1); "
                         "offline stays one replica, so the ideal ratio is this number")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of offline and of each mode (modes in turn); medians are reported")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--log-dir", default=None, help="write the server's log there")
     p.add_argument("--profile-dir", default=None,
@@ -232,9 +254,12 @@ def main() -> None:
         queue = ctx.Queue()
         child = ctx.Process(target=offline, args=(args, path, queue))
         child.start()
-        report["offline_tok_per_s"] = queue.get()
+        runs = queue.get()
         child.join()
-        print(f"offline: {report['offline_tok_per_s']:,.0f} output tok/s", flush=True)
+        report["offline_runs_tok_per_s"] = runs
+        report["offline_tok_per_s"] = sorted(runs)[(len(runs) - 1) // 2]
+        print(f"offline: {report['offline_tok_per_s']:,.0f} output tok/s (runs: "
+              f"{', '.join(f'{r:,.0f}' for r in runs)})", flush=True)
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)
         os.environ["RLSERVE_ENGINE_PROFILE"] = os.path.join(args.profile_dir, "engine.prof")
@@ -243,14 +268,17 @@ def main() -> None:
     if args.profile_dir:
         print_profiles(args.profile_dir)
     base = report.get("offline_tok_per_s")
-    for r in report["served"]:
+    report["served_median"] = median_by_mode(report["served"])
+    for r in report["served_median"]:
         ratio = f" = {r['tok_per_s'] / base:.0%} of offline" if base else ""
         if base and args.data_parallel_size > 1:
             ratio += (f" ({r['tok_per_s'] / base / args.data_parallel_size:.0%} of "
                       f"{args.data_parallel_size} x one replica offline)")
         lat = "".join(f"; {k} p50/p90/p99 " + "/".join(f"{x:.1f}" for x in r[k])
                       for k in ("ttft_ms", "itl_ms", "e2e_ms") if r[k])
-        print(f"served {r['mode']:<10} {r['tok_per_s']:>9,.0f} output tok/s{ratio}{lat}")
+        runs = "" if len(r["runs_tok_per_s"]) == 1 else \
+            f" (median of {', '.join(f'{x:,.0f}' for x in r['runs_tok_per_s'])})"
+        print(f"served {r['mode']:<10} {r['tok_per_s']:>9,.0f} output tok/s{runs}{ratio}{lat}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -87,6 +87,12 @@ def write_random_adapters(path: str, num: int, rank: int, root: str) -> list[str
     return dirs
 
 
+def in_own_process(fn, *args):
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
 def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] | None = None) -> float:
     """Output tokens/s of the timed run; `profiler` (a torch.profiler context) covers only it.
     `loras`: PEFT adapter directories, request i on adapter i mod len(loras)."""
@@ -236,6 +242,10 @@ def main() -> None:
             from trace_summary import summarize
             prof.export_chrome_trace(args.trace)
             summarize(args.trace)
+    elif args.loras:
+        # Each run in a process of its own: a run's device memory is only surely back when
+        # its process ends, and the next run sizes its KV cache from what is free.
+        ours = in_own_process(run_rlserve, args, path, prompts, out_lens)
     else:
         ours = run_rlserve(args, path, prompts, out_lens)
     if args.model in PRESETS and args.device.startswith("cuda"):
@@ -245,11 +255,7 @@ def main() -> None:
         import tempfile
         with tempfile.TemporaryDirectory() as root:
             loras = write_random_adapters(path, args.loras, args.lora_rank, root)
-            # A process of its own: the base run's device memory is only surely back when its
-            # process ends, and the adapter run sizes its KV cache from what is free.
-            import multiprocessing
-            with multiprocessing.get_context("spawn").Pool(1) as pool:
-                with_loras = pool.apply(run_rlserve, (args, path, prompts, out_lens, None, loras))
+            with_loras = in_own_process(run_rlserve, args, path, prompts, out_lens, None, loras)
         print(f"{args.loras} LoRA adapters mixed: {with_loras / ours:.0%} of the base model's throughput")
     if args.transformers:
         theirs = run_transformers(args, path, prompts, out_lens)

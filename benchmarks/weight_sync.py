@@ -216,10 +216,21 @@ def bench_lora(client: WeightSyncClient, peft_model, size: int, repeats: int) ->
           f"pause-push-resume {first.seconds * 1e3:.2f} ms")
     runs = [client.push_lora("bench", peft_model) for _ in range(repeats)]
     upd, cyc = [r.transfer_seconds for r in runs], [r.seconds for r in runs]
+    recv = [r.answers[0]["receive_seconds"] for r in runs]
+    apply = [r.answers[0]["apply_seconds"] for r in runs]
     print(f"{'warm LoRA push (update call)':>34}: median {statistics.median(upd) * 1e3:.2f} ms, "
-          f"best {min(upd) * 1e3:.2f} ms ({size / 1e6:.1f} MB; {repeats} pushes)")
+          f"best {min(upd) * 1e3:.2f} ms ({size / 1e6:.1f} MB; {repeats} pushes; server: receive "
+          f"{statistics.median(recv) * 1e3:.2f} ms, apply {statistics.median(apply) * 1e3:.2f} ms)")
     print(f"{'pause-push-resume (push_lora)':>34}: median {statistics.median(cyc) * 1e3:.2f} ms, "
           f"best {min(cyc) * 1e3:.2f} ms")
+    # What push_lora does before it starts the clock: pick the adapter's tensors out of the model.
+    from rlserve.engine.lora import peft_adapter_tensors
+    prep = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        peft_adapter_tensors(peft_model)
+        prep.append(time.perf_counter() - t0)
+    print(f"{'reading the PEFT model (trainer)':>34}: median {statistics.median(prep) * 1e3:.2f} ms")
 
 
 def bench_ipc(client: WeightSyncClient, tensors, size: int, repeats: int) -> None:
