@@ -166,7 +166,7 @@ def serve_and_measure(args, path: str, tokenizer: str, prompts, out_lens) -> lis
     warm, _ = workload(32, args.min_len, args.max_len, args.max_len, seed=1)
     log = os.path.join(args.log_dir, "server.log") if args.log_dir else None
     results = []
-    with ServerProcess(path, *flags, log=log, timeout_s=900) as server:
+    with ServerProcess(path, *flags, log=log, timeout_s=900, die_with_parent=True) as server:
         for mode in args.modes:
             run_mode(server.url, mode, warm, [16] * len(warm), args)  # compiles, connections
         # Repeats go round the modes (a, b, c, a, b, c, ...) so that drift over the run

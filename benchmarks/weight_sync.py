@@ -69,7 +69,7 @@ def start_server(path: str, args, port: int) -> ServerProcess:
         flags += ["--enable-lora", "--max-lora-rank", str(args.lora_rank)]
     if args.skip_tokenizer:  # a bare preset config: any tokenizer will do for pushes
         flags += ["--tokenizer", any_tokenizer(path)]
-    return ServerProcess(path, *flags, port=port, timeout_s=600)
+    return ServerProcess(path, *flags, port=port, timeout_s=600, die_with_parent=True)
 
 
 def pieces(buf: torch.Tensor, piece_bytes: int) -> list[torch.Tensor]:
