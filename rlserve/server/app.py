@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import gc
 import os
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -56,6 +57,10 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
         app.state.completions = CompletionServing(engine, config, metrics, serving)
         app.state.chat = ChatServing(engine, config, metrics, serving)
         _limit_max_tokens_in_schema(app, engine.max_model_len)
+        # Everything start-up made (tokenizer, templates, routes, schemas) lives as long as
+        # the server: out of the collector's sight, a request's garbage is cheap to collect.
+        gc.collect()
+        gc.freeze()
         if url:
             logger.info("serving %r at %s (OpenAI base URL %s/v1)", engine.model_name, url, url)
         # RLSERVE_API_PROFILE=PATH: a cProfile of this API server's event loop, written at exit.
