@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING, Sequence
 
 from rlserve import __version__
-from rlserve.engine.request import LOGPROBS_MODES, MAX_LOGPROBS
+from rlserve.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from rlserve.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rlserve.engine.request import LOGPROBS_MODES
+from rlserve.sampling_params import LOGPROBS_MODES
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,

@@ -21,8 +21,8 @@ from rlserve.engine.messages import (EngineDeadError, EngineReady, LoadLoRAAdapt
                                      ModelNotFoundError, UnloadLoRAAdapter)
 from rlserve.engine.output_processor import LatencyObserver, OutputProcessor, RequestState
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
-from rlserve.engine.request import (EngineUnavailableError, InvalidRequestError, RequestOutput,
-                                    SamplingParams, check_cache_salt, validate_prompt)
+from rlserve.engine.request import EngineUnavailableError, RequestOutput, check_cache_salt, validate_prompt
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 

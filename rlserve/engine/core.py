@@ -20,13 +20,14 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, FinalTokens, Finished, Rejected, Started
-from rlserve.engine.request import (EngineUnavailableError, FinishReason, InvalidRequestError, Request,
-                                    RequestStatus, SamplingParams, sample_ids, validate_prompt,
-                                    version_spans)
+from rlserve.engine.request import (EngineUnavailableError, FinishReason, Request, RequestStatus, sample_ids,
+                                    validate_prompt, version_spans)
 from rlserve.engine.scheduler import Scheduler
-from rlserve.worker.model_runner import PLACEHOLDER, StepHandle
 from rlserve.model.loader import load_hf_config, load_tokenizer, resolve_model_path
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.sequence import PLACEHOLDER
 from rlserve.worker.executor import Executor
+from rlserve.worker.model_runner import StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -170,9 +171,9 @@ class EngineCore:
             adapter = self.lora.resolve(lora_name)
             slot, cache_salt = adapter.slot, adapter.cache_salt(cache_salt)
         grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
-        reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
-                        group_id=request_id if params.n > 1 else None, sample_index=i, stream=stream,
-                        cache_salt=cache_salt, lora_name=lora_name, lora_slot=slot)
+        reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, sample_index=i, lora_slot=slot,
+                        max_model_len=self.max_model_len, group_id=request_id if params.n > 1 else None,
+                        stream=stream, cache_salt=cache_salt, lora_name=lora_name)
                 for i, rid in enumerate(sample_ids(request_id, params.n))]
         for req in reqs:
             req.grammar = grammar

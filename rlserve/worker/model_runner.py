@@ -11,12 +11,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from rlserve.engine.request import TokenLogprob
-from rlserve.engine.scheduler import SchedulerOutput
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import AttentionMetadata, PagedAttention
 from rlserve.ops import kernels
 from rlserve.ops.lora import LoRABatch, group_tokens
+from rlserve.sequence import PLACEHOLDER, SchedulerOutput, TokenLogprob
 from rlserve.worker import sampler as S
 from rlserve.worker.penalties import PenaltyHistory, PenaltyPlan
 
@@ -33,8 +32,6 @@ class ModelRunnerOutput:
     # request id -> logprobs of the prompt tokens this step covered, in order
     prompt_logprobs: dict[str, list[TokenLogprob]]
 
-
-PLACEHOLDER = -1  # a token sampled by the step still in flight (overlapped scheduling)
 
 _ALIGN = 64  # bytes: every part of an upload starts at a multiple (see ModelRunner.upload)
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
