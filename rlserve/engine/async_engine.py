@@ -42,7 +42,7 @@ def _front_end_tokenizer(config: EngineConfig):
     if config.skip_tokenizer_init:
         return None
     from rlserve.model.loader import load_tokenizer, resolve_model_path
-    return load_tokenizer(config.tokenizer or resolve_model_path(config.model))
+    return load_tokenizer(config.tokenizer or resolve_model_path(config.model), config.trust_remote_code)
 
 
 class AsyncEngine:

@@ -95,14 +95,12 @@ class EngineCore:
         self.config = config
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
-        hf_config = load_hf_config(self.model_path)
-        for key, value in config.hf_overrides.items():
-            setattr(hf_config, key, value)
+        hf_config = load_hf_config(self.model_path, config.trust_remote_code, config.hf_overrides)
         self.hf_config = hf_config
         # Text is the front end's business; here the tokenizer only says which tokens end
         # a sequence (the offline LLM borrows it). Benchmarks on bare configs skip it.
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
-            config.tokenizer or self.model_path)
+            config.tokenizer or self.model_path, config.trust_remote_code)
         self.max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, self.model_path)
