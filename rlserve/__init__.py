@@ -1,14 +1,18 @@
 """rlserve: a rollout server for RL post-training with live weight updates."""
 
-from rlserve.engine.request import RequestOutput, SamplingParams
+from rlserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
 
 
 def __getattr__(name):
-    # LLM pulls in the engine; importing `rlserve` alone stays light.
+    # The engine is imported on first use: importing `rlserve` (and so any of its modules,
+    # a worker process's included) stays light and below rlserve.engine.
     if name == "LLM":
         from rlserve.engine.llm import LLM
         return LLM
+    if name == "RequestOutput":
+        from rlserve.engine.request import RequestOutput
+        return RequestOutput
     raise AttributeError(name)

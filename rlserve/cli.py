@@ -3,38 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
-import re
 import sys
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from rlserve import __version__
-from rlserve.engine.request import LOGPROBS_MODES, MAX_LOGPROBS
+from rlserve.config import EngineConfig, byte_size, positive_int
+from rlserve.sampling_params import MAX_LOGPROBS
 from rlserve.server.tool_parsers import TOOL_PARSERS
 
-if TYPE_CHECKING:
-    from rlserve.config import EngineConfig
-
 logger = logging.getLogger("rlserve")
-
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def _byte_size(value: str) -> int:
-    """`1073741824`, `1G`, `1GiB`, `512M`: powers of two, as memory is counted."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a byte size: {value!r} (try 2G or 2147483648)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
-
-def _positive_int(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 def _key(env: str):
@@ -57,6 +38,21 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _arg_type(parse):
+    """An argparse type from a parser that raises ValueError: its message in the usage error."""
+    def convert(value: str):
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = parse.__name__  # argparse names it in "invalid <name> value"
+    return convert
+
+
+_GROUPS = ("server", "model", "sampling defaults and outputs", "cache and scheduling", "execution",
+           "LoRA adapters")
+
+
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -65,11 +61,49 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=_HelpFormatter)
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="model directory or hub id (default: the demo model)")
-    net = p.add_argument_group("server")
+    groups = {title: p.add_argument_group(title) for title in _GROUPS}
+    _add_server_flags(groups["server"])
+    _add_output_flags(groups["sampling defaults and outputs"])
+    _add_engine_flags(groups)
+    _add_vllm_flags(groups["execution"])
+    p.set_defaults(func=serve)
+
+
+def _field_type(annotation: str) -> type:
+    """The command-line type of a field annotated `annotation` (a string: the module has
+    postponed annotations): the first of bool, int, float, str it names."""
+    names = {part.strip() for part in annotation.split("|")}
+    return next(t for t in (bool, int, float, str) if t.__name__ in names)
+
+
+def _add_engine_flags(groups: dict[str, argparse._ArgumentGroup]) -> None:
+    """A flag per EngineConfig field with flag(...) metadata: vLLM's name (--max-model-len
+    for max_model_len), the field's default and help, a bool as --flag / --no-flag."""
+    for f in dataclasses.fields(EngineConfig):
+        if "help" not in f.metadata:
+            continue
+        options = dict(f.metadata)
+        group = groups[options.pop("group")]
+        names = [options.pop("name", "--" + f.name.replace("_", "-")), *options.pop("aliases", ())]
+        default = None if f.default is dataclasses.MISSING else f.default
+        kind = options.pop("type", None) or _field_type(f.type)
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options["type"] = kind if kind in (int, float, str) else _arg_type(kind)
+        group.add_argument(*names, dest=f.name, default=default, **options)
+
+
+def engine_flag_values(args: argparse.Namespace) -> dict[str, object]:
+    """The EngineConfig fields the flags set (those left unset keep the field's default)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+            if "help" in f.metadata and getattr(args, f.name) is not None}
+
+
+def _add_server_flags(net: argparse._ArgumentGroup) -> None:
+    """The API server's own flags (lifecycle.ServeOptions)."""
     net.add_argument("--host", default="0.0.0.0", help="address to bind")
-    net.add_argument("--port", type=int, default=8000)
-    net.add_argument("--served-model-name", default=None,
-                     help="name clients use in `model` (default: MODEL)")
+    net.add_argument("--port", type=int, default=8000, help="port to listen on")
     # A string default goes through `type` too: an empty variable is refused as the flag is.
     net.add_argument("--api-key", type=_key("RLSERVE_API_KEY"), default=os.environ.get("RLSERVE_API_KEY"),
                      help="require 'Authorization: Bearer KEY' (or set RLSERVE_API_KEY)")
@@ -79,25 +113,17 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     net.add_argument("--allow-remote-control", action="store_true",
                      help="without --admin-key, open the control endpoints to every client "
                           "instead of loopback ones only")
-    net.add_argument("--chat-template", default=None,
-                     help="Jinja chat template, as a file path or inline "
-                          "(default: the tokenizer's)")
-    net.add_argument("--log-level", default="info",
-                     choices=["debug", "info", "warning", "error"])
+    net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                     help="rlserve's log level")
     net.add_argument("--uvicorn-log-level", default=None,
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="uvicorn's log level (access log included) (default: --log-level)")
-    net.add_argument("--disable-log-requests", action="store_true",
-                     help="accepted for vllm serve command lines: rlserve does not log requests")
-    net.add_argument("--disable-log-stats", action="store_true",
-                     help="accepted for vllm serve command lines: rlserve does not log periodic "
-                          "stats (see /metrics)")
-    net.add_argument("--api-server-count", type=_positive_int, default=1,
+    net.add_argument("--api-server-count", type=_arg_type(positive_int), default=1,
                      help="API server processes on the port (HTTP, tokenization and "
                           "detokenization), all feeding the one engine process")
-    net.add_argument("--max-request-body-bytes", type=_byte_size, default="64M",
+    net.add_argument("--max-request-body-bytes", type=_arg_type(byte_size), default="64M",
                      help="larger request bodies are refused with 413")
-    net.add_argument("--max-prompts-per-request", type=_positive_int, default=2048,
+    net.add_argument("--max-prompts-per-request", type=_arg_type(positive_int), default=2048,
                      help="prompts in one /v1/completions request at most")
     net.add_argument("--shutdown-grace-period", type=float, default=5.0, metavar="SECONDS",
                      help="on SIGINT or SIGTERM, requests in flight may finish for this long; "
@@ -105,22 +131,16 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     net.add_argument("--engine-death-linger", type=float, default=5.0, metavar="SECONDS",
                      help="after the engine dies, /health answers 503 for this long before the "
                           "server exits with code 1")
+    net.add_argument("--reject-while-asleep", action="store_true",
+                     help="answer generation requests with 503 while /sleep is in effect "
+                          "(default: they wait for /wake_up)")
+    net.add_argument("--enable-sleep-mode", action="store_true",
+                     help="POST /sleep, POST /wake_up and GET /is_sleeping without a "
+                          "weight-transfer backend (with one they always exist)")
 
-    model = p.add_argument_group("model")
-    model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: MODEL)")
-    model.add_argument("--device", default="auto",
-                       help="cpu, cuda, cuda:1 ... (auto: cuda if present)")
-    model.add_argument("--dtype", default="auto",
-                       choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-    model.add_argument("--load-format", default="auto",
-                       choices=["auto", "dummy", "safetensors", "pt"],
-                       help="dummy: random weights, for a trainer to overwrite")
-    model.add_argument("--max-model-len", type=_positive_int, default=None,
-                       help="prompt + output token limit (default: the model's)")
-    model.add_argument("--seed", type=int, default=0)
-    model.add_argument("--trust-remote-code", action="store_true")
 
-    sampling = p.add_argument_group("sampling defaults and outputs")
+def _add_output_flags(sampling: argparse._ArgumentGroup) -> None:
+    """How the API server fills in and writes out requests (lifecycle.ServeOptions)."""
     sampling.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
                           help="sampling defaults for fields a request leaves unset: auto = the "
                                "model's generation_config.json, vllm = none, PATH = the "
@@ -129,85 +149,27 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sampling.add_argument("--override-generation-config", type=_json_object, default=None,
                           metavar="JSON", help='laid over the generation config, e.g. '
                                                '\'{"temperature": 0.5}\'')
-    sampling.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
-                          help="raw: of the model's logits (what RL importance ratios need); "
-                               "processed: of the logits sampled from (after bias, masks, "
-                               "penalties, temperature, top-k/p, min-p)")
     sampling.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                           choices=range(MAX_LOGPROBS + 1),
                           metavar=f"0..{MAX_LOGPROBS}",
                           help="most logprobs, top_logprobs or prompt_logprobs a request may ask for")
     sampling.add_argument("--return-tokens-as-token-ids", action="store_true",
                           help="logprob tokens read 'token_id:<id>' unless a request says otherwise")
-    sampling.add_argument("--enable-auto-tool-choice", action="store_true",
-                          help="accepted for vllm serve command lines: tool_choice auto is always on")
     sampling.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                           help="how tool calls are read from the model's text (hermes: "
                                "<tool_call>{...}</tool_call>, as Qwen writes them)")
 
-    cache = p.add_argument_group("cache and scheduling")
-    cache.add_argument("--max-num-seqs", type=_positive_int, default=256,
-                       help="sequences in one batch at most")
-    cache.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
-                       help="tokens in one step at most (prefill chunks + decodes)")
-    cache.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="fraction of GPU memory for weights, activations and KV cache")
-    cache.add_argument("--kv-cache-memory-bytes", type=_byte_size, default=None,
-                       help="explicit KV cache budget, e.g. 2G (overrides the utilization)")
-    cache.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=True, help="reuse the KV cache of shared prompt prefixes")
-    cache.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+
+def _add_vllm_flags(group: argparse._ArgumentGroup) -> None:
+    """`vllm serve` flags accepted so its command lines run, with nothing to set here."""
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=True, help="long prompts are always prefilled in chunks (the "
                                           "--no- form is refused)")
-
-    run = p.add_argument_group("execution")
-    run.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    run.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1)
-    run.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
-                     help="engine replicas behind the one endpoint, each of "
-                          "--tensor-parallel-size devices (replica i: GPUs i*TP..(i+1)*TP-1)")
-    run.add_argument("--dp-retry-on-failure", action="store_true",
-                     help="data parallel: when a replica dies, run its requests that have "
-                          "produced no token yet again on another replica (else they fail with 503)")
-    run.add_argument("--dp-max-restarts", type=int, default=3, metavar="N",
-                     help="data parallel: restart a replica that died at most N times; it serves "
-                          "again once it has copied the current weights from a healthy replica")
-    run.add_argument("--weight-transfer-config", default=None, metavar="JSON",
-                     help='enable live weight updates, e.g. \'{"backend": "nccl"}\' '
-                          "(backends: nccl, gloo, ipc)")
-    lora = p.add_argument_group("LoRA adapters")
-    lora.add_argument("--enable-lora", action="store_true",
-                      help="serve LoRA adapters (PEFT format), chosen per request by `model`")
-    lora.add_argument("--max-loras", type=_positive_int, default=1,
-                      help="adapters loaded at once (their slots are allocated at start)")
-    lora.add_argument("--max-lora-rank", type=_positive_int, default=16,
-                      help="the largest adapter rank served")
-    lora.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
-                      help='adapters loaded at start: name=path, or JSON {"name": ..., "path": ...}')
-    run.add_argument("--reject-while-asleep", action="store_true",
-                     help="answer generation requests with 503 while /sleep is in effect "
-                          "(default: they wait for /wake_up)")
-    run.add_argument("--enable-sleep-mode", action="store_true",
-                     help="POST /sleep, POST /wake_up and GET /is_sleeping without a "
-                          "weight-transfer backend (with one they always exist)")
-    run.add_argument("--disable-custom-all-reduce", action="store_true",
-                     help="accepted for vllm serve command lines: rlserve has no custom all-reduce")
-    p.set_defaults(func=serve)
-
-
-def _lora_module(value: str) -> tuple[str, str]:
-    """`name=path` or vLLM's JSON form `{"name": ..., "path": ...}`."""
-    if value.lstrip().startswith("{"):
-        try:
-            data = json.loads(value)
-            return str(data["name"]), str(data["path"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise argparse.ArgumentTypeError(f'not {{"name": ..., "path": ...}}: {value!r} ({e})')
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"not name=path: {value!r}")
-    return name, path
+    for name, why in (("--disable-log-requests", "rlserve does not log requests"),
+                      ("--disable-log-stats", "rlserve does not log periodic stats (see /metrics)"),
+                      ("--enable-auto-tool-choice", "tool_choice auto is always on"),
+                      ("--disable-custom-all-reduce", "rlserve has no custom all-reduce")):
+        group.add_argument(name, action="store_true", help=f"accepted for vllm serve command lines: {why}")
 
 
 def _json_object(value: str) -> dict:
@@ -220,24 +182,12 @@ def _json_object(value: str) -> dict:
     return data
 
 
-def _read_chat_template(value: str | None) -> str | None:
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if "{" not in value:  # a path that does not exist, most likely
-        raise SystemExit(f"--chat-template: no such file {value!r}")
-    return value
-
-
 def _dp_engines(size: int) -> list[dict[str, str]] | None:
     """RLSERVE_DP_ENGINES (JSON, set by rlserve.ray): replicas started elsewhere, each
     {"input": ..., "output": ...}, that this server attaches to instead of starting them."""
     value = os.environ.get("RLSERVE_DP_ENGINES")
     if not value:
         return None
-    import json
     engines = json.loads(value)
     if not (isinstance(engines, list) and all(isinstance(e, dict) and set(e) == {"input", "output"}
                                               for e in engines)):
@@ -245,11 +195,9 @@ def _dp_engines(size: int) -> list[dict[str, str]] | None:
     return engines
 
 
-def config_from_args(args: argparse.Namespace) -> "EngineConfig":
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine configuration `rlserve serve` flags describe (SystemExit naming the flag
     when one is wrong). rlserve.ray builds its replicas' configuration with it too."""
-    from rlserve.config import EngineConfig, WeightTransferConfig
-
     if not args.enable_chunked_prefill:
         raise SystemExit("rlserve serve: --no-enable-chunked-prefill: prompts are always prefilled "
                          "in chunks of --max-num-batched-tokens; raise that instead")
@@ -260,22 +208,8 @@ def config_from_args(args: argparse.Namespace) -> "EngineConfig":
         served_name = served_name or DEMO_MODEL_NAME  # not the cache path it lives at
         logger.info("no MODEL given: serving the demo model %s from %s", served_name, model)
     try:
-        config = EngineConfig(
-            model=model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
-            load_format=args.load_format, seed=args.seed, max_model_len=args.max_model_len,
-            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-            data_parallel_size=args.data_parallel_size, dp_retry_on_failure=args.dp_retry_on_failure,
-            dp_max_restarts=args.dp_max_restarts, dp_engines=_dp_engines(args.data_parallel_size),
-            served_model_name=served_name,
-            chat_template=_read_chat_template(args.chat_template),
-            weight_transfer=WeightTransferConfig.parse(args.weight_transfer_config),
-            trust_remote_code=args.trust_remote_code, logprobs_mode=args.logprobs_mode,
-            enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-            lora_modules=dict(args.lora_modules or []))
+        config = EngineConfig(**{**engine_flag_values(args), "model": model, "served_model_name": served_name,
+                                 "dp_engines": _dp_engines(args.data_parallel_size)})
     except ValueError as e:  # config errors name the flag; no traceback for a typo
         raise SystemExit(f"rlserve serve: {e}") from None
     if config.data_parallel_size > 1 and args.api_server_count > 1:

@@ -1,40 +1,49 @@
-"""Engine configuration: small dataclasses, validated on construction."""
+"""Engine configuration: small dataclasses, validated on construction. EngineConfig is the
+one source of the engine's `rlserve serve` flags (rlserve.cli generates them from its fields)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from rlserve.sampling_params import LOGPROBS_MODES
 
-from rlserve.engine.request import LOGPROBS_MODES
+if TYPE_CHECKING:
+    import torch
 
+# dtype names -> torch's. torch is imported where a dtype or device is resolved, not here:
+# `rlserve serve --help` builds its flags from EngineConfig without loading it.
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
 }
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "pt")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str, config_dtype: Any = None) -> torch.dtype:
     """`auto`: float32 on CPU; on CUDA the checkpoint's half type, bfloat16 for float32 ones."""
+    import torch
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if not device.startswith("cuda"):
             return torch.float32
         if isinstance(config_dtype, str):
-            config_dtype = _DTYPES.get(config_dtype)
+            config_dtype = getattr(torch, _DTYPES[config_dtype]) if config_dtype in _DTYPES else None
         return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: unsupported {dtype!r}; choose auto, float32, bfloat16 or float16")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 def default_device() -> str:
+    import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -65,50 +74,155 @@ class WeightTransferConfig:
         return cfg
 
 
+# -- fields as command-line flags ---------------------------------------------------------
+
+def flag(help: str, **argparse_options: Any) -> dict[str, Any]:
+    """A field's `rlserve serve` flag, as field metadata (rlserve.cli generates the flags).
+    The field gives the flag's name (vLLM's: --max-model-len for max_model_len), type and
+    default; the options add `group` (its --help section), and where needed `name` (another
+    flag name), `aliases`, `type` (a parser of the text), and argparse's choices, metavar,
+    nargs."""
+    return {"help": help, **argparse_options}
+
+
+def no_flag(why: str) -> dict[str, Any]:
+    """Field metadata: not a `rlserve serve` flag, and why."""
+    return {"no_flag": why}
+
+
+# Values as a command line writes them: each parser raises ValueError naming the problem.
+
+def positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise ValueError(f"must be at least 1, got {n}")
+    return n
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(value: str) -> int:
+    """`1073741824`, `1G`, `1GiB`, `512M`: powers of two, as memory is counted."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
+    if not m:
+        raise ValueError(f"not a byte size: {value!r} (try 2G or 2147483648)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """`name=path` or vLLM's JSON form `{"name": ..., "path": ...}`."""
+    if value.lstrip().startswith("{"):
+        try:
+            data = json.loads(value)
+            return str(data["name"]), str(data["path"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f'not {{"name": ..., "path": ...}}: {value!r} ({e})') from None
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"not name=path: {value!r}")
+    return name, path
+
+
+def read_chat_template(value: str) -> str:
+    """A Jinja chat template: the text of the file `value` names, or `value` itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:  # a path that does not exist, most likely
+        raise ValueError(f"no such file {value!r}")
+    return value
+
+
+_MODEL, _CACHE, _RUN, _LORA = "model", "cache and scheduling", "execution", "LoRA adapters"
+
+
 @dataclass
 class EngineConfig:
-    model: str
-    tokenizer: str | None = None
-    device: str = "auto"
-    dtype: str | torch.dtype = "auto"
-    load_format: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
+    """What the engine runs and how. Each field with `flag(...)` metadata is the
+    `rlserve serve` flag of the same name (`--max-model-len` for max_model_len), its help
+    and default taken from here; the offline LLM takes the fields as keyword arguments."""
+
+    model: str = field(metadata=no_flag("the positional MODEL"))
+    tokenizer: str | None = field(default=None, metadata=flag(
+        "tokenizer directory (default: MODEL)", group=_MODEL))
+    device: str = field(default="auto", metadata=flag(
+        "cpu, cuda, cuda:1 ... (auto: cuda if present)", group=_MODEL))
+    dtype: str | torch.dtype = field(default="auto", metadata=flag(
+        "weights and activations; auto: float32 on CPU, the checkpoint's half type on CUDA",
+        choices=["auto", *_DTYPES], group=_MODEL))
+    load_format: str = field(default="auto", metadata=flag(
+        "dummy: random weights, for a trainer to overwrite", choices=LOAD_FORMATS, group=_MODEL))
+    seed: int = field(default=0, metadata=flag("seed of the dummy weights and of torch's generator",
+                                                group=_MODEL))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "prompt + output token limit (default: the model's)", type=positive_int, group=_MODEL))
+    trust_remote_code: bool = field(default=False, metadata=flag(
+        "run the Python code a model's config or tokenizer ships (transformers' "
+        "trust_remote_code); the architecture must still be one rlserve implements", group=_MODEL))
     # Cache
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None  # explicit budget; CPU default 1 GiB
-    num_kv_blocks: int | None = None  # overrides both budgets (tests use it to force preemption)
+    block_size: int = field(default=16, metadata=flag(
+        "tokens per KV-cache block", choices=BLOCK_SIZES, group=_CACHE))
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        "reuse the KV cache of shared prompt prefixes", group=_CACHE))
+    gpu_memory_utilization: float = field(default=0.9, metadata=flag(
+        "fraction of GPU memory for weights, activations and KV cache", group=_CACHE))
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=flag(
+        "explicit KV cache budget, e.g. 2G (overrides the utilization; CPU default 1 GiB)",
+        type=byte_size, group=_CACHE))
+    num_kv_blocks: int | None = field(default=None, metadata=no_flag(
+        "overrides both budgets; tests use it to force preemption"))
     # Scheduler
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = field(default=256, metadata=flag(
+        "sequences in one batch at most", type=positive_int, group=_CACHE))
+    max_num_batched_tokens: int = field(default=8192, metadata=flag(
+        "tokens in one step at most (prefill chunks + decodes)", type=positive_int, group=_CACHE))
     # Execution
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1
-    # Data parallel (engine/dp_client.py): replicas behind one front end; replica i runs on
-    # devices [i*TP, (i+1)*TP) on GPU. A dead replica's requests that have produced nothing
-    # yet are retried once on another (else they fail); it is restarted up to
-    # dp_max_restarts times. dp_engines: replicas started elsewhere (rlserve.ray), as
-    # {"input": zmq address, "output": zmq address} each, instead of local processes.
-    data_parallel_size: int = 1
-    dp_retry_on_failure: bool = False
-    dp_max_restarts: int = 3
-    dp_engines: list[dict[str, str]] | None = None
-    served_model_name: str | None = None
-    chat_template: str | None = None
-    weight_transfer: WeightTransferConfig | None = None
-    trust_remote_code: bool = False
-    skip_tokenizer_init: bool = False
-    # Launch step N+1 before reading back step N's tokens (None: on CUDA only).
-    async_scheduling: bool | None = None
-    logprobs_mode: str = "raw_logprobs"  # see LOGPROBS_MODES
-    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    enforce_eager: bool = field(default=False, metadata=flag("no CUDA graphs", group=_RUN))
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "devices one model is split over", type=positive_int, aliases=["-tp"], group=_RUN))
+    # Data parallel (engine/dp_client.py): replicas behind one front end.
+    data_parallel_size: int = field(default=1, metadata=flag(
+        "engine replicas behind the one endpoint, each of --tensor-parallel-size devices "
+        "(replica i: GPUs i*TP..(i+1)*TP-1)", type=positive_int, aliases=["-dp"], group=_RUN))
+    dp_retry_on_failure: bool = field(default=False, metadata=flag(
+        "data parallel: when a replica dies, run its requests that have produced no token yet "
+        "again on another replica (else they fail with 503)", group=_RUN))
+    dp_max_restarts: int = field(default=3, metadata=flag(
+        "data parallel: restart a replica that died at most N times; it serves again once it "
+        "has copied the current weights from a healthy replica", metavar="N", group=_RUN))
+    dp_engines: list[dict[str, str]] | None = field(default=None, metadata=no_flag(
+        "replicas started elsewhere (rlserve.ray), as {\"input\": zmq address, \"output\": "
+        "zmq address} each, instead of local processes; `rlserve serve` reads RLSERVE_DP_ENGINES"))
+    served_model_name: str | None = field(default=None, metadata=flag(
+        "name clients use in `model` (default: MODEL)", group="server"))
+    chat_template: str | None = field(default=None, metadata=flag(
+        "Jinja chat template, as a file path or inline (default: the tokenizer's)",
+        type=read_chat_template, group="server"))
+    weight_transfer: WeightTransferConfig | None = field(default=None, metadata=flag(
+        'enable live weight updates, e.g. \'{"backend": "nccl"}\' (backends: nccl, gloo, ipc)',
+        name="--weight-transfer-config", metavar="JSON", type=str, group=_RUN))
+    skip_tokenizer_init: bool = field(default=False, metadata=no_flag(
+        "token ids in and out, no tokenizer: the offline API and benchmarks on bare configs"))
+    async_scheduling: bool | None = field(default=None, metadata=no_flag(
+        "launch step N+1 before reading back step N's tokens (None: on CUDA only); the offline "
+        "API and benchmarks compare both"))
+    logprobs_mode: str = field(default="raw_logprobs", metadata=flag(
+        "raw: of the model's logits (what RL importance ratios need); processed: of the logits "
+        "sampled from (after bias, masks, penalties, temperature, top-k/p, min-p)",
+        choices=LOGPROBS_MODES, group="sampling defaults and outputs"))
+    hf_overrides: dict[str, Any] = field(default_factory=dict, metadata=no_flag(
+        "HF config attributes replaced (the offline API and tests)"))
     # LoRA adapters (rlserve/engine/lora.py): slots and the largest rank are fixed at start.
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT directory, loaded at start
+    enable_lora: bool = field(default=False, metadata=flag(
+        "serve LoRA adapters (PEFT format), chosen per request by `model`", group=_LORA))
+    max_loras: int = field(default=1, metadata=flag(
+        "adapters loaded at once (their slots are allocated at start)", type=positive_int, group=_LORA))
+    max_lora_rank: int = field(default=16, metadata=flag(
+        "the largest adapter rank served", type=positive_int, group=_LORA))
+    lora_modules: dict[str, str] = field(default_factory=dict, metadata=flag(
+        'adapters loaded at start: name=path, or JSON {"name": ..., "path": ...}',
+        type=lora_module, nargs="+", metavar="NAME=PATH", group=_LORA))
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -118,8 +232,8 @@ class EngineConfig:
                              f"choose one of {', '.join(LOAD_FORMATS)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError("block_size: must be one of 8, 16, 32, 64, 128")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size: must be one of {', '.join(map(str, BLOCK_SIZES))}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs: must be at least 1")
         if self.max_num_batched_tokens < 1:
@@ -177,6 +291,7 @@ class EngineConfig:
         """The configuration of data-parallel replica `index`: one replica, on its devices."""
         device = self.device
         if str(device).startswith("cuda"):
+            import torch
             base = torch.device(device).index or 0
             device = f"cuda:{base + index * self.tensor_parallel_size}"
         return dataclasses.replace(self, device=device, data_parallel_size=1, dp_engines=None)
@@ -184,6 +299,6 @@ class EngineConfig:
     def to_wire(self) -> dict[str, Any]:
         """Plain data for another process (msgpack); `EngineConfig(**data)` rebuilds it."""
         data = dataclasses.asdict(self)
-        if isinstance(self.dtype, torch.dtype):
+        if not isinstance(self.dtype, str):  # a torch.dtype
             data["dtype"] = str(self.dtype).removeprefix("torch.")
         return data

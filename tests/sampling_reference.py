@@ -119,7 +119,7 @@ def _requests(rows, in_flight: bool):
     """Requests holding prompt + output; with `in_flight` the newest token is a
     PLACEHOLDER, as under overlapped scheduling (the device still has it)."""
     from rlserve.engine.request import Request
-    from rlserve.worker.model_runner import PLACEHOLDER
+    from rlserve.sequence import PLACEHOLDER
     reqs, last = [], []
     for i, (p, prompt, output) in enumerate(rows):
         req = Request(f"r{i}", list(prompt), p, frozenset({EOS}), max_model_len=1 << 20, sample_index=i)

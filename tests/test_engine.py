@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlserve import LLM, SamplingParams
-from rlserve.engine.request import InvalidRequestError
 from rlserve.model.demo_model import demo_model_path
+from rlserve.sampling_params import InvalidRequestError
 
 from conftest import hf_greedy
 

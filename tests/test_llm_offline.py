@@ -6,6 +6,8 @@ then takes a transformers model's tensors, after which its logprobs are transfor
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -100,3 +102,23 @@ def test_update_weights_from_tensors_sleep_and_wake(llm, trainer_model):
     assert max(abs(a - b) for a, b in zip(_prompt_logprobs(llm, ids), ref)) < 1e-4
     with pytest.raises(ValueError, match="tags"):
         llm.wake_up(tags=["weights"])
+
+
+def test_trust_remote_code_runs_the_config_code_a_model_ships(tmp_path):
+    """A model whose config.json names its own config class (auto_map) is refused without
+    trust_remote_code, naming it, and loads and generates with it."""
+    config = dict(PRESETS["tiny"], model_type="tiny_remote",
+                  auto_map={"AutoConfig": "configuration_tiny.TinyConfig"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "configuration_tiny.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass TinyConfig(LlamaConfig):\n"
+        "    model_type = 'tiny_remote'\n")
+    options = dict(load_format="dummy", skip_tokenizer_init=True, device="cpu", dtype="float32",
+                   max_model_len=64, kv_cache_memory_bytes=8 << 20)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        LLM(str(tmp_path), **options)
+    with LLM(str(tmp_path), trust_remote_code=True, **options) as llm:
+        assert type(llm.engine.hf_config).__name__ == "TinyConfig"
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
+                           SamplingParams(max_tokens=2, temperature=0, detokenize=False), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 2

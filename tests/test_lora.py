@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from lora_adapters import MAX_TOKENS, PROMPTS, greedy, make_adapter
 from rlserve.engine.lora import LoRAConfig, LoRARequest, canonical_peft_names, parse_peft_name
-from rlserve.engine.request import InvalidRequestError
+from rlserve.sampling_params import InvalidRequestError
 
 GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 

@@ -19,8 +19,9 @@ import torch
 from rlserve import LLM, SamplingParams
 from rlserve.config import EngineConfig
 from rlserve.engine.bad_words import bad_words_to_token_ids
-from rlserve.engine.request import InvalidRequestError, Request
+from rlserve.engine.request import Request
 from rlserve.model.demo_model import demo_model_path
+from rlserve.sampling_params import InvalidRequestError
 from sampling_reference import (check_logprob, check_outputs, check_sample, check_sample_frequencies,
                                 check_sampler, model_logits, processed_logits, sampling_logits, stop_ids)
 

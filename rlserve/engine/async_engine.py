@@ -21,8 +21,8 @@ from rlserve.engine.messages import (EngineDeadError, EngineReady, LoadLoRAAdapt
                                      ModelNotFoundError, UnloadLoRAAdapter)
 from rlserve.engine.output_processor import LatencyObserver, OutputProcessor, RequestState
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
-from rlserve.engine.request import (EngineUnavailableError, InvalidRequestError, RequestOutput,
-                                    SamplingParams, check_cache_salt, validate_prompt)
+from rlserve.engine.request import EngineUnavailableError, RequestOutput, check_cache_salt, validate_prompt
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def _front_end_tokenizer(config: EngineConfig):
     if config.skip_tokenizer_init:
         return None
     from rlserve.model.loader import load_tokenizer, resolve_model_path
-    return load_tokenizer(config.tokenizer or resolve_model_path(config.model))
+    return load_tokenizer(config.tokenizer or resolve_model_path(config.model), config.trust_remote_code)
 
 
 class AsyncEngine:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlserve.engine.request import InvalidRequestError, SamplingParams
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
 
 
 def bad_words_to_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

@@ -20,13 +20,14 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, FinalTokens, Finished, Rejected, Started
-from rlserve.engine.request import (EngineUnavailableError, FinishReason, InvalidRequestError, Request,
-                                    RequestStatus, SamplingParams, sample_ids, validate_prompt,
-                                    version_spans)
+from rlserve.engine.request import (EngineUnavailableError, FinishReason, Request, RequestStatus, sample_ids,
+                                    validate_prompt, version_spans)
 from rlserve.engine.scheduler import Scheduler
-from rlserve.worker.model_runner import PLACEHOLDER, StepHandle
 from rlserve.model.loader import load_hf_config, load_tokenizer, resolve_model_path
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.sequence import PLACEHOLDER
 from rlserve.worker.executor import Executor
+from rlserve.worker.model_runner import StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -94,14 +95,12 @@ class EngineCore:
         self.config = config
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
-        hf_config = load_hf_config(self.model_path)
-        for key, value in config.hf_overrides.items():
-            setattr(hf_config, key, value)
+        hf_config = load_hf_config(self.model_path, config.trust_remote_code, config.hf_overrides)
         self.hf_config = hf_config
         # Text is the front end's business; here the tokenizer only says which tokens end
         # a sequence (the offline LLM borrows it). Benchmarks on bare configs skip it.
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
-            config.tokenizer or self.model_path)
+            config.tokenizer or self.model_path, config.trust_remote_code)
         self.max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, self.model_path)
@@ -170,9 +169,9 @@ class EngineCore:
             adapter = self.lora.resolve(lora_name)
             slot, cache_salt = adapter.slot, adapter.cache_salt(cache_salt)
         grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
-        reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
-                        group_id=request_id if params.n > 1 else None, sample_index=i, stream=stream,
-                        cache_salt=cache_salt, lora_name=lora_name, lora_slot=slot)
+        reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, sample_index=i, lora_slot=slot,
+                        max_model_len=self.max_model_len, group_id=request_id if params.n > 1 else None,
+                        stream=stream, cache_salt=cache_salt, lora_name=lora_name)
                 for i, rid in enumerate(sample_ids(request_id, params.n))]
         for req in reqs:
             req.grammar = grammar

@@ -30,8 +30,8 @@ from rlserve.config import EngineConfig
 from rlserve.engine.messages import (AbortRequests, AddRequest, CallResult, EngineDead, EngineDeadError,
                                      EngineOutput, EngineReady, UtilityCall, error_from_result)
 from rlserve.engine.outputs import EngineCoreOutputs
-from rlserve.engine.request import SamplingParams
 from rlserve.process import die_with_parent
+from rlserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

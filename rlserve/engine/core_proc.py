@@ -43,8 +43,9 @@ from rlserve.engine.messages import (AbortRequests, AddRequest, CallResult, Conf
                                      EngineInput, EngineReady, ModelNotFoundError, UtilityCall,
                                      error_result)
 from rlserve.engine.outputs import EngineCoreOutputs, Rejected
-from rlserve.engine.request import EngineUnavailableError, InvalidRequestError
+from rlserve.engine.request import EngineUnavailableError
 from rlserve.process import watch_parent
+from rlserve.sampling_params import InvalidRequestError
 from rlserve.weight_transfer.address import get_ip
 
 logger = logging.getLogger(__name__)

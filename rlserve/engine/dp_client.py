@@ -38,7 +38,8 @@ from rlserve.engine.dp_router import Router
 from rlserve.engine.messages import (CallResult, ConflictError, EngineDeadError, EngineReady,
                                      error_from_result)
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
-from rlserve.engine.request import EngineUnavailableError, InvalidRequestError, SamplingParams, sample_ids
+from rlserve.engine.request import EngineUnavailableError, sample_ids
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
 from rlserve.weight_transfer.address import get_open_port
 
 logger = logging.getLogger(__name__)

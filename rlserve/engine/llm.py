@@ -15,7 +15,8 @@ from rlserve.config import EngineConfig
 from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.core import EngineCore
 from rlserve.engine.output_processor import OutputProcessor, RequestState
-from rlserve.engine.request import RequestOutput, SamplingParams, check_cache_salt
+from rlserve.engine.request import RequestOutput, check_cache_salt
+from rlserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 import torch
 
-from rlserve.engine.request import InvalidRequestError
+from rlserve.sampling_params import InvalidRequestError
 
 PEFT_PREFIX = "base_model.model."
 # ".lora_A.weight", also with PEFT's in-memory adapter name (".lora_A.default.weight")

@@ -22,7 +22,8 @@ from typing import Any, Union
 import msgspec
 
 from rlserve.engine.outputs import EngineCoreOutputs
-from rlserve.engine.request import EngineUnavailableError, InvalidRequestError, SamplingParams
+from rlserve.engine.request import EngineUnavailableError
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):

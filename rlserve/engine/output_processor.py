@@ -14,8 +14,9 @@ from typing import Callable, Protocol
 
 from rlserve.engine.detokenizer import IncrementalDetokenizer
 from rlserve.engine.outputs import EngineCoreOutputs, FinalTokens, Finished, Started
-from rlserve.engine.request import (CompletionOutput, RequestOutput, SamplingParams, TokenLogprob,
-                                    sample_ids)
+from rlserve.engine.request import CompletionOutput, RequestOutput, sample_ids
+from rlserve.sampling_params import SamplingParams
+from rlserve.sequence import TokenLogprob
 
 
 class LatencyObserver(Protocol):

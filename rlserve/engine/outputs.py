@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from rlserve.engine.request import TokenLogprob
+from rlserve.sequence import TokenLogprob
 
 
 class Started(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -9,33 +9,10 @@ its blocks are freed and it is recomputed later from its prompt and the tokens i
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens: a token is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
+from rlserve.sequence import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -52,6 +29,7 @@ class Scheduler:
         self.sleeping = False  # the device memory is given back: nothing can run
         self.no_weights = False  # dropped by a level-2 sleep: nothing runs until an update
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.finished_ids: list[str] = []  # finished since the last step that ran
 
     # -- queue management -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -61,6 +39,7 @@ class Scheduler:
     def finish(self, req: Request) -> None:
         """Remove a finished request and free its blocks (its status is already set)."""
         self.requests.pop(req.request_id, None)
+        self.finished_ids.append(req.request_id)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -164,4 +143,6 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if scheduled and self.finished_ids:  # told with the next step that runs
+            out.finished_ids, self.finished_ids = self.finished_ids, []
         return out

@@ -27,7 +27,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
-from rlserve.engine.request import InvalidRequestError, StructuredOutputsParams
+from rlserve.sampling_params import InvalidRequestError, StructuredOutputsParams
 
 BITMASK_WORD_BITS = 32  # a packed int32 bitmask: bit j % 32 of word j // 32 allows token j
 

@@ -25,21 +25,29 @@ def resolve_model_path(model: str) -> str:
     except ImportError as e:  # pragma: no cover
         raise ValueError(f"model: {model!r} is not a directory and huggingface_hub is missing") from e
     try:
+        # *.py: a config's or tokenizer's own code, run only with trust_remote_code.
         return snapshot_download(model, allow_patterns=[
-            "*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"])
+            "*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*", "*.py"])
     except Exception as e:
         raise ValueError(f"model: {model!r} is not a local directory and could not be fetched "
                          f"from the hub ({type(e).__name__}: {e})") from e
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """`trust_remote_code`: run the Python code a tokenizer ships (EngineConfig's field)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def load_hf_config(path: str):
+def load_hf_config(path: str, trust_remote_code: bool = False, overrides: dict | None = None):
+    """The model's HF config, with `overrides` (EngineConfig.hf_overrides) set on it.
+    `trust_remote_code`: run the Python code a config ships (its auto_map); the
+    architecture it names must still be one rlserve implements (registry.py)."""
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path)
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    for key, value in (overrides or {}).items():
+        setattr(hf_config, key, value)
+    return hf_config
 
 
 def iterate_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:

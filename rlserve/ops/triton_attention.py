@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -311,11 +312,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     in; longest first keeps the GPU busy to the end when lengths vary.
     """
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
-    assert kv_dim == head_dim and num_heads % num_kv_heads == 0
-    assert k_cache.dtype in _SUPPORTED and v_cache.dtype == k_cache.dtype
-    assert block_size & (block_size - 1) == 0, "block size must be a power of two"
-    _check_last_dim(query, k_cache, v_cache)
+    _check_inputs(query, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(query)
     else:
@@ -323,62 +320,85 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    if seq_order is not None:
+        assert seq_order.shape[0] >= num_seqs and seq_order.dtype == torch.int32
     if max_query_len is None:
         max_query_len = num_tokens
     max_query_len = max(1, min(int(max_query_len), num_tokens))
     if max_seq_len is None:
-        max_seq_len = block_tables.shape[1] * block_size
-    cfg = dict(_config) if _config else _pick_config(max_query_len, group_pad, head_dim)
-    block_m = cfg.pop("BLOCK_M")
-    block_n = cfg.pop("BLOCK_N")
-    block_q = max(1, block_m // group_pad)
-    block_m = block_q * group_pad
-    q_tiles = triton.cdiv(max_query_len, block_q)
-    if num_kv_splits is None:
-        num_kv_splits = _pick_splits(num_seqs, num_kv_heads, q_tiles, int(max_seq_len),
-                                     query.device)
-    num_kv_splits = max(1, int(num_kv_splits))
-    block_d = triton.next_power_of_2(head_dim)
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
-    # Triton's CPU interpreter mis-evaluates bf16 dots; it gets fp32 operands instead.
-    dot_f32 = query.device.type == "cpu" and k_cache.dtype == torch.bfloat16
-
-    if num_kv_splits > 1:
-        part_out = torch.empty((num_tokens, num_heads, num_kv_splits, block_d),
+        max_seq_len = block_tables.shape[1] * k_cache.shape[1]
+    t = _tiling(query, k_cache, num_seqs, max_query_len, int(max_seq_len), num_kv_splits, _config)
+    if t.splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, t.splits, t.block_d),
                                dtype=torch.float32, device=query.device)
-        part_lse = torch.empty((num_tokens, num_heads, num_kv_splits),
+        part_lse = torch.empty((num_tokens, num_heads, t.splits),
                                dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused
-
-    heads_first = cfg.pop("HEADS_FIRST", True)
-    if seq_order is not None:
-        assert seq_order.shape[0] >= num_seqs and seq_order.dtype == torch.int32
-    grid = ((num_kv_heads, q_tiles * num_kv_splits, num_seqs) if heads_first
-            else (q_tiles * num_kv_splits, num_seqs, num_kv_heads))
-    _paged_attn_kernel[grid](
+    _paged_attn_kernel[t.grid](
         query, k_cache, v_cache, out, part_out, part_lse,
         query_start_loc, seq_lens, block_tables, seq_order if seq_order is not None else seq_lens,
         scale * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), num_heads,
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        NUM_SPLITS=num_kv_splits, PRECISION=precision, DOT_F32=dot_f32, HEADS_FIRST=heads_first,
-        ORDERED=seq_order is not None, **cfg,
+        block_tables.stride(0), num_heads, ORDERED=seq_order is not None, **t.constants,
     )
-    if num_kv_splits > 1:
+    if t.splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
-            NUM_SPLITS=num_kv_splits, SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+            NUM_SPLITS=t.splits, SPLITS_PAD=triton.next_power_of_2(t.splits),
+            HEAD_DIM=head_dim, BLOCK_D=t.block_d, num_warps=4,
         )
     return out
+
+
+def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads, kv_dim = k_cache.shape[1:]
+    assert kv_dim == head_dim and num_heads % num_kv_heads == 0
+    assert k_cache.dtype in _SUPPORTED and v_cache.dtype == k_cache.dtype
+    assert block_size & (block_size - 1) == 0, "block size must be a power of two"
+    _check_last_dim(query, k_cache, v_cache)
+
+
+class _Tiling(NamedTuple):
+    """How one paged_attention call is cut into programs (see _tiling)."""
+
+    grid: tuple[int, int, int]
+    splits: int  # KV splits per (query tile, sequence, kv head); > 1: partial results merged after
+    block_d: int  # head_dim padded to a power of two
+    constants: dict  # the kernel's compile-time constants and launch options
+
+
+def _tiling(query: torch.Tensor, k_cache: torch.Tensor, num_seqs: int, max_query_len: int,
+            max_seq_len: int, num_kv_splits: int | None, config: dict | None) -> _Tiling:
+    """Tiles, KV splits and grid of a call: BLOCK_Q tokens of a query tile times the query
+    heads of one kv head (padded to a power of two) make a tile's BLOCK_M rows."""
+    num_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    cfg = dict(config) if config else _pick_config(max_query_len, group_pad, head_dim)
+    block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    block_q = max(1, block_m // group_pad)
+    block_m = block_q * group_pad
+    q_tiles = triton.cdiv(max_query_len, block_q)
+    if num_kv_splits is None:
+        num_kv_splits = _pick_splits(num_seqs, num_kv_heads, q_tiles, max_seq_len, query.device)
+    splits = max(1, int(num_kv_splits))
+    block_d = triton.next_power_of_2(head_dim)
+    heads_first = cfg.pop("HEADS_FIRST", True)
+    grid = ((num_kv_heads, q_tiles * splits, num_seqs) if heads_first
+            else (q_tiles * splits, num_seqs, num_kv_heads))
+    constants = dict(
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        # Triton's CPU interpreter mis-evaluates bf16 dots; it gets fp32 operands instead.
+        DOT_F32=query.device.type == "cpu" and k_cache.dtype == torch.bfloat16,
+        HEADS_FIRST=heads_first, **cfg)
+    return _Tiling(grid, splits, block_d, constants)
 
 
 def _check_last_dim(*tensors: torch.Tensor) -> None:

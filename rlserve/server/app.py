@@ -17,7 +17,8 @@ from starlette.exceptions import HTTPException
 from rlserve import __version__
 from rlserve.config import EngineConfig
 from rlserve.engine.messages import ConflictError, EngineDeadError
-from rlserve.engine.request import EngineUnavailableError, InvalidRequestError
+from rlserve.engine.request import EngineUnavailableError
+from rlserve.sampling_params import InvalidRequestError
 from rlserve.server import routes_openai
 from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics

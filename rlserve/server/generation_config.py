@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Any
 
-from rlserve.engine.request import InvalidRequestError, SamplingParams
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 

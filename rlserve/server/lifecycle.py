@@ -28,8 +28,8 @@ import msgpack
 import uvicorn
 
 from rlserve.config import EngineConfig
-from rlserve.engine.request import MAX_LOGPROBS
 from rlserve.process import die_with_parent
+from rlserve.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from rlserve.engine.async_engine import AsyncEngine

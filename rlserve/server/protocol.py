@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlserve.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from rlserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from rlserve.server import unimplemented
 from rlserve.server.unimplemented import Unimplemented
 

@@ -15,8 +15,9 @@ from pydantic import BaseModel
 from rlserve.config import EngineConfig
 from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.output_processor import RequestState
-from rlserve.engine.request import MAX_LOGPROBS, InvalidRequestError, SamplingParams, validate_prompt
+from rlserve.engine.request import validate_prompt
 from rlserve.engine.structured_output import StructuredOutputCompiler
+from rlserve.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                      PromptLogprob, PromptLogprobs, PromptTokensDetails,

@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi.responses import Response
 
 from rlserve.engine.output_processor import RequestState, SampleDelta
-from rlserve.engine.request import InvalidRequestError, TokenLogprob
+from rlserve.sampling_params import InvalidRequestError
+from rlserve.sequence import TokenLogprob
 from rlserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                      DeltaMessage, TokenLogprobEntry, TopLogprob)

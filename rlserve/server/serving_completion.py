@@ -9,7 +9,8 @@ from typing import AsyncIterator, Sequence
 from fastapi.responses import Response
 
 from rlserve.engine.output_processor import RequestState, SampleDelta
-from rlserve.engine.request import InvalidRequestError, TokenLogprob
+from rlserve.sampling_params import InvalidRequestError
+from rlserve.sequence import TokenLogprob
 from rlserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from rlserve.server.serving import Generation, OpenAIServing, Prompt, sse, usage, version_spans
 from rlserve.server.token_strings import floor_logprob

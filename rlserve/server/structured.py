@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from rlserve.engine.request import InvalidRequestError, StructuredOutputsParams
+from rlserve.sampling_params import InvalidRequestError, StructuredOutputsParams
 from rlserve.server.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice,
                                      ToolDefinition)
 

@@ -17,7 +17,9 @@ Worker -> executor:
 A step carries the scheduler output as plain lists. Workers keep a mirror of every
 request they have seen, so a step sends each request's tokens once: new requests with
 their prompt and sampling parameters, then per scheduled request only the tokens appended
-since the last step it was in.
+since the last step it was in; the ids of requests that finished meanwhile
+(SchedulerOutput.finished_ids) let workers drop their mirrors. A mirror is a
+rlserve.sequence.Sequence: what the model runner reads of a request.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from typing import Any
 
 import msgpack
 
-from rlserve.engine.request import InvalidRequestError, Request, SamplingParams
-from rlserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.sequence import ScheduledRequest, SchedulerOutput, Sequence
 
 _HEADER = struct.Struct("!Q")
 
@@ -108,30 +110,27 @@ def error_from_reply(reply: dict[str, Any], rank: int) -> BaseException:
 
 # -- steps ------------------------------------------------------------------------------
 
-def _request_to_wire(req: Request) -> list:
+def _request_to_wire(req: Sequence) -> list:
     params = dataclasses.asdict(req.sampling_params)
     if params["logit_bias"] is not None:  # msgpack maps take string keys; SamplingParams reads them back
         params["logit_bias"] = {str(k): v for k, v in params["logit_bias"].items()}
-    return [req.request_id, req.prompt_token_ids, params,
-            sorted(req.eos_token_ids), req.max_model_len, req.group_id, req.sample_index, req.lora_slot]
+    return [req.request_id, req.prompt_token_ids, params, sorted(req.eos_token_ids), req.sample_index,
+            req.lora_slot]
 
 
-def _request_from_wire(w: list) -> Request:
-    rid, prompt, params, eos, max_model_len, group_id, sample_index, lora_slot = w
-    return Request(rid, list(prompt), SamplingParams(**params), frozenset(eos), max_model_len,
-                   group_id=group_id, sample_index=sample_index, lora_slot=lora_slot)
+def _request_from_wire(w: list) -> Sequence:
+    rid, prompt, params, eos, sample_index, lora_slot = w
+    return Sequence(rid, list(prompt), SamplingParams(**params), frozenset(eos), sample_index, lora_slot)
 
 
 class StepEncoder:
     """Executor side: scheduler output -> a step message, remembering what workers hold."""
 
     def __init__(self) -> None:
-        self.known: dict[str, tuple[Request, int]] = {}  # id -> (request, tokens sent)
+        self.known: dict[str, tuple[Sequence, int]] = {}  # id -> (request, tokens sent)
 
     def encode(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> dict[str, Any]:
-        finished = [rid for rid, (req, _) in self.known.items() if req.is_finished]
-        for rid in finished:
-            del self.known[rid]
+        finished = [rid for rid in sched.finished_ids if self.known.pop(rid, None) is not None]
         new, items = [], []
         for item, table in zip(sched.scheduled, block_tables):
             req = item.request
@@ -151,7 +150,7 @@ class StepDecoder:
     """Worker side: step message -> the same scheduler output, on mirrored requests."""
 
     def __init__(self) -> None:
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Sequence] = {}
 
     def decode(self, msg: dict[str, Any]) -> tuple[SchedulerOutput, list[list[int]]]:
         for rid in msg["finished"]:

@@ -11,12 +11,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from rlserve.engine.request import TokenLogprob
-from rlserve.engine.scheduler import SchedulerOutput
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import AttentionMetadata, PagedAttention
 from rlserve.ops import kernels
 from rlserve.ops.lora import LoRABatch, group_tokens
+from rlserve.sequence import PLACEHOLDER, SchedulerOutput, TokenLogprob
 from rlserve.worker import sampler as S
 from rlserve.worker.penalties import PenaltyHistory, PenaltyPlan
 
@@ -33,8 +32,6 @@ class ModelRunnerOutput:
     # request id -> logprobs of the prompt tokens this step covered, in order
     prompt_logprobs: dict[str, list[TokenLogprob]]
 
-
-PLACEHOLDER = -1  # a token sampled by the step still in flight (overlapped scheduling)
 
 _ALIGN = 64  # bytes: every part of an upload starts at a multiple (see ModelRunner.upload)
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
@@ -82,6 +79,56 @@ class _SamplingStep(NamedTuple):
     plan: PenaltyPlan | None
     arrays: list[np.ndarray]
     named: list[str]  # names of the last len(named) arrays
+
+
+class _Layout(NamedTuple):
+    """A step's tokens on the host (see ModelRunner._layout)."""
+
+    ids: np.ndarray  # int64 input token per position; PLACEHOLDER where the in-flight step samples it
+    positions: np.ndarray  # int64
+    slots: np.ndarray  # int64 KV-cache slot per token
+    qsl: np.ndarray  # int64 query start locations, [num_seqs + 1]
+    counts: np.ndarray  # int64 tokens per sequence
+    seq_lens: np.ndarray  # int64 tokens per sequence once this step is computed
+    token_rows: np.ndarray  # the sequence of each token
+    tables: np.ndarray  # int32 block tables, [num_seqs, most blocks]
+
+
+class _InFlightFill(NamedTuple):
+    """Input tokens the in-flight step is still sampling (see ModelRunner._in_flight)."""
+
+    at: np.ndarray  # int64 positions to fill
+    source: np.ndarray  # int64 the in-flight step's row for each
+    all: bool  # every position, from the in-flight step's rows in order (then `at` is empty)
+
+
+class _LogitsPlan(NamedTuple):
+    """The rows that need logits, and those that sample (see ModelRunner._logits_plan)."""
+
+    logits_indices: np.ndarray  # int64 rows of the hidden states
+    sample_rows: list[int]  # index into logits_indices of each sampling request
+    sample_requests: list  # ScheduledRequest that sample, aligned with sample_rows
+    requests: list  # the Sequence of each sample_requests item
+    prompt_rows: dict[str, tuple[int, list[int]]]  # req id -> (first logits row, target ids)
+    sample_index: np.ndarray | None  # sample_rows, when not every logits row samples
+
+
+class _StepTensors(NamedTuple):
+    """The uploaded batch (see ModelRunner._upload), in upload order."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    logits_indices: torch.Tensor
+    fill_at: torch.Tensor
+    fill_from: torch.Tensor
+    qsl: torch.Tensor
+    seq_lens: torch.Tensor
+    tables: torch.Tensor
+    seq_order: torch.Tensor
+    sample_index: torch.Tensor | None  # uploaded only when not every logits row samples
+
+    num_fixed = 10  # the parts every step uploads (all but sample_index)
 
 
 @dataclass
@@ -178,49 +225,75 @@ class ModelRunner:
         array or as lists (another rank's step message).
 
         This runs for every request every step, so the per-request Python is one short
-        loop (`_gather_rows`); the rest is numpy over the whole batch and one upload.
+        loop (`_gather_rows`); the rest is numpy over the whole batch and one upload:
+        the token layout (`_layout`: prefill chunks and decodes alike), the tokens to take
+        from `prev` (`_in_flight`), the rows that need logits and sample (`_logits_plan`),
+        then `_upload` and the device side (`_device_batch`).
         """
-        bs = self.block_size
         items = sched.scheduled
-        num_seqs = len(items)
         reqs, input_ids, starts, counts, totals, any_prompt_logprobs = self._gather_rows(items)
-        start_a = np.array(starts, dtype=np.int64)
-        count_a = np.array(counts, dtype=np.int64)
-        seq_lens = start_a + count_a
-        qsl = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(count_a, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        if num_tokens == num_seqs:  # one token per sequence
+        lay = self._layout(input_ids, starts, counts, block_tables)
+        fill = self._in_flight(lay, reqs, prev)
+        plan = self._logits_plan(items, reqs, lay, totals, any_prompt_logprobs)
+        step = self._sampling_host(plan.requests) if plan.requests else None
+        tensors, lora, sampling_tensors = self._upload(lay, fill, plan, reqs, step)
+        return self._device_batch(lay, fill, plan, step, tensors, lora, sampling_tensors, prev)
+
+    def _layout(self, input_ids: list[int], starts: list[int], counts: list[int],
+                block_tables: np.ndarray | list[list[int]]) -> _Layout:
+        """Each token's id, position and KV slot, and each sequence's query span and length."""
+        bs = self.block_size
+        num_seqs, num_tokens = len(starts), len(input_ids)
+        start_a = np.fromiter(starts, dtype=np.int64, count=num_seqs)
+        if num_tokens == num_seqs:  # one token per sequence (each has at least one): decodes
+            count_a = np.ones(num_seqs, dtype=np.int64)
+            qsl = np.arange(num_seqs + 1, dtype=np.int64)
             token_rows = np.arange(num_seqs)
             positions = start_a
         else:
+            count_a = np.array(counts, dtype=np.int64)
+            qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(count_a, out=qsl[1:])
             token_rows = np.repeat(np.arange(num_seqs), count_a)
             positions = np.arange(num_tokens) + np.repeat(start_a - qsl[:-1], count_a)
+        seq_lens = start_a + count_a
         tables = self._table_array(block_tables)
         slots = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        return _Layout(np.fromiter(input_ids, dtype=np.int64, count=num_tokens), positions, slots, qsl, count_a,
+                       seq_lens, token_rows, tables)
 
-        ids = np.array(input_ids, dtype=np.int64)
-        fill_at = np.flatnonzero(ids == PLACEHOLDER)  # positions whose token comes from prev
+    @staticmethod
+    def _in_flight(lay: _Layout, reqs: list, prev: StepHandle | None) -> _InFlightFill:
+        """Which input tokens the in-flight step `prev` is still sampling (PLACEHOLDERs),
+        and which of its rows each comes from."""
+        num_seqs = len(reqs)
+        fill_at = np.flatnonzero(lay.ids == PLACEHOLDER)  # positions whose token comes from prev
         fill_from = np.empty(0, dtype=np.int64)
         # The common case: every row is a decode of the requests prev sampled, in its order.
-        fill_all = fill_at.size == num_tokens == num_seqs and reqs == prev.requests
+        fill_all = fill_at.size == lay.ids.size == num_seqs and reqs == prev.requests
         if fill_all:
             fill_at = fill_from
         elif fill_at.size:
             prev_rows = prev.row_of()
-            fill_from = np.array([prev_rows[reqs[r].request_id] for r in token_rows[fill_at].tolist()],
+            fill_from = np.array([prev_rows[reqs[r].request_id] for r in lay.token_rows[fill_at].tolist()],
                                  dtype=np.int64)
+        return _InFlightFill(fill_at, fill_from, fill_all)
 
-        samples = seq_lens == np.array(totals, dtype=np.int64)  # the chunk reaches the end
+    def _logits_plan(self, items, reqs: list, lay: _Layout, totals: list[int],
+                     any_prompt_logprobs: bool) -> _LogitsPlan:
+        """The rows of the hidden states that need logits, and which of them sample."""
+        num_seqs = len(reqs)
+        # The chunk reaches the end of the sequence's tokens.
+        samples = lay.seq_lens == np.fromiter(totals, dtype=np.int64, count=num_seqs)
         sample_index = None  # rows of the logits that sample, when not all of them do
         if any_prompt_logprobs:
             logits_indices, sample_rows, sample_requests, prompt_rows = self._logits_rows(
-                items, qsl.tolist(), samples.tolist())
+                items, lay.qsl.tolist(), samples.tolist())
             sample_reqs = [item.request for item in sample_requests]
             if len(sample_rows) != len(logits_indices):
                 sample_index = np.array(sample_rows, dtype=np.int64)
         else:  # only the sampling rows need logits: each chunk's last token
-            logits_indices = qsl[1:][samples] - 1
+            logits_indices = lay.qsl[1:][samples] - 1
             if len(logits_indices) == num_seqs:
                 sample_requests, sample_reqs = items, reqs
             else:
@@ -228,52 +301,61 @@ class ModelRunner:
                 sample_requests, sample_reqs = [items[i] for i in rows], [reqs[i] for i in rows]
             sample_rows = list(range(len(sample_requests)))
             prompt_rows = {}
+        return _LogitsPlan(np.asarray(logits_indices, dtype=np.int64), sample_rows, sample_requests,
+                           sample_reqs, prompt_rows, sample_index)
 
-        # One upload for the step; the int32 metadata and the sampling parameters go in
-        # the dtypes their consumers take, so nothing is converted on the device.
+    def _upload(self, lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, reqs: list,
+                step: _SamplingStep | None):
+        """One upload for the step; the int32 metadata and the sampling parameters go in
+        the dtypes their consumers take, so nothing is converted on the device. Returns
+        the batch's tensors, the LoRA grouping (or None) and the sampling arrays' tensors."""
         # Attention starts the longest sequences first (see triton_attention.paged_attention).
-        seq_order = np.argsort(-seq_lens, kind="stable").astype(np.int32)
-        parts = [ids, positions, slots, np.asarray(logits_indices, dtype=np.int64), fill_at, fill_from,
-                 qsl.astype(np.int32), seq_lens.astype(np.int32), tables, seq_order]
-        if sample_index is not None:
-            parts.append(sample_index)
+        seq_order = np.argsort(-lay.seq_lens, kind="stable").astype(np.int32)
+        parts = [lay.ids, lay.positions, lay.slots, plan.logits_indices, fill.at, fill.source,
+                 lay.qsl.astype(np.int32), lay.seq_lens.astype(np.int32), lay.tables, seq_order]
+        if plan.sample_index is not None:
+            parts.append(plan.sample_index)
         segments = None
         if self.lora is not None:
             # Each token's adapter slot (-1: the base model), tokens grouped by slot.
+            num_seqs, num_tokens = len(reqs), lay.ids.size
             row_slots = np.fromiter((r.lora_slot for r in reqs), dtype=np.int32, count=num_seqs)
             order, starts, segments = group_tokens(
-                row_slots if num_tokens == num_seqs else np.repeat(row_slots, count_a), self.lora.max_loras)
+                row_slots if num_tokens == num_seqs else np.repeat(row_slots, lay.counts), self.lora.max_loras)
             parts += [order, starts]
-        step = self._sampling_host(sample_reqs) if sample_reqs else None
         if step is not None:
             parts += step.arrays
         dev = self.upload(parts)
+        n = _StepTensors.num_fixed
+        tensors = _StepTensors(*dev[:n], dev[n] if plan.sample_index is not None else None)
+        rest = dev[n + (plan.sample_index is not None):]
+        lora = LoRABatch(rest.pop(0), rest.pop(0), segments) if segments is not None else None
+        return tensors, lora, rest
 
-        ids_t, pos_t, slot_t, logit_t, at_t, from_t, qsl_t, lens_t, tables_t, order_t = dev[:10]
-        rest = dev[10:]
-        sample_index_t = rest.pop(0) if sample_index is not None else None
-        lora = None
-        if segments is not None:
-            lora = LoRABatch(rest.pop(0), rest.pop(0), segments)
-        if fill_all:
-            ids_t.copy_(prev.sampled.token_ids)
-        elif fill_at.size:
-            ids_t[at_t] = prev.sampled.token_ids[from_t]
+    def _device_batch(self, lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, step: _SamplingStep | None,
+                      t: _StepTensors, lora: LoRABatch | None, sampling_tensors: list[torch.Tensor],
+                      prev: StepHandle | None) -> BatchInputs:
+        """The device half: tokens from the in-flight step, attention metadata, sampling."""
+        if fill.all:
+            t.ids.copy_(prev.sampled.token_ids)
+        elif fill.at.size:
+            t.ids[t.fill_at] = prev.sampled.token_ids[t.fill_from]
         meta = AttentionMetadata(
-            slot_mapping=slot_t, query_start_loc=qsl_t, seq_lens=lens_t, block_tables=tables_t,
-            max_query_len=int(count_a.max()), max_seq_len=int(seq_lens.max()), seq_order=order_t)
+            slot_mapping=t.slots, query_start_loc=t.qsl, seq_lens=t.seq_lens, block_tables=t.tables,
+            max_query_len=int(lay.counts.max()), max_seq_len=int(lay.seq_lens.max()), seq_order=t.seq_order)
         sampling = None
         if step is not None:
             last_tokens = None
             if step.named:
                 # Each sampling row's newest token: the input at its logits position,
                 # filled from the previous step's tokens on the device if still in flight.
-                last_tokens = ids_t[logit_t if sample_index_t is None else logit_t[sample_index_t]]
-            sampling = self._sampling_device(step, rest, last_tokens)
+                rows = t.logits_indices if t.sample_index is None else t.logits_indices[t.sample_index]
+                last_tokens = t.ids[rows]
+            sampling = self._sampling_device(step, sampling_tensors, last_tokens)
         return BatchInputs(
-            input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logit_t,
-            sample_rows=sample_rows, sample_requests=sample_requests, requests=sample_reqs,
-            prompt_rows=prompt_rows, sample_index=sample_index_t, sampling=sampling, lora=lora)
+            input_ids=t.ids, positions=t.positions, meta=meta, logits_indices=t.logits_indices,
+            sample_rows=plan.sample_rows, sample_requests=plan.sample_requests, requests=plan.requests,
+            prompt_rows=plan.prompt_rows, sample_index=t.sample_index, sampling=sampling, lora=lora)
 
     @staticmethod
     def _gather_rows(items):

@@ -12,8 +12,8 @@ import torch
 
 from rlserve.config import EngineConfig, resolve_dtype
 from rlserve.distributed import TPGroup, tp_device, tp_group_scope
-from rlserve.engine.scheduler import SchedulerOutput
 from rlserve.model.loader import build_model
+from rlserve.sequence import SchedulerOutput
 from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)

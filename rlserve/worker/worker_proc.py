@@ -55,9 +55,7 @@ def _start(init: dict[str, Any]):
     elif init.get("num_threads"):
         torch.set_num_threads(init["num_threads"])
     tp = TPGroup.join(rank, world_size, device, init["tp_port"], timeout_s=init["timeout_s"])
-    hf_config = load_hf_config(init["model_path"])
-    for key, value in config.hf_overrides.items():
-        setattr(hf_config, key, value)
+    hf_config = load_hf_config(init["model_path"], config.trust_remote_code, config.hf_overrides)
     return Worker(config, hf_config, init["model_path"], rank=rank, tp=tp)
 
 
