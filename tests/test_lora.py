@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_adapters import MAX_TOKENS, PROMPTS, greedy, make_adapter
-from rlserve.engine.lora import LoRAConfig, LoRARequest, canonical_peft_names, parse_peft_name
+from rlserve.engine.lora import LoRARequest
+from rlserve.model.peft import LoRAConfig, canonical_peft_names, parse_peft_name
 from rlserve.sampling_params import InvalidRequestError
 
 GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -235,7 +236,7 @@ def test_server_adapters_over_http_and_live_pushes_over_gloo(lora_server, adapte
     import httpx
     from openai import NotFoundError, OpenAI
     from lora_adapters import rerandomize
-    from rlserve.engine.lora import peft_adapter_tensors
+    from rlserve.model.peft import peft_adapter_tensors
     from rlserve.weight_transfer import WeightSyncClient, WeightTransferError
     url = lora_server.url
     client = OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=600)

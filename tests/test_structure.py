@@ -39,6 +39,18 @@ def test_importing_the_workers_imports_no_engine_module():
     assert json.loads(r.stdout.strip().splitlines()[-1]) == []
 
 
+def test_no_worker_module_imports_the_engine_even_lazily():
+    """Function-level imports count too: the worker package names no rlserve.engine module."""
+    found = []
+    for path in sorted((PACKAGE / "worker").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                      if n == "rlserve.engine" or n.startswith("rlserve.engine.")]
+    assert found == []
+
+
 def _is_triton_kernel(node: ast.FunctionDef) -> bool:
     return any(ast.unparse(d).split("(")[0] == "triton.jit" for d in node.decorator_list)
 
