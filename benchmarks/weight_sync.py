@@ -159,7 +159,7 @@ def main() -> None:
     tensors = [(n, p.detach()) for n, p in model.named_parameters()]
     if args.lora:
         from peft import LoraConfig, get_peft_model
-        from rlserve.engine.lora import peft_adapter_tensors
+        from rlserve.model.peft import peft_adapter_tensors
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
                                                  target_modules=targets, lora_dropout=0.0))

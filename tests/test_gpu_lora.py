@@ -156,7 +156,7 @@ def test_adapter_push_over_ipc_changes_outputs_to_the_new_merged_model(checkpoin
         result = sync.push_lora("live", peft_model)
         merged = copy.deepcopy(peft_model).merge_and_unload().eval()
         assert [tokens(p) for p in prompts] == [_hf_greedy(merged, p) for p in prompts]
-        from rlserve.engine.lora import peft_adapter_tensors
+        from rlserve.model.peft import peft_adapter_tensors
         config, good = peft_adapter_tensors(peft_model)
         with pytest.raises(WeightTransferError, match="wrong shapes"):
             sync.push_lora("live", [(n, t[:8] if "k_proj.lora_A" in n else t) for n, t in good],

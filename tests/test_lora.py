@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_adapters import MAX_TOKENS, PROMPTS, greedy, make_adapter
-from rlserve.engine.lora import LoRAConfig, LoRARequest, canonical_peft_names, parse_peft_name
+from rlserve.engine.lora import LoRARequest
+from rlserve.model.peft import LoRAConfig, canonical_peft_names, parse_peft_name
 from rlserve.sampling_params import InvalidRequestError
 
 GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -205,7 +206,6 @@ def test_peft_names_and_config():
             LoRAConfig.parse(bad, "cfg", 16)
 
 
-@pytest.mark.slow
 def test_tensor_parallel_serves_the_same_adapter_tokens(demo_model, adapters, base_reference):
     from rlserve import LLM
     with LLM(demo_model, device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2,
@@ -235,7 +235,7 @@ def test_server_adapters_over_http_and_live_pushes_over_gloo(lora_server, adapte
     import httpx
     from openai import NotFoundError, OpenAI
     from lora_adapters import rerandomize
-    from rlserve.engine.lora import peft_adapter_tensors
+    from rlserve.model.peft import peft_adapter_tensors
     from rlserve.weight_transfer import WeightSyncClient, WeightTransferError
     url = lora_server.url
     client = OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=600)

@@ -44,7 +44,7 @@ from rlserve.engine.messages import (AbortRequests, AddRequest, CallResult, Conf
                                      error_result)
 from rlserve.engine.outputs import EngineCoreOutputs, Rejected
 from rlserve.engine.request import EngineUnavailableError
-from rlserve.process import watch_parent
+from rlserve.process import profiled, watch_parent
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.weight_transfer.address import get_ip
 
@@ -447,21 +447,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     code = 0
     # RLSERVE_ENGINE_PROFILE=PATH: a cProfile of the loop, written to PATH at exit.
-    profile_path = os.environ.get("RLSERVE_ENGINE_PROFILE")
-    profiler = None
-    if profile_path:
-        import cProfile
-        profiler = cProfile.Profile()
-        profiler.enable()
-    try:
-        proc.run()
-    except Exception as e:
-        logger.error("engine loop died: %s", traceback.format_exc())
-        proc.die(f"engine loop died: {type(e).__name__}: {e}")
-        code = 1
-    if profiler is not None:
-        profiler.disable()
-        profiler.dump_stats(profile_path)
+    with profiled(os.environ.get("RLSERVE_ENGINE_PROFILE")):
+        try:
+            proc.run()
+        except Exception as e:
+            logger.error("engine loop died: %s", traceback.format_exc())
+            proc.die(f"engine loop died: {type(e).__name__}: {e}")
+            code = 1
     proc.core.shutdown()
     proc.close()
     return code

@@ -52,12 +52,8 @@ class RolloutCluster:
         when the Ray cluster has GPUs). `backend`: the weight transfer, nccl on GPU, gloo
         on CPU by default."""
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from rlserve.cli import build_parser, config_from_args
-        from rlserve.ray.replica import EngineReplica, GPUHolder
-        from rlserve.server.launcher import ServerProcess
 
         if not ray.is_initialized():
             ray.init()
@@ -65,6 +61,7 @@ class RolloutCluster:
             device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
         gpu = device.startswith("cuda")
         backend = backend or ("nccl" if gpu else "gloo")
+        self._ray = ray
         self.num_replicas, self.tp, self.backend = num_replicas, tensor_parallel_size, backend
         self.admin_key, self.transfer_timeout_s = admin_key, transfer_timeout_s
         self.max_restarts = max_restarts
@@ -77,45 +74,8 @@ class RolloutCluster:
             flags += ["--admin-key", admin_key]
         # One reading of the flags for the router and the replicas.
         replica_config = config_from_args(build_parser().parse_args(["serve", model, *flags])).replica(0)
-        wire = replica_config.to_wire()
-
-        self._ray = ray
-        self.groups, self.actors, self.holders = [], [], []
-        remote_replica = ray.remote(EngineReplica)
-        remote_holder = ray.remote(GPUHolder)
-        for i in range(num_replicas):
-            bundles = ([{"GPU": 1, "CPU": 1}] * tensor_parallel_size if gpu
-                       else [{"CPU": num_cpus_per_replica}])
-            pg = placement_group(bundles, strategy="STRICT_PACK", name=f"rlserve-replica-{i}")
-            self.groups.append(pg)
-        ray.get([pg.ready() for pg in self.groups], timeout=start_timeout_s)
-        for i, pg in enumerate(self.groups):
-            def on(bundle: int):
-                return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
-            actor = remote_replica.options(
-                num_cpus=1 if gpu else num_cpus_per_replica, num_gpus=1 if gpu else 0,
-                scheduling_strategy=on(0), name=f"rlserve-replica-{i}").remote(i, wire)
-            holders = [remote_holder.options(num_cpus=0, num_gpus=1, scheduling_strategy=on(b)).remote()
-                       for b in range(1, tensor_parallel_size)] if gpu else []
-            if gpu:
-                ids = ray.get(actor.own_gpus.remote()) + [g for h in holders for g in ray.get(h.gpus.remote())]
-                ray.get(actor.set_gpus.remote(ids))
-            self.actors.append(actor)
-            self.holders.append(holders)
-
-        self.host = get_ip()
-        outputs = [self._output_address() for _ in range(num_replicas)]
-        inputs = ray.get([a.start.remote(out) for a, out in zip(self.actors, outputs)])
-        engines = [{"input": i, "output": o} for i, o in zip(inputs, outputs)]
-        self.port = port or get_open_port()
-        log = self.log_dir / "router.log" if self.log_dir is not None else None
-        self.router = ServerProcess(model, *flags, host="0.0.0.0", port=self.port, log=log,
-                                    timeout_s=start_timeout_s, die_with_parent=True,
-                                    env={"RLSERVE_DP_ENGINES": json.dumps(engines)})
-        self.url = f"http://{self.host}:{self.port}"  # for rollouts, from any node
-        # The control plane answers loopback clients only (without an admin key); the
-        # router runs on this node.
-        self.control_url = f"http://127.0.0.1:{self.port}"
+        self._place_replicas(replica_config.to_wire(), gpu, num_cpus_per_replica, start_timeout_s)
+        self._start_router(model, flags, port, start_timeout_s)
         self._session = requests.Session()
         if admin_key:
             self._session.headers["Authorization"] = f"Bearer {admin_key}"
@@ -127,6 +87,53 @@ class RolloutCluster:
         self._monitor.start()
         logger.info("rlserve: %d replica(s) of %d %s rank(s) serving at %s", num_replicas,
                     tensor_parallel_size, device, self.url)
+
+    def _place_replicas(self, wire: dict, gpu: bool, num_cpus_per_replica: float, timeout_s: float) -> None:
+        """A placement group per replica, its actor on bundle 0 and, on GPU, a GPUHolder on
+        each other bundle; the actor is told every GPU of its group."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlserve.ray.replica import EngineReplica, GPUHolder
+
+        ray, tp = self._ray, self.tp
+        remote_replica, remote_holder = ray.remote(EngineReplica), ray.remote(GPUHolder)
+        bundles = [{"GPU": 1, "CPU": 1}] * tp if gpu else [{"CPU": num_cpus_per_replica}]
+        self.groups = [placement_group(bundles, strategy="STRICT_PACK", name=f"rlserve-replica-{i}")
+                       for i in range(self.num_replicas)]
+        ray.get([pg.ready() for pg in self.groups], timeout=timeout_s)
+        self.actors, self.holders = [], []
+        for i, pg in enumerate(self.groups):
+            def on(bundle: int):
+                return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+            actor = remote_replica.options(
+                num_cpus=1 if gpu else num_cpus_per_replica, num_gpus=1 if gpu else 0,
+                scheduling_strategy=on(0), name=f"rlserve-replica-{i}").remote(i, wire)
+            holders = [remote_holder.options(num_cpus=0, num_gpus=1, scheduling_strategy=on(b)).remote()
+                       for b in range(1, tp)] if gpu else []
+            if gpu:
+                ids = ray.get(actor.own_gpus.remote()) + [g for h in holders for g in ray.get(h.gpus.remote())]
+                ray.get(actor.set_gpus.remote(ids))
+            self.actors.append(actor)
+            self.holders.append(holders)
+
+    def _start_router(self, model: str, flags: list[str], port: int | None, timeout_s: float) -> None:
+        """Start every replica's engine, then the router on this node, attached to them."""
+        from rlserve.server.launcher import ServerProcess
+
+        self.host = get_ip()
+        outputs = [self._output_address() for _ in range(self.num_replicas)]
+        inputs = self._ray.get([a.start.remote(out) for a, out in zip(self.actors, outputs)])
+        engines = [{"input": i, "output": o} for i, o in zip(inputs, outputs)]
+        self.port = port or get_open_port()
+        log = self.log_dir / "router.log" if self.log_dir is not None else None
+        self.router = ServerProcess(model, *flags, host="0.0.0.0", port=self.port, log=log,
+                                    timeout_s=timeout_s, die_with_parent=True,
+                                    env={"RLSERVE_DP_ENGINES": json.dumps(engines)})
+        self.url = f"http://{self.host}:{self.port}"  # for rollouts, from any node
+        # The control plane answers loopback clients only (without an admin key); the
+        # router runs on this node.
+        self.control_url = f"http://127.0.0.1:{self.port}"
 
     def _output_address(self) -> str:
         return f"tcp://{self.host}:{get_open_port()}"

@@ -18,6 +18,7 @@ from rlserve import __version__
 from rlserve.config import EngineConfig
 from rlserve.engine.messages import ConflictError, EngineDeadError
 from rlserve.engine.request import EngineUnavailableError
+from rlserve.process import profiled
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.server import routes_openai
 from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
@@ -45,8 +46,29 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     """Build the app around an engine whose process is starting: the app's start-up waits
     until the model has loaded, and its shutdown stops the engine. `enable_sleep_mode`:
     /sleep, /wake_up and /is_sleeping exist without a weight-transfer backend too."""
-    serving = serving or ServingOptions()
+    metrics = ServerMetrics(config.name)
+    lifespan = _lifespan(engine, config, metrics, serving or ServingOptions(), url)
+    app = FastAPI(title="rlserve", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible rollout server for RL post-training.")
+    app.state.engine = engine
+    app.state.config = config
+    app.state.api_key = api_key
+    app.state.admin_key = admin_key
+    app.state.allow_remote_control = allow_remote_control  # see rlserve/server/security.py
+    app.state.reject_while_asleep = reject_while_asleep
+    app.state.metrics = metrics
 
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    _add_error_handlers(app)
+    _add_service_routes(app)
+    _add_routers(app, engine, config, enable_sleep_mode)
+    return app
+
+
+def _lifespan(engine: "AsyncEngine", config: EngineConfig, metrics: ServerMetrics, serving: ServingOptions,
+              url: str | None):
+    """Start-up: wait for the engine's model, then set up the two serving flows; shutdown:
+    stop the engine."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         info = await engine.start()
@@ -64,35 +86,20 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
         gc.freeze()
         if url:
             logger.info("serving %r at %s (OpenAI base URL %s/v1)", engine.model_name, url, url)
-        # RLSERVE_API_PROFILE=PATH: a cProfile of this API server's event loop, written at exit.
-        profile_path = os.environ.get("RLSERVE_API_PROFILE")
-        profiler = None
-        if profile_path:
-            import cProfile
-            profiler = cProfile.Profile()
-            profiler.enable()
+        # RLSERVE_API_PROFILE=PATH: a cProfile of this API server's event loop, written at
+        # exit to PATH.<pid>.
+        path = os.environ.get("RLSERVE_API_PROFILE")
         try:
-            yield
+            with profiled(f"{path}.{os.getpid()}" if path else None):
+                yield
         finally:
-            if profiler is not None:
-                profiler.disable()
-                profiler.dump_stats(f"{profile_path}.{os.getpid()}")
             await engine.shutdown()
 
-    app = FastAPI(title="rlserve", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible rollout server for RL post-training.")
-    metrics = ServerMetrics(config.name)
-    app.state.engine = engine
-    app.state.config = config
-    app.state.api_key = api_key
-    app.state.admin_key = admin_key
-    app.state.allow_remote_control = allow_remote_control  # see rlserve/server/security.py
-    app.state.reject_while_asleep = reject_while_asleep
-    app.state.metrics = metrics
+    return lifespan
 
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    _add_error_handlers(app)
-    _add_service_routes(app)
+
+def _add_routers(app: FastAPI, engine: "AsyncEngine", config: EngineConfig, enable_sleep_mode: bool) -> None:
+    """The OpenAI routes, and those of the features this server runs with."""
     app.include_router(routes_openai.router)
     if config.data_parallel_size > 1:
         from rlserve.server.routes_replicas import router as replicas_router
@@ -107,7 +114,6 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     elif enable_sleep_mode:
         from rlserve.server.routes_control import add_sleep_routes
         add_sleep_routes(app)
-    return app
 
 
 def _add_service_routes(app: FastAPI) -> None:

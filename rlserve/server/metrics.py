@@ -147,48 +147,8 @@ class ServerMetrics:
     # -- the collector ---------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
         labels = list(self.labels)
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=LABELS)
-            family.add_metric(labels, float(value))
-            return family
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=LABELS)
-            family.add_metric(labels, value)
-            return family
-
-        s = self.stats
-        if s is not None:
-            gauges = [
-                ("vllm:num_requests_running", "Number of requests in model execution batches.",
-                 s.num_running),
-                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                 s.num_waiting),
-                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                 s.kv_cache_usage),
-                ("rlserve_kv_cache_capacity_tokens", "Tokens the KV cache holds.",
-                 s.kv_cache_capacity_tokens),
-                ("rlserve_weight_version", "Version of the weights being served.", s.weight_version),
-                ("rlserve_is_paused", "1 while generation is paused (/pause).", s.paused),
-                ("rlserve_is_sleeping", "1 while the engine sleeps (/sleep).", s.sleeping),
-            ]
-            counters = [
-                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
-                                              "tokens.", s.prefix_cache_queries),
-                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                 s.prefix_cache_hit_tokens),
-                ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                 s.preemptions_total),
-                ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total),
-                ("vllm:generation_tokens", "Number of generation tokens processed.",
-                 s.generation_tokens_total),
-                ("rlserve_requests_aborted", "Requests aborted before they finished.", s.aborted_total),
-            ]
-            for name, doc, value in gauges:
-                yield gauge(name, doc, value)
-            for name, doc, value in counters:
-                yield counter(name, doc, value)
+        if self.stats is not None:
+            yield from _engine_families(self.stats, labels)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=(*LABELS, "finished_reason"))
         for reason, n in self.finished_samples.items():
@@ -197,12 +157,50 @@ class ServerMetrics:
         for h in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens,
                   self.params_n, self.params_max_tokens, self.update_seconds):
             yield h.family(self.labels)
-        yield counter("rlserve_client_disconnects", "Requests whose client left before the end.",
-                      self.disconnects)
+        yield _counter("rlserve_client_disconnects", "Requests whose client left before the end.",
+                       labels, self.disconnects)
         updates = CounterMetricFamily("rlserve_weight_updates", "Weight updates, by outcome.",
                                       labels=(*LABELS, "outcome"))
         for outcome, n in self.updates.items():
             updates.add_metric([*labels, outcome], n)
         yield updates
-        yield counter("rlserve_weight_update_bytes", "Bytes of weights received by updates.",
-                      self.update_bytes)
+        yield _counter("rlserve_weight_update_bytes", "Bytes of weights received by updates.",
+                       labels, self.update_bytes)
+
+
+# The engine's statistics (EngineStats) as vLLM's and rlserve's gauges and counters:
+# (metric name, help, EngineStats attribute).
+_ENGINE_GAUGES = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    ("rlserve_kv_cache_capacity_tokens", "Tokens the KV cache holds.", "kv_cache_capacity_tokens"),
+    ("rlserve_weight_version", "Version of the weights being served.", "weight_version"),
+    ("rlserve_is_paused", "1 while generation is paused (/pause).", "paused"),
+    ("rlserve_is_sleeping", "1 while the engine sleeps (/sleep).", "sleeping"),
+)
+_ENGINE_COUNTERS = (
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+     "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+     "prefix_cache_hit_tokens"),
+    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "preemptions_total"),
+    ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens_total"),
+    ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens_total"),
+    ("rlserve_requests_aborted", "Requests aborted before they finished.", "aborted_total"),
+)
+
+
+def _engine_families(stats: "EngineStats", labels: list[str]) -> Iterator[Metric]:
+    for name, doc, attr in _ENGINE_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=LABELS)
+        family.add_metric(labels, float(getattr(stats, attr)))
+        yield family
+    for name, doc, attr in _ENGINE_COUNTERS:
+        yield _counter(name, doc, labels, getattr(stats, attr))
+
+
+def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=LABELS)
+    family.add_metric(labels, value)
+    return family

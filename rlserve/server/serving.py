@@ -111,6 +111,15 @@ class Generation:
         self.changed.clear()
         self._raise_error()
 
+    async def turns(self) -> AsyncIterator[None]:
+        """A streamed response's rhythm: once now, then once each time a request changed,
+        until every request has finished; each turn the caller sends what is new."""
+        while True:
+            yield
+            if self.finished:
+                return
+            await self.wait()
+
     async def until_started(self) -> None:
         """Until every request has produced something (or ended): an invalid request
         then fails before a stream's 200 is sent."""

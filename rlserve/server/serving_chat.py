@@ -107,7 +107,7 @@ class ChatServing(OpenAIServing):
                       for index in range(body.n))
         wants_tokens = body.logprobs or body.return_token_ids
         tools = [ChoiceToolCalls(body, self.options.tool_call_parser) for _ in range(body.n)]
-        while True:
+        async for _ in generation.turns():
             version = max(version, state.weight_version)
             parts = []
             for delta in state.deltas():
@@ -122,9 +122,6 @@ class ChatServing(OpenAIServing):
                 parts.append(chunk([choice]))
             if parts:
                 yield "".join(parts)
-            if generation.finished:
-                break
-            await generation.wait()
         if body.stream_options and body.stream_options.include_usage:
             yield chunk([], usage=usage([prompt], sum(len(s.token_ids) for s in state.samples),
                                         state.num_cached_tokens))

@@ -132,7 +132,7 @@ class CompletionServing(OpenAIServing):
         offsets: dict[int, int] = {}
         wants_tokens = body.logprobs is not None or body.return_token_ids
         version = self.engine.weight_version
-        while True:
+        async for _ in generation.turns():
             parts = []
             for i, state in enumerate(generation.states):
                 version = max(version, state.weight_version)
@@ -146,9 +146,6 @@ class CompletionServing(OpenAIServing):
                                                         weight_version=version)))
             if parts:
                 yield "".join(parts)
-            if generation.finished:
-                break
-            await generation.wait()
         if body.stream_options and body.stream_options.include_usage:
             states = generation.states
             u = usage(prompts, sum(len(s.token_ids) for st in states for s in st.samples),

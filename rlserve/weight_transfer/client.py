@@ -208,7 +208,7 @@ class WeightSyncClient:
 
         With `lora_config` (PEFT's adapter_config fields), `peft_model` may instead be
         (PEFT name, tensor) pairs, e.g. a training framework's adapter state dict."""
-        from rlserve.engine.lora import canonical_peft_names, peft_adapter_tensors
+        from rlserve.model.peft import canonical_peft_names, peft_adapter_tensors
         if lora_config is not None:
             config = dict(lora_config)
             tensors = [(n, t.detach()) for n, t in canonical_peft_names(

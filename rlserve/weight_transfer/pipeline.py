@@ -177,68 +177,89 @@ def _receive_buckets(group: TransferGroup, metas: Sequence[TensorMeta], buckets:
                      staging: Sequence[torch.dtype], device: torch.device, checksum: bool
                      ) -> list[tuple[str, torch.Tensor]]:
     live = [b for b in buckets if b.nbytes]
-    lanes, dev = _Lanes(group), group.device
-    out: list[torch.Tensor | None] = [None] * len(metas)
-
-    def as_views(bucket: Bucket) -> bool:
-        return device == dev and all(staging[s.index] == metas[s.index].dtype for s in bucket.slots)
-
-    casts = [b for b in live if not b.direct and not as_views(b)]
-    free: list = [None, None]
-    used = 0
     works: list[tuple[object, str]] = []
     pending: deque = deque()
-
-    def unpack(k: int, bucket: Bucket, buf: torch.Tensor, work, slot: int | None) -> None:
-        lanes.side_waits(work, describe(k, len(live), bucket, metas))
-        with lanes.side_work():
-            if checksum:
-                checksum_into(buf, mine[k])
-            views = as_views(bucket)
-            for s in bucket.slots:
-                m = metas[s.index]
-                src = buf[s.offset: s.offset + s.nbytes].view(m.dtype).view(m.shape)
-                out[s.index] = src if views else src.to(device=device, dtype=staging[s.index], copy=True)
-            if slot is not None:
-                free[slot] = lanes.mark()
-            elif not views and lanes.side is not None:
-                buf.record_stream(lanes.side)  # freed after this function; the cast reads it first
-
     with torch.no_grad(), group.streams():
-        # Allocated here, on the group's stream: nothing queues behind the caller's work.
-        ring = [torch.empty(ring_buffer_bytes(casts), dtype=torch.uint8, device=dev)
-                for _ in range(2 if casts else 0)]
-        mine = torch.empty(len(live), dtype=torch.int64, device=dev)  # every entry is written
-        theirs = torch.empty(len(live), dtype=torch.int64, device=dev)
+        rx = _Unpacker(group, metas, live, staging, device, checksum)
         for k, bucket in enumerate(live):
-            slot = None
-            if bucket.direct or as_views(bucket):
-                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=dev)
-            else:
-                slot, used = used % 2, used + 1
-                if free[slot] is not None:  # CPU unpacks inline: nothing to wait for
-                    torch.cuda.current_stream(dev).wait_event(free[slot])
-                buf = ring[slot][: bucket.nbytes]
+            buf, slot = rx.buffer(bucket)
             work = group.broadcast(buf)
             works.append((work, describe(k, len(live), bucket, metas)))
             pending.append((k, bucket, buf, work, slot))
             # CPU: unpack bucket k while bucket k+1 arrives; CUDA: queue it all now.
-            while len(pending) > (1 if lanes.side is None else 0):
-                unpack(*pending.popleft())
+            while len(pending) > (1 if rx.lanes.side is None else 0):
+                rx.unpack(*pending.popleft())
         while pending:
-            unpack(*pending.popleft())
+            rx.unpack(*pending.popleft())
         if checksum and live:
-            works.append((group.broadcast(theirs.view(torch.uint8)), "the bucket checksums"))
+            works.append((group.broadcast(rx.theirs.view(torch.uint8)), "the bucket checksums"))
         for work, what in works:
             group.wait(work, what)
-        if lanes.side is not None:
-            lanes.side.synchronize()
-        bad = (mine != theirs).nonzero().flatten().tolist() if checksum and live else []
+        if rx.lanes.side is not None:
+            rx.lanes.side.synchronize()
+        bad = (rx.mine != rx.theirs).nonzero().flatten().tolist() if checksum and live else []
     if bad:
         first = describe(bad[0], len(live), live[bad[0]], metas)
         more = f" (and {len(bad) - 1} more bucket(s))" if len(bad) > 1 else ""
         raise group.fail(f"{first} does not match the trainer's checksum{more}: it arrived short, "
                           "long or altered; nothing was applied")
-    # Zero-byte tensors never travel.
-    return [(m.name, t if t is not None else torch.empty(m.shape, dtype=staging[k], device=device))
-            for k, (m, t) in enumerate(zip(metas, out))]
+    return rx.tensors()
+
+
+class _Unpacker:
+    """The receiving side's buffers and unpacking: a bucket whose tensors keep their dtype
+    on the group's device gets a buffer of its own, handed out as views; the others go
+    through a ring of two buffers and are cast into staging tensors. Made inside
+    `group.streams()`: its buffers are allocated on the group's stream, and nothing queues
+    behind the caller's work."""
+
+    def __init__(self, group: TransferGroup, metas: Sequence[TensorMeta], live: Sequence[Bucket],
+                 staging: Sequence[torch.dtype], device: torch.device, checksum: bool):
+        self.group, self.metas, self.live, self.staging = group, metas, live, staging
+        self.device, self.checksum = device, checksum
+        self.lanes = _Lanes(group)
+        self.out: list[torch.Tensor | None] = [None] * len(metas)
+        self.free: list = [None, None]  # per ring slot: what marks its last unpack as done
+        self.used = 0
+        casts = [b for b in live if not b.direct and not self.as_views(b)]
+        dev = group.device
+        self.ring = [torch.empty(ring_buffer_bytes(casts), dtype=torch.uint8, device=dev)
+                     for _ in range(2 if casts else 0)]
+        self.mine = torch.empty(len(live), dtype=torch.int64, device=dev)  # every entry is written
+        self.theirs = torch.empty(len(live), dtype=torch.int64, device=dev)
+
+    def as_views(self, bucket: Bucket) -> bool:
+        return self.device == self.group.device and all(
+            self.staging[s.index] == self.metas[s.index].dtype for s in bucket.slots)
+
+    def buffer(self, bucket: Bucket) -> tuple[torch.Tensor, int | None]:
+        """Where `bucket` arrives, and its ring slot (None: a buffer of its own)."""
+        dev = self.group.device
+        if bucket.direct or self.as_views(bucket):
+            return torch.empty(bucket.nbytes, dtype=torch.uint8, device=dev), None
+        slot, self.used = self.used % 2, self.used + 1
+        if self.free[slot] is not None:  # CPU unpacks inline: nothing to wait for
+            torch.cuda.current_stream(dev).wait_event(self.free[slot])
+        return self.ring[slot][: bucket.nbytes], slot
+
+    def unpack(self, k: int, bucket: Bucket, buf: torch.Tensor, work, slot: int | None) -> None:
+        lanes, metas = self.lanes, self.metas
+        lanes.side_waits(work, describe(k, len(self.live), bucket, metas))
+        with lanes.side_work():
+            if self.checksum:
+                checksum_into(buf, self.mine[k])
+            views = self.as_views(bucket)
+            for s in bucket.slots:
+                m = metas[s.index]
+                src = buf[s.offset: s.offset + s.nbytes].view(m.dtype).view(m.shape)
+                self.out[s.index] = src if views else src.to(device=self.device, dtype=self.staging[s.index],
+                                                             copy=True)
+            if slot is not None:
+                self.free[slot] = lanes.mark()
+            elif not views and lanes.side is not None:
+                buf.record_stream(lanes.side)  # freed after the receive; the cast reads it first
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        # Zero-byte tensors never travel.
+        return [(m.name, t if t is not None else torch.empty(m.shape, dtype=self.staging[k], device=self.device))
+                for k, (m, t) in enumerate(zip(self.metas, self.out))]

@@ -103,7 +103,7 @@ class UpdateInfo:
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
     weight_version: int | str | None = None
     ipc_handles: Any = None  # the ipc backend's handles, validated by ipc.IPCHandles.parse
-    # A LoRA update: the tensors are this adapter's PEFT weights (rlserve.engine.lora);
+    # A LoRA update: the tensors are this adapter's PEFT weights (rlserve.model.peft);
     # lora_config (PEFT's adapter_config fields) is required for an adapter not yet loaded.
     lora_name: str | None = None
     lora_config: Mapping[str, Any] | None = None

@@ -13,6 +13,7 @@ import torch
 from rlserve.config import EngineConfig, resolve_dtype
 from rlserve.distributed import TPGroup, tp_device, tp_group_scope
 from rlserve.model.loader import build_model
+from rlserve.model.peft import LoRAConfig, pair_tensors, peft_name
 from rlserve.sequence import SchedulerOutput
 from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -253,7 +254,6 @@ class Worker:
         """An adapter update's config, the PEFT names and full shapes it may carry (staged
         in float32: the scaling is applied on the copy), and the check that its tensors
         come in A/B pairs, made before any byte moves."""
-        from rlserve.engine.lora import LoRAConfig, pair_tensors, peft_name
         from rlserve.weight_transfer import ExpectedParam, InvalidUpdateError
         if self.lora is None:
             raise InvalidUpdateError("update_info.lora_name: this server was started without --enable-lora")
@@ -299,7 +299,6 @@ class Worker:
         if staged is None:
             raise RuntimeError("no staged weights to apply")
         if lora is not None:
-            from rlserve.engine.lora import pair_tensors
             if lora_slot is None:
                 raise RuntimeError("a staged LoRA update needs its slot")
             # A trainer's IPC views are the same list push after push: its plan is kept.
@@ -350,7 +349,6 @@ class Worker:
     # -- LoRA adapters -------------------------------------------------------------------
     def load_lora(self, tensors: list, slot: int, config: dict) -> None:
         """Put an adapter's full PEFT tensors (this rank keeps its shards) in `slot`."""
-        from rlserve.engine.lora import LoRAConfig, pair_tensors
         if self.lora is None:
             raise ValueError("LoRA is not enabled on this server (--enable-lora)")
         cfg = LoRAConfig.parse(config, "adapter_config", self.lora.max_rank)

@@ -1,0 +1,214 @@
+"""LoRA adapters in PEFT's format: their configuration, tensor names and files on disk.
+
+A PEFT adapter is a directory with `adapter_config.json` (r, lora_alpha, use_rslora,
+target_modules, rank_pattern, alpha_pattern, ...) and `adapter_model.safetensors` whose
+tensors are named `base_model.model.<HF module>.lora_A.weight` ([r, in]) and
+`...lora_B.weight` ([out, r]). Scaling is lora_alpha / r, or lora_alpha / sqrt(r) with
+use_rslora; rank_pattern / alpha_pattern override r / lora_alpha for the modules whose
+name ends with a pattern key, as PEFT matches them. This module only reads, checks and
+names them: the engine keeps its table of loaded adapters (rlserve.engine.lora), a worker
+puts the tensors in slots (rlserve.model.lora), a trainer sends them
+(rlserve.weight_transfer.client).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from rlserve.sampling_params import InvalidRequestError
+
+PEFT_PREFIX = "base_model.model."
+# ".lora_A.weight", also with PEFT's in-memory adapter name (".lora_A.default.weight")
+_PEFT_NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.[^.]+)?\.weight$")
+# Features of PEFT's LoRA that change the computation beyond y += s * B A x: refused.
+_UNSUPPORTED = {"use_dora": (False, None), "modules_to_save": (None, []), "bias": ("none", None),
+                "trainable_token_indices": (None, {}), "lora_bias": (False, None),
+                "layer_replication": (None, [])}
+
+
+def peft_name(module: str, kind: str) -> str:
+    """The canonical PEFT name of `module`'s lora_A (kind "A") or lora_B ("B") weight."""
+    return f"{PEFT_PREFIX}{module}.lora_{kind}.weight"
+
+
+def parse_peft_name(name: str) -> tuple[str, str] | None:
+    """(HF module, "A" | "B") of a PEFT LoRA tensor name, or None if it is not one."""
+    m = _PEFT_NAME.match(name.removeprefix(PEFT_PREFIX))
+    return (m["module"], m["kind"]) if m else None
+
+
+def canonical_peft_names(named: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """PEFT LoRA tensors under their canonical names (a PeftModel's named_parameters carry
+    the adapter's name, `lora_A.default.weight`); every other tensor is dropped."""
+    out = []
+    for name, value in named:
+        parsed = parse_peft_name(name)
+        if parsed is not None:
+            out.append((peft_name(*parsed), value))
+    return out
+
+
+def peft_adapter_tensors(peft_model, adapter: str | None = None) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """A PeftModel's adapter (its active one by default) as an update carries it: the
+    config's fields rlserve uses, and its LoRA tensors under their canonical PEFT names."""
+    adapter = adapter or peft_model.active_adapter
+    if adapter not in peft_model.peft_config:
+        raise ValueError(f"adapter: {adapter!r} is not one of the model's ({', '.join(peft_model.peft_config)})")
+    data = peft_model.peft_config[adapter].to_dict()
+    for key, value in data.items():  # sets (target_modules) and enums, as JSON has them
+        if isinstance(value, (set, frozenset)):
+            data[key] = sorted(value)
+    data["peft_type"] = str(getattr(data.get("peft_type"), "value", data.get("peft_type") or "LORA"))
+    config = LoRAConfig.parse(data, "lora_config", max_rank=1 << 30)
+    tensors = []
+    for name, tensor in peft_model.named_parameters():
+        m = _PEFT_NAME.match(name.removeprefix(PEFT_PREFIX))
+        # PEFT's in-memory names carry the adapter: "...lora_A.<adapter>.weight"
+        if m and name.endswith(f".lora_{m['kind']}.{adapter}.weight"):
+            tensors.append((peft_name(m["module"], m["kind"]), tensor.detach()))
+    if not tensors:
+        raise ValueError(f"adapter {adapter!r} has no LoRA tensors")
+    return config.to_wire(), tensors
+
+
+def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
+    for key, value in patterns.items():  # PEFT's get_pattern_key: the module name ends with the key
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """What rlserve uses of a PEFT LoraConfig."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+    target_modules: tuple[str, ...] | str | None = None  # informational: the tensors decide
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+
+    def rank(self, module: str) -> int:
+        return int(_pattern_value(self.rank_pattern, module, self.r))
+
+    def scaling(self, module: str) -> float:
+        r = self.rank(module)
+        alpha = float(_pattern_value(self.alpha_pattern, module, self.lora_alpha))
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    @property
+    def max_rank(self) -> int:
+        return max([self.r, *self.rank_pattern.values()])
+
+    @classmethod
+    def parse(cls, data: Any, where: str, max_rank: int) -> "LoRAConfig":
+        """From adapter_config.json (or an update's lora_config): every problem named,
+        `where` saying which input it is."""
+        if not isinstance(data, Mapping):
+            raise InvalidRequestError(f"{where}: must be a JSON object (PEFT's adapter_config)", where)
+        peft_type = data.get("peft_type", "LORA")
+        if peft_type != "LORA":
+            raise InvalidRequestError(f"{where}.peft_type: only LORA adapters are served, got {peft_type!r}", where)
+        problems = []
+        r, alpha = data.get("r"), data.get("lora_alpha", 8)  # PEFT's default alpha
+        if not (isinstance(r, int) and not isinstance(r, bool) and r >= 1):
+            problems.append(f"r must be a positive integer, got {r!r}")
+        if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and math.isfinite(alpha)):
+            problems.append(f"lora_alpha must be a number, got {alpha!r}")
+        rslora = data.get("use_rslora", False)
+        if not isinstance(rslora, bool):
+            problems.append(f"use_rslora must be true or false, got {rslora!r}")
+        targets = data.get("target_modules")
+        if not (targets is None or isinstance(targets, str)
+                or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+            problems.append(f"target_modules must be a list of names or a regex, got {targets!r}")
+        patterns = {}
+        for key, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
+            value = data.get(key) or {}
+            if not (isinstance(value, Mapping) and all(
+                    isinstance(k, str) and isinstance(v, kind) and not isinstance(v, bool) and v > 0
+                    for k, v in value.items())):
+                problems.append(f"{key} must map module names to positive numbers, got {value!r}")
+                value = {}
+            patterns[key] = dict(value)
+        for key, allowed in _UNSUPPORTED.items():
+            if key in data and data[key] not in allowed:
+                problems.append(f"{key}={data[key]!r} is not supported (LoRA's y += B A x only)")
+        if problems:
+            raise InvalidRequestError(f"{where}: " + "; ".join(problems), where)
+        config = cls(r, float(alpha), rslora, tuple(targets) if isinstance(targets, list) else targets,
+                     patterns["rank_pattern"], patterns["alpha_pattern"])
+        if config.max_rank > max_rank:
+            raise InvalidRequestError(f"{where}: rank {config.max_rank} exceeds max_lora_rank ({max_rank}); "
+                                      "start the server with a larger --max-lora-rank", where)
+        return config
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data (msgpack, JSON); `parse` reads it back."""
+        return {"r": self.r, "lora_alpha": self.lora_alpha, "use_rslora": self.use_rslora,
+                "target_modules": list(self.target_modules) if isinstance(self.target_modules, tuple)
+                else self.target_modules,
+                "rank_pattern": self.rank_pattern, "alpha_pattern": self.alpha_pattern}
+
+
+def pair_tensors(named: Iterable[tuple[str, torch.Tensor]], config: LoRAConfig, where: str
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT-named tensors -> {HF module: (A, B)}. Refuses names that are not LoRA weights,
+    a module with A but no B (or the reverse), and ranks other than the config's."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    bad = []
+    for name, tensor in named:
+        parsed = parse_peft_name(name)
+        if parsed is None:
+            bad.append(name)
+            continue
+        halves.setdefault(parsed[0], {})[parsed[1]] = tensor
+    problems = []
+    if bad:
+        problems.append(f"not LoRA weights (expected {PEFT_PREFIX}<module>.lora_A.weight / "
+                        f".lora_B.weight): {', '.join(bad[:10])}")
+    unpaired = [f"{m} has only lora_{next(iter(h))}" for m, h in halves.items() if len(h) != 2]
+    if unpaired:
+        problems.append("; ".join(unpaired[:10]))
+    pairs = {m: (h["A"], h["B"]) for m, h in halves.items() if len(h) == 2}
+    wrong_rank = [f"{m} (lora_A {list(a.shape)}, lora_B {list(b.shape)}, r={config.rank(m)})"
+                  for m, (a, b) in pairs.items()
+                  if a.dim() != 2 or b.dim() != 2 or a.shape[0] != config.rank(m) or b.shape[1] != config.rank(m)]
+    if wrong_rank:
+        problems.append(f"shapes do not match the adapter's rank: {', '.join(wrong_rank[:10])}")
+    if not pairs and not problems:
+        problems.append("no LoRA tensors")
+    if problems:
+        raise InvalidRequestError(f"{where}: " + "; ".join(problems), where)
+    return pairs
+
+
+def read_adapter(path: str, max_rank: int) -> tuple[LoRAConfig, list[tuple[str, torch.Tensor]]]:
+    """A PEFT adapter directory: its config and tensors (safetensors, or a weights-only
+    adapter_model.bin)."""
+    if not os.path.isdir(path):
+        raise InvalidRequestError(f"lora_path: {path!r} is not a directory", "lora_path")
+    config_file = os.path.join(path, "adapter_config.json")
+    try:
+        with open(config_file) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise InvalidRequestError(f"lora_path: cannot read {config_file}: {e}", "lora_path") from e
+    config = LoRAConfig.parse(data, "adapter_config", max_rank)
+    st = os.path.join(path, "adapter_model.safetensors")
+    if os.path.exists(st):
+        from safetensors.torch import load_file
+        tensors = list(load_file(st).items())
+    elif os.path.exists(os.path.join(path, "adapter_model.bin")):
+        state = torch.load(os.path.join(path, "adapter_model.bin"), map_location="cpu", weights_only=True)
+        tensors = list(state.items())
+    else:
+        raise InvalidRequestError(f"lora_path: {path} has no adapter_model.safetensors", "lora_path")
+    return config, tensors

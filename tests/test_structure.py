@@ -1,0 +1,94 @@
+"""The package's shape, as a newcomer meets it: rlserve.engine sits above rlserve.worker
+(the values they share, rlserve.sequence and rlserve.sampling_params, below both), no
+function outgrows a screen, and the README's layout names every module."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import rlserve.worker
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "rlserve"
+MAX_FUNCTION_LINES = 60
+
+_BELOW_THE_ENGINE = ["rlserve.sampling_params", "rlserve.sequence", "rlserve.config"] + [
+    f"rlserve.worker.{m.name}" for m in pkgutil.iter_modules(rlserve.worker.__path__)]
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py")
+
+
+def test_importing_the_workers_imports_no_engine_module():
+    """In a fresh interpreter, every module of rlserve.worker (and the shared values) loads
+    without loading any of rlserve.engine: the worker never reaches up."""
+    code = ("import importlib, json, sys\n"
+            f"for name in {_BELOW_THE_ENGINE!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('rlserve.engine'))))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert len(_BELOW_THE_ENGINE) > 6  # the worker package was found
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+
+
+def test_no_worker_module_imports_the_engine_even_lazily():
+    """Function-level imports count too: the worker package names no rlserve.engine module."""
+    found = []
+    for path in sorted((PACKAGE / "worker").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                      if n == "rlserve.engine" or n.startswith("rlserve.engine.")]
+    assert found == []
+
+
+def _is_triton_kernel(node: ast.FunctionDef) -> bool:
+    return any(ast.unparse(d).split("(")[0] == "triton.jit" for d in node.decorator_list)
+
+
+def test_no_function_is_longer_than_a_screen():
+    """Triton kernels (@triton.jit) excepted: they are one program each."""
+    long = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_triton_kernel(node):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, f"longer than {MAX_FUNCTION_LINES} lines (split them along their seams):\n" + "\n".join(long)
+
+
+def _readme_layout() -> set[str]:
+    """The modules README.md's "Layout" section names: under each `rlserve/...` heading,
+    the `name.py` entries (several may share a line, separated by commas)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    named, package = set(), None
+    for line in section.splitlines():
+        words = line.split()
+        if words and words[0].endswith("/"):  # a folder's heading: rlserve's or another's
+            package = words[0] if re.fullmatch(r"rlserve(/\w+)*/", words[0]) else None
+            words = words[1:]
+        if package is None:
+            continue
+        for word in words:
+            if not re.fullmatch(r"\w+\.py,?", word):
+                break
+            named.add(package + word.rstrip(","))
+    return named
+
+
+def test_the_readme_layout_names_every_module():
+    modules = {str(p.relative_to(ROOT)) for p in _modules()}
+    named = _readme_layout()
+    assert sorted(modules - named) == [], "modules the README's layout does not name"
+    assert sorted(named - modules) == [], "modules the README's layout names that do not exist"
