@@ -224,13 +224,20 @@ def bench_lora(client: WeightSyncClient, peft_model, size: int, repeats: int) ->
     print(f"{'pause-push-resume (push_lora)':>34}: median {statistics.median(cyc) * 1e3:.2f} ms, "
           f"best {min(cyc) * 1e3:.2f} ms")
     # What push_lora does before it starts the clock: pick the adapter's tensors out of the model.
-    from rlserve.engine.lora import peft_adapter_tensors
+    from rlserve.model.peft import peft_adapter_tensors
     prep = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         peft_adapter_tensors(peft_model)
         prep.append(time.perf_counter() - t0)
     print(f"{'reading the PEFT model (trainer)':>34}: median {statistics.median(prep) * 1e3:.2f} ms")
+    # The floor under any control call: HTTP to the API server, a call to the engine and back.
+    rtt = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        client.session.get(f"{client.urls[0]}/is_paused", timeout=30).raise_for_status()
+        rtt.append(time.perf_counter() - t0)
+    print(f"{'control round trip (/is_paused)':>34}: median {statistics.median(rtt) * 1e3:.2f} ms")
 
 
 def bench_ipc(client: WeightSyncClient, tensors, size: int, repeats: int) -> None:

@@ -104,3 +104,29 @@ def test_triton_matches_reference(dtype, num_tokens, k, slices, num_slots, rank)
     tol = dict(rtol=2e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got.float(), expected.float(), **tol)
 
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scales", [[2.0, 0.5, 0.375], [2.0, 0.37, 1 / 3]])
+def test_slot_load_rounds_scaled_b_once(device, src_dtype, scales):
+    """B lands in the slot as (B * scaling) computed in float32 and rounded once into the
+    slot's dtype, whichever dtype the trainer sent and whatever the scaling."""
+    from rlserve.model.lora import LoadPlan, LoRAContext, LoRAModel, _exact_in_place
+    gen = torch.Generator().manual_seed(7)
+    b_src = [torch.randn(shape, generator=gen).to(src_dtype).to(device) for shape in [(64, 8), (48, 16), (32, 4)]]
+    a_src = [torch.randn(8, 40, generator=gen).to(src_dtype).to(device)]
+    b_dst = [torch.full(b.shape, float("nan"), dtype=torch.bfloat16, device=device) for b in b_src]
+    a_dst = [torch.empty(8, 40, dtype=torch.bfloat16, device=device)]
+    slot = torch.ones(4, 4, dtype=torch.bfloat16, device=device)
+    in_place = _exact_in_place(b_dst, b_src, scales)
+    assert in_place == (src_dtype == torch.bfloat16 and scales[1] == 0.5)
+    LoRAModel({}, LoRAContext(), 1, 16).run(LoadPlan([slot], a_dst, a_src, b_dst, b_src, scales, in_place))
+    assert not slot.any()
+    assert torch.equal(a_dst[0], a_src[0].to(torch.bfloat16))
+    for dst, src, s in zip(b_dst, b_src, scales):
+        assert torch.equal(dst, (src.float() * s).to(torch.bfloat16))

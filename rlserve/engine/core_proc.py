@@ -70,6 +70,7 @@ class EngineCoreProc:
         self.waits: list[UtilityCall] = []  # pause(wait) calls, answered once they hold
         self.input_address = input_address
         self.transfer: UtilityCall | None = None  # the weight-transfer call under way, if any
+        self.transfer_backend: str | None = None  # the group's, once formed
         self.stopping = False
 
     # -- output ------------------------------------------------------------------------
@@ -234,6 +235,7 @@ class EngineCoreProc:
             except Exception as e:
                 self._fail_call(call, e)
             else:
+                self.transfer_backend = backend
                 self._reply(call)
             finally:
                 if self.transfer is call:
@@ -260,6 +262,11 @@ class EngineCoreProc:
             except InvalidRequestError as e:
                 refusal = e
         self.transfer = call
+        if refusal is None and self.transfer_backend == "ipc":
+            # An IPC receive opens handles to the trainer's memory and waits on nobody: done
+            # here, between two steps, it saves a thread and a message on every push.
+            self._receive(call, update_info, version, lora, inline=True)
+            return _DEFERRED
         threading.Thread(target=self._receive if refusal is None else self._refuse,
                          args=(call, update_info, version, lora) if refusal is None else
                          (call, update_info, refusal),
@@ -277,7 +284,9 @@ class EngineCoreProc:
             self._fail_call(call, refusal)
 
     def _receive(self, call: UtilityCall, update_info: dict, version: int | None,
-                 lora: list | None = None) -> None:
+                 lora: list | None = None, inline: bool = False) -> None:
+        """Receive into staging, then apply between two steps: at once when `inline` (this
+        is the loop's thread), else through the loop's input like any other message."""
         t0 = time.perf_counter()
         try:
             extra = () if lora is None else (lora[1],)
@@ -290,9 +299,11 @@ class EngineCoreProc:
             finally:
                 self._fail_call(call, e)
             return
-        # Applied between two steps: the loop reads this like any other message.
-        apply = UtilityCall(call.call_id, "apply_update",
-                            [version, sizes[0], time.perf_counter() - t0, lora], call.client)
+        args = [version, sizes[0], time.perf_counter() - t0, lora]
+        if inline:
+            self._call(UtilityCall(call.call_id, "apply_update", args, call.client))
+            return
+        apply = UtilityCall(call.call_id, "apply_update", args, call.client)
         sock = self.ctx.socket(zmq.PUSH)
         sock.connect(self.input_address)
         sock.send(msgspec.msgpack.encode(apply))

@@ -130,7 +130,7 @@ class LoRAModel:
             plan.b_dst.append(t.layer.b[slot, offset:offset + size, :rank])
             plan.b_src.append(b)
             plan.b_scales.append(scaling(module))
-        return plan
+        return plan._replace(b_in_place=_exact_in_place(plan.b_dst, plan.b_src, plan.b_scales))
 
     @torch.no_grad()
     def run(self, plan: "LoadPlan") -> None:
@@ -141,8 +141,11 @@ class LoRAModel:
         if not plan.a_dst:
             return
         torch._foreach_copy_(plan.a_dst, plan.a_src)
-        scaled = torch._foreach_mul([b.float() for b in plan.b_src], plan.b_scales)
-        torch._foreach_copy_(plan.b_dst, scaled)
+        if plan.b_in_place:
+            torch._foreach_copy_(plan.b_dst, plan.b_src)
+            torch._foreach_mul_(plan.b_dst, plan.b_scales)
+        else:
+            torch._foreach_copy_(plan.b_dst, torch._foreach_mul([b.float() for b in plan.b_src], plan.b_scales))
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
@@ -158,6 +161,15 @@ class LoadPlan(NamedTuple):
     b_dst: list[torch.Tensor]
     b_src: list[torch.Tensor]
     b_scales: list[float]
+    # B copied as it is, then scaled in place: the same bits as scaling in float32 and
+    # rounding once, when the dtypes match and every scaling is exact in that dtype (alpha / r
+    # is usually a power of two). Else each B is scaled in float32 before its one cast.
+    b_in_place: bool = False
+
+
+def _exact_in_place(dst: list[torch.Tensor], src: list[torch.Tensor], scales: list[float]) -> bool:
+    return (all(d.dtype == s.dtype for d, s in zip(dst, src))
+            and all(torch.tensor(x, dtype=t).item() == x for t, x in {(d.dtype, x) for d, x in zip(dst, scales)}))
 
 
 def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> LoRAModel:

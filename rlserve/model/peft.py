@@ -68,6 +68,8 @@ def peft_adapter_tensors(peft_model, adapter: str | None = None) -> tuple[dict[s
     config = LoRAConfig.parse(data, "lora_config", max_rank=1 << 30)
     tensors = []
     for name, tensor in peft_model.named_parameters():
+        if ".lora_" not in name:  # the base model's weights: most of the walk
+            continue
         m = _PEFT_NAME.match(name.removeprefix(PEFT_PREFIX))
         # PEFT's in-memory names carry the adapter: "...lora_A.<adapter>.weight"
         if m and name.endswith(f".lora_{m['kind']}.{adapter}.weight"):

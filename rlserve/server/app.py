@@ -101,6 +101,7 @@ def _lifespan(engine: "AsyncEngine", config: EngineConfig, metrics: ServerMetric
 def _add_routers(app: FastAPI, engine: "AsyncEngine", config: EngineConfig, enable_sleep_mode: bool) -> None:
     """The OpenAI routes, and those of the features this server runs with."""
     app.include_router(routes_openai.router)
+    app.include_router(routes_openai.generation)
     if config.data_parallel_size > 1:
         from rlserve.server.routes_replicas import router as replicas_router
         app.include_router(replicas_router)
@@ -224,6 +225,12 @@ def _limit_max_tokens_in_schema(app: FastAPI, max_model_len: int) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version,
                                  description=app.description, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for body in routes_openai.BODY_MODELS:
+                found = body.model_json_schema(ref_template="#/components/schemas/{model}")
+                for name, sub in found.pop("$defs", {}).items():
+                    components.setdefault(name, sub)
+                components.setdefault(body.__name__, found)
             for model in schema.get("components", {}).get("schemas", {}).values():
                 for name, prop in model.get("properties", {}).items():
                     if name in ("max_tokens", "max_completion_tokens"):
