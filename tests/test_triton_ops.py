@@ -7,6 +7,7 @@ on CPU tensors through Triton's interpreter instead (slow, so shapes stay small)
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from types import SimpleNamespace
@@ -504,7 +505,7 @@ def _attention_layer(qk_norm: bool, dtype: torch.dtype, gen: torch.Generator):
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_llama_attention_fused_and_separate_paths_agree(monkeypatch, qk_norm):
+def test_llama_attention_fused_and_separate_paths_agree(qk_norm):
     """The layer's output and cache are the same whether the rotary kernel stores or not."""
     from rlserve.model import layers
     from rlserve.model.layers import AttentionMetadata
@@ -524,14 +525,15 @@ def test_llama_attention_fused_and_separate_paths_agree(monkeypatch, qk_norm):
         block_tables=block_tables.to(DEVICE), max_query_len=5, max_seq_len=5)
     hidden = torch.randn(8, 128, generator=gen).to(DEVICE, dtype)
 
+    from rlserve.ops.kernels import _triton, bind
     separate_stores = []
-    store_kv_cache = layers.ops.store_kv_cache
-    monkeypatch.setattr(layers.ops, "store_kv_cache",
-                        lambda *args: separate_stores.append(1) or store_kv_cache(*args))
+    triton = _triton()
+    counting = dataclasses.replace(triton, store_kv_cache=lambda *args: separate_stores.append(1)
+                                   or triton.store_kv_cache(*args))
     results = {}
     for fused in (True, False):
-        # Forced both ways, so the interpreter on CPU runs the fused kernel too.
-        monkeypatch.setattr(layers.ops, "fused_rope_available", lambda q, fused=fused: fused)
+        # Without the rotary kernel the layer rotates in torch and stores separately.
+        bind(layer, counting if fused else dataclasses.replace(counting, rope=None))
         kc, vc = (_nan_cache(block_size, 2, 64, dtype) for _ in range(2))
         layer.attn.k_cache, layer.attn.v_cache = kc, vc
         assert layers.fuse_rope_and_store(hidden, layer.attn) is fused
