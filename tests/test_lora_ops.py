@@ -112,7 +112,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("scales", [[2.0, 0.5, 0.375], [2.0, 0.37, 1 / 3]])
+@pytest.mark.parametrize("scales", [[2.0, 0.5, 0.25], [2.0, 0.5, 0.375], [2.0, 0.37, 1 / 3]])
 def test_slot_load_rounds_scaled_b_once(device, src_dtype, scales):
     """B lands in the slot as (B * scaling) computed in float32 and rounded once into the
     slot's dtype, whichever dtype the trainer sent and whatever the scaling."""
@@ -124,7 +124,7 @@ def test_slot_load_rounds_scaled_b_once(device, src_dtype, scales):
     a_dst = [torch.empty(8, 40, dtype=torch.bfloat16, device=device)]
     slot = torch.ones(4, 4, dtype=torch.bfloat16, device=device)
     in_place = _exact_in_place(b_dst, b_src, scales)
-    assert in_place == (src_dtype == torch.bfloat16 and scales[1] == 0.5)
+    assert in_place == (scales[2] == 0.25 or (src_dtype == torch.bfloat16 and scales[1] == 0.5))
     LoRAModel({}, LoRAContext(), 1, 16).run(LoadPlan([slot], a_dst, a_src, b_dst, b_src, scales, in_place))
     assert not slot.any()
     assert torch.equal(a_dst[0], a_src[0].to(torch.bfloat16))

@@ -115,10 +115,13 @@ class BlockPool:
         return cid
 
     def reset_hashes(self) -> None:
+        # Only registered blocks carry a key (each is its key's entry in `cached`): the
+        # cost is the cache's size, not the pool's (tens of thousands of blocks on a GPU).
+        for block in self.cached.values():
+            self.block_hash[block] = None
+            self.block_tokens[block] = None
+            self.content_id[block] = 0
         self.cached.clear()
-        self.block_hash = [None] * self.num_blocks
-        self.block_tokens = [None] * self.num_blocks
-        self.content_id = [0] * self.num_blocks
 
 
 class BlockTables:

@@ -20,6 +20,7 @@ A rank below max_rank leaves the rest of the slot's rows zero.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping, NamedTuple
 
 import torch
@@ -161,13 +162,16 @@ class LoadPlan(NamedTuple):
     b_dst: list[torch.Tensor]
     b_src: list[torch.Tensor]
     b_scales: list[float]
-    # B copied as it is, then scaled in place: the same bits as scaling in float32 and
-    # rounding once, when the dtypes match and every scaling is exact in that dtype (alpha / r
-    # is usually a power of two). Else each B is scaled in float32 before its one cast.
+    # B copied as it is (cast to the slot's dtype), then scaled in place: the same bits as
+    # scaling in float32 and rounding once when every scaling is a power of two (alpha / r
+    # usually is: scaling commutes with rounding), or when the dtypes match and every
+    # scaling is exact in that dtype. Else each B is scaled in float32 before its one cast.
     b_in_place: bool = False
 
 
 def _exact_in_place(dst: list[torch.Tensor], src: list[torch.Tensor], scales: list[float]) -> bool:
+    if all(x > 0 and math.frexp(x)[0] == 0.5 for x in set(scales)):
+        return True
     return (all(d.dtype == s.dtype for d, s in zip(dst, src))
             and all(torch.tensor(x, dtype=t).item() == x for t, x in {(d.dtype, x) for d, x in zip(dst, scales)}))
 
