@@ -130,3 +130,15 @@ def test_slot_load_rounds_scaled_b_once(device, src_dtype, scales):
     assert torch.equal(a_dst[0], a_src[0].to(torch.bfloat16))
     for dst, src, s in zip(b_dst, b_src, scales):
         assert torch.equal(dst, (src.float() * s).to(torch.bfloat16))
+
+
+def test_slot_load_into_float16_from_float32_scales_before_the_cast():
+    """float16's subnormals start at 6e-5: a small B rounded first and scaled after would
+    differ from scaling first, so that load takes the float32 path."""
+    from rlserve.model.lora import LoadPlan, LoRAContext, LoRAModel, _exact_in_place
+    b_src = [torch.tensor([[3.0001e-5, 1.0e-6], [0.1234567, -2.5e-5]])]
+    b_dst = [torch.empty(2, 2, dtype=torch.float16)]
+    a_src, a_dst = [torch.ones(2, 3)], [torch.empty(2, 3, dtype=torch.float16)]
+    assert not _exact_in_place(b_dst, b_src, [2.0])
+    LoRAModel({}, LoRAContext(), 1, 2).run(LoadPlan([torch.ones(1)], a_dst, a_src, b_dst, b_src, [2.0], False))
+    assert torch.equal(b_dst[0], (b_src[0] * 2.0).to(torch.float16))

@@ -162,18 +162,21 @@ class LoadPlan(NamedTuple):
     b_dst: list[torch.Tensor]
     b_src: list[torch.Tensor]
     b_scales: list[float]
-    # B copied as it is (cast to the slot's dtype), then scaled in place: the same bits as
-    # scaling in float32 and rounding once when every scaling is a power of two (alpha / r
-    # usually is: scaling commutes with rounding), or when the dtypes match and every
-    # scaling is exact in that dtype. Else each B is scaled in float32 before its one cast.
+    # B copied as it is (cast to the slot's dtype), then scaled in place: see _exact_in_place.
     b_in_place: bool = False
 
 
 def _exact_in_place(dst: list[torch.Tensor], src: list[torch.Tensor], scales: list[float]) -> bool:
-    if all(x > 0 and math.frexp(x)[0] == 0.5 for x in set(scales)):
-        return True
-    return (all(d.dtype == s.dtype for d, s in zip(dst, src))
-            and all(torch.tensor(x, dtype=t).item() == x for t, x in {(d.dtype, x) for d, x in zip(dst, scales)}))
+    """Whether copying B into the slot and then scaling it there gives the bits of scaling
+    in float32 and rounding once. Same dtype: when every scaling is exact in it (the product
+    is computed in float32 and rounded once). A cast into bfloat16: when every scaling is a
+    power of two (alpha / r usually is), which commutes with rounding because bfloat16 has
+    float32's exponent range (values below 2^-125 aside, where the two differ by a unit of
+    ~1e-38). Not into float16, whose subnormals start at 6e-5."""
+    if all(d.dtype == s.dtype for d, s in zip(dst, src)):
+        return all(torch.tensor(x, dtype=t).item() == x for t, x in {(d.dtype, x) for d, x in zip(dst, scales)})
+    return (all(d.dtype == torch.bfloat16 for d in dst)
+            and all(x > 0 and math.frexp(x)[0] == 0.5 for x in set(scales)))
 
 
 def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> LoRAModel:
