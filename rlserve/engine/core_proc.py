@@ -70,7 +70,6 @@ class EngineCoreProc:
         self.waits: list[UtilityCall] = []  # pause(wait) calls, answered once they hold
         self.input_address = input_address
         self.transfer: UtilityCall | None = None  # the weight-transfer call under way, if any
-        self.transfer_backend: str | None = None  # the group's, once formed
         self.stopping = False
 
     # -- output ------------------------------------------------------------------------
@@ -235,7 +234,6 @@ class EngineCoreProc:
             except Exception as e:
                 self._fail_call(call, e)
             else:
-                self.transfer_backend = backend
                 self._reply(call)
             finally:
                 if self.transfer is call:
@@ -262,7 +260,8 @@ class EngineCoreProc:
             except InvalidRequestError as e:
                 refusal = e
         self.transfer = call
-        if refusal is None and self.transfer_backend == "ipc":
+        transfer = self.core.config.weight_transfer
+        if refusal is None and transfer is not None and transfer.backend == "ipc":
             # An IPC receive opens handles to the trainer's memory and waits on nobody: done
             # here, between two steps, it saves a thread and a message on every push.
             self._receive(call, update_info, version, lora, inline=True)
@@ -299,11 +298,11 @@ class EngineCoreProc:
             finally:
                 self._fail_call(call, e)
             return
-        args = [version, sizes[0], time.perf_counter() - t0, lora]
+        apply = UtilityCall(call.call_id, "apply_update",
+                            [version, sizes[0], time.perf_counter() - t0, lora], call.client)
         if inline:
-            self._call(UtilityCall(call.call_id, "apply_update", args, call.client))
+            self._call(apply)
             return
-        apply = UtilityCall(call.call_id, "apply_update", args, call.client)
         sock = self.ctx.socket(zmq.PUSH)
         sock.connect(self.input_address)
         sock.send(msgspec.msgpack.encode(apply))

@@ -117,7 +117,7 @@ class LoRAModel:
             if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
                 raise ValueError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not "
                                  f"match the model (expected {list(want_a)} and {list(want_b)})")
-        plan = LoadPlan([t for layer in self.layers for t in (layer.a[slot], layer.b[slot])], [], [], [], [], [])
+        plan = LoadPlan(self._slot(slot), [], [], [], [], [])
         for module, (a, b) in pairs.items():
             t = self.targets[module]
             rank = a.shape[0]
@@ -150,7 +150,11 @@ class LoRAModel:
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
-        torch._foreach_zero_([t for layer in self.layers for t in (layer.a[slot], layer.b[slot])])
+        torch._foreach_zero_(self._slot(slot))
+
+    def _slot(self, slot: int) -> list[torch.Tensor]:
+        """Every layer's A and B of `slot`."""
+        return [t for layer in self.layers for t in (layer.a[slot], layer.b[slot])]
 
 
 class LoadPlan(NamedTuple):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from typing import Any, Awaitable, TypeVar
+from typing import Any, Awaitable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,7 +45,6 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 router = APIRouter(dependencies=[Depends(require_api_key)], responses=ERRORS)
 
-Body = TypeVar("Body", bound=BaseModel)
 # Bodies the routes parse themselves: the app's schema publishes them as components.
 BODY_MODELS: list[type[BaseModel]] = []
 
@@ -76,28 +75,27 @@ generation = APIRouter(responses=ERRORS)
                  openapi_extra=json_body(CompletionRequest),
                  responses={200: {"content": {"text/event-stream": {}}}})
 async def create_completion(request: Request) -> Response:
-    arrival = time.monotonic()
-    body = await _admit(request, CompletionRequest)
-    return await _until_disconnect(request, request.app.state.completions.create(body, arrival))
+    return await _generate(request, CompletionRequest, request.app.state.completions)
 
 
 @generation.post("/v1/chat/completions", response_model=ChatCompletionResponse,
                  openapi_extra=json_body(ChatCompletionRequest),
                  responses={200: {"content": {"text/event-stream": {}}}})
 async def create_chat_completion(request: Request) -> Response:
+    return await _generate(request, ChatCompletionRequest, request.app.state.chat)
+
+
+async def _generate(request: Request, model: type[BaseModel], serving) -> Response:
+    """The checks the other routes get as dependencies, the body validated as `model`, then
+    `serving` answers it (cancelled if the client leaves first)."""
     arrival = time.monotonic()
-    body = await _admit(request, ChatCompletionRequest)
-    return await _until_disconnect(request, request.app.state.chat.create(body, arrival))
-
-
-async def _admit(request: Request, model: type[Body]) -> Body:
-    """The checks the other routes get as dependencies, then the body, validated."""
     await require_api_key(request)
     await require_awake(request)
     try:
-        return model.model_validate_json(await request.body())
+        body = model.model_validate_json(await request.body())
     except ValidationError as e:
         raise RequestValidationError(e.errors(include_url=False)) from None
+    return await _until_disconnect(request, serving.create(body, arrival))
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)

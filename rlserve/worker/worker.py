@@ -302,10 +302,13 @@ class Worker:
             if lora_slot is None:
                 raise RuntimeError("a staged LoRA update needs its slot")
             # A trainer's IPC views are the same list push after push: its plan is kept.
+            # Staging buffers (gloo, NCCL) are new each time, and not kept alive by a plan.
             cached = self._lora_plans.get(lora_slot)
             if cached is None or cached[0] is not staged or cached[1] != lora:
-                plan = self.lora.plan(lora_slot, pair_tensors(staged, lora, "update_info"), lora.scaling)
-                cached = self._lora_plans[lora_slot] = (staged, lora, plan)
+                cached = (staged, lora, self.lora.plan(lora_slot, pair_tensors(staged, lora, "update_info"),
+                                                       lora.scaling))
+                if self.ipc_receiver is not None:
+                    self._lora_plans[lora_slot] = cached
             self.lora.run(cached[2])
             if self.device.type == "cuda":  # done reading staging (or the trainer's memory)
                 torch.cuda.current_stream(self.device).synchronize()
