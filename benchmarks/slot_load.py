@@ -5,8 +5,9 @@ push's apply does. Each variant is timed with a device sync, median of 20 after 
     python benchmarks/slot_load.py                 # H200
     python benchmarks/slot_load.py --device cpu    # runs anywhere, slowly
 
-Variants: `LoRAModel.run` with the kept plan (the slot cleared, A copied, B copied and scaled
-in place when that gives the same bits), and the previous copies (each B through a float32
+Variants: `LoRAModel.run` with the kept plan (A copied, B copied and scaled in place when that
+gives the same bits; nothing cleared, as the adapter covers its slot), the same after clearing
+the whole slot (as loads did before), and the earlier copies (each B through a float32
 temporary; without the clearing).
 """
 
@@ -54,11 +55,12 @@ def main() -> None:
         a_src, b_src = tensors(A_SHAPES, src_dtype, args.device), tensors(B_SHAPES, src_dtype, args.device)
         a_dst, b_dst = tensors(A_SHAPES, torch.bfloat16, args.device), tensors(B_SHAPES, torch.bfloat16, args.device)
         scales = [args.scaling] * len(b_src)
-        slot = [torch.empty_like(t) for t in a_dst + b_dst]  # what the load clears first: the slot
-        plan = LoadPlan(slot, a_dst, a_src, b_dst, b_src, scales, _exact_in_place(b_dst, b_src, scales))
+        plan = LoadPlan([], a_dst, a_src, b_dst, b_src, scales, _exact_in_place(b_dst, b_src, scales))
+        cleared = plan._replace(zero=[torch.empty_like(t) for t in a_dst + b_dst])
         model = LoRAModel({}, LoRAContext(), 1, RANK)
         print(f"-- trainer tensors in {src_dtype}, scaling {args.scaling} (in place: {plan.b_in_place})")
         timed("LoRAModel.run (the kept plan)", lambda: model.run(plan), args.device)
+        timed("the slot cleared first", lambda: model.run(cleared), args.device)
         timed("each B through a float32 temporary", lambda: (
             torch._foreach_copy_(a_dst, a_src),
             torch._foreach_copy_(b_dst, torch._foreach_mul([b.float() for b in b_src], scales))), args.device)

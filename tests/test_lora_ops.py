@@ -142,3 +142,44 @@ def test_slot_load_into_float16_from_float32_scales_before_the_cast():
     assert not _exact_in_place(b_dst, b_src, [2.0])
     LoRAModel({}, LoRAContext(), 1, 2).run(LoadPlan([torch.ones(1)], a_dst, a_src, b_dst, b_src, [2.0], False))
     assert torch.equal(b_dst[0], (b_src[0] * 2.0).to(torch.float16))
+
+
+def test_slot_load_clears_what_its_copies_leave():
+    """Loading into a used slot leaves exactly the new adapter there (modules it lacks and
+    rows past its ranks zero), and an adapter on every module at the full rank clears nothing
+    before its copies."""
+    from transformers import Qwen3Config
+    from rlserve.model.llama import Qwen3ForCausalLM
+    from rlserve.model.lora import attach_lora
+    config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    lora = attach_lora(Qwen3ForCausalLM(config), max_loras=2, max_rank=8)
+    gen = torch.Generator().manual_seed(3)
+
+    def adapter(modules, rank_of):
+        pairs = {}
+        for m in modules:
+            shape_a, shape_b = lora.module_shapes(m, rank_of(m))
+            pairs[m] = (torch.randn(shape_a, generator=gen), torch.randn(shape_b, generator=gen))
+        return pairs
+
+    full = adapter(list(lora.targets), lambda m: 8)
+    full_plan = lora.plan(1, full, lambda m: 1.0)
+    assert full_plan.zero == []
+    lora.run(full_plan)
+    lora.load(0, full, lambda m: 1.0)  # slot 0 now full of the old adapter
+    partial = adapter([m for m in lora.targets if m.endswith(("q_proj", "down_proj"))],
+                      lambda m: 4 if "q_proj" in m else 2)
+    lora.load(0, partial, lambda m: 0.5)
+    for m, t in lora.targets.items():
+        offset, size = t.layer.slices[t.index]
+        a, b = t.layer.a[0, t.index], t.layer.b[0, offset:offset + size]
+        if m not in partial:
+            assert not a.any() and not b.any(), m
+            continue
+        r = partial[m][0].shape[0]
+        assert torch.equal(a[:r], partial[m][0]) and not a[r:].any(), m
+        assert torch.equal(b[:, :r], partial[m][1] * 0.5) and not b[:, r:].any(), m
+    for m, t in lora.targets.items():  # the other slot is untouched
+        offset, size = t.layer.slices[t.index]
+        assert torch.equal(t.layer.a[1, t.index], full[m][0]), m

@@ -117,10 +117,12 @@ class LoRAModel:
             if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
                 raise ValueError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not "
                                  f"match the model (expected {list(want_a)} and {list(want_b)})")
-        plan = LoadPlan(self._slot(slot), [], [], [], [], [])
+        plan = LoadPlan([], [], [], [], [], [])
+        ranks: dict[tuple[int, int], int] = {}  # (layer, slice) -> the rank its copies fill
         for module, (a, b) in pairs.items():
             t = self.targets[module]
             rank = a.shape[0]
+            ranks[id(t.layer), t.index] = rank
             if t.a_shard is not None:
                 a = a.narrow(1, t.a_shard.start, t.a_shard.size)
             if t.b_shard is not None:
@@ -131,14 +133,30 @@ class LoRAModel:
             plan.b_dst.append(t.layer.b[slot, offset:offset + size, :rank])
             plan.b_src.append(b)
             plan.b_scales.append(scaling(module))
+        plan.zero.extend(self._uncovered(slot, ranks))
         return plan._replace(b_in_place=_exact_in_place(plan.b_dst, plan.b_src, plan.b_scales))
+
+    def _uncovered(self, slot: int, ranks: Mapping[tuple[int, int], int]) -> list[torch.Tensor]:
+        """The parts of `slot` a load's copies leave (slices it has no module for, rows
+        past each module's rank), which it clears: the copies and these cover the slot once.
+        An adapter on every module at the full rank leaves nothing, so a push clears nothing."""
+        out = []
+        for layer in self.layers:
+            for i, (offset, size) in enumerate(layer.slices):
+                rank = ranks.get((id(layer), i), 0)
+                if rank < self.max_rank:
+                    out.append(layer.a[slot, i, rank:])
+                    out.append(layer.b[slot, offset:offset + size, rank:])
+        return out
 
     @torch.no_grad()
     def run(self, plan: "LoadPlan") -> None:
-        """Clear the slot, copy A, copy B times its scaling (a float32 product, rounded once
-        into the layer's dtype). Multi-tensor ops: a handful of launches for the hundreds of
-        small tensors an adapter has, where one copy each made the host the bottleneck."""
-        torch._foreach_zero_(plan.zero)
+        """Clear what of the slot the copies leave, copy A, copy B times its scaling (a
+        float32 product, rounded once into the layer's dtype). Multi-tensor ops: a handful
+        of launches for the hundreds of small tensors an adapter has, where one copy each
+        made the host the bottleneck."""
+        if plan.zero:
+            torch._foreach_zero_(plan.zero)
         if not plan.a_dst:
             return
         torch._foreach_copy_(plan.a_dst, plan.a_src)
@@ -160,7 +178,7 @@ class LoRAModel:
 class LoadPlan(NamedTuple):
     """The copies that put one adapter in one slot (LoRAModel.plan)."""
 
-    zero: list[torch.Tensor]  # the slot's A and B of every layer
+    zero: list[torch.Tensor]  # what of the slot the copies leave (LoRAModel._uncovered)
     a_dst: list[torch.Tensor]
     a_src: list[torch.Tensor]
     b_dst: list[torch.Tensor]
