@@ -157,6 +157,10 @@ class StepHandle:
     requests: list = field(default_factory=list)  # the Request of each sample_requests item
     # launch(sample=False): the sampling rows' logits and parameters, until `sample`
     pending: tuple[torch.Tensor, S.SamplingBatch] | None = None
+    # The results on their way to page-locked host memory (`sampled` and `prompt` with host
+    # tensors), and the event that marks their arrival; None where they are on the host.
+    copied: tuple[S.SamplerOutput | None, dict] | None = None
+    ready: torch.cuda.Event | None = None
 
     def row_of(self) -> dict[str, int]:
         return {item.request.request_id: i for i, item in enumerate(self.sample_requests)}
@@ -685,7 +689,30 @@ class ModelRunner:
             lp = S.raw_logprobs(logits[first:first + len(targets)])
             prompt[rid] = (targets, k, S.logprob_stats(lp, torch.tensor(targets, device=lp.device), k))
             prompt_start[rid] = req.num_computed_tokens
-        return StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests, pending)
+        handle = StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests, pending)
+        if pending is None:
+            self._copy_out(handle)
+        return handle
+
+    def _copy_out(self, handle: StepHandle) -> None:
+        """Queue the copy of the step's results to the host right behind the step itself.
+        `collect` then waits for this step alone: a plain `.tolist()` would queue its copy
+        behind the next step, already launched by then, and the device would sit idle
+        while the host turned that wait into the step after."""
+        if self.device.type != "cuda":
+            return
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to("cpu", non_blocking=True)  # page-locked
+
+        out = handle.sampled
+        if out is not None:
+            out = S.SamplerOutput(*map(host, (out.token_ids, out.logprobs, out.ranks, out.top_ids,
+                                              out.top_logprobs)))
+        prompt = {rid: (targets, k, tuple(map(host, stats))) for rid, (targets, k, stats) in handle.prompt.items()}
+        handle.copied = (out, prompt)
+        handle.ready = torch.cuda.Event()
+        handle.ready.record()
 
     @torch.inference_mode()
     def sample(self, handle: StepHandle, token_bitmask: torch.Tensor | np.ndarray | None = None) -> None:
@@ -705,16 +732,21 @@ class ModelRunner:
                 batch = dataclasses.replace(batch, token_bitmask=mask_t,
                                             token_bitmask_rows=None if rows.size == mask.shape[0] else rows_t)
         handle.sampled = S.sample(logits, batch, self.kernels.sample)
+        self._copy_out(handle)
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Bring a launched step's results to the host: the one sync of a step."""
         token_ids: list[int] = []
         logprobs: list[TokenLogprob | None] = []
-        if handle.sampled is not None:
-            token_ids = handle.sampled.token_ids.tolist()
-            logprobs = self._to_logprobs(handle.sampled, token_ids, handle.sample_requests)
+        sampled, prompt = handle.sampled, handle.prompt
+        if handle.ready is not None:
+            handle.ready.synchronize()
+            sampled, prompt = handle.copied
+        if sampled is not None:
+            token_ids = sampled.token_ids.tolist()
+            logprobs = self._to_logprobs(sampled, token_ids, handle.sample_requests)
         prompt_lps = {rid: self._pack_logprobs(targets, *stats, [k] * len(targets))
-                      for rid, (targets, k, stats) in handle.prompt.items()}
+                      for rid, (targets, k, stats) in prompt.items()}
         return ModelRunnerOutput(handle.sample_requests, token_ids, logprobs, prompt_lps)
 
     def execute(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
