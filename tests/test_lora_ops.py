@@ -87,8 +87,10 @@ def test_reference_reads_slot_starts_without_host_segments():
     (1, 64, [(0, 64)], 1, 8),
     (37, 96, [(0, 64), (64, 32), (96, 32)], 4, 16),  # fused qkv, unequal widths
     (70, 160, [(0, 200), (200, 200)], 3, 8),  # gate_up: more columns than one tile
+    (40, 1100, [(0, 48)], 2, 16),  # `in` split over several programs, the last split short
 ])
-def test_triton_matches_reference(dtype, num_tokens, k, slices, num_slots, rank):
+@pytest.mark.parametrize("max_split_k", [1, 8])
+def test_triton_matches_reference(dtype, num_tokens, k, slices, num_slots, rank, max_split_k):
     from rlserve.ops.triton_lora import lora_shrink_expand
     gen = torch.Generator().manual_seed(num_tokens)
     x, y, a, b, slots = _case(gen, num_tokens, k, slices, num_slots, rank, dtype, DEVICE,
@@ -98,7 +100,8 @@ def test_triton_matches_reference(dtype, num_tokens, k, slices, num_slots, rank)
     expected = y.clone()
     lora_reference(expected, x, a, b, slices, batch)
     got = y.clone()
-    lora_shrink_expand(got, x, a, b, slices, table, batch.sorted_tokens, batch.slot_starts)
+    lora_shrink_expand(got, x, a, b, slices, table, batch.sorted_tokens, batch.slot_starts,
+                       config=dict(MAX_SPLIT_K=max_split_k))
     base = torch.from_numpy(slots < 0).to(DEVICE)
     assert torch.equal(got[base], y[base])  # base-model rows untouched
     tol = dict(rtol=2e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
