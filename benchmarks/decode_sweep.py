@@ -5,6 +5,8 @@ context mixes like those of the throughput workload's decode steps. Each variant
 against the torch reference, then timed as a CUDA-graph replay.
 
 Usage: python benchmarks/decode_sweep.py [--json PATH]
+       python benchmarks/decode_sweep.py --tail   # the end of a run: fewer, longer sequences,
+                                                  # longest first, more KV splits
 """
 
 from __future__ import annotations
@@ -35,13 +37,25 @@ def shapes():
     ]
 
 
+def tail_shapes():
+    """Late decode steps of the throughput workload: the sequences left have long outputs,
+    so their contexts are prompt + most of the output."""
+    rng = random.Random(1)
+    return [(f"{n} x U[900,1900] longest first", sorted((rng.randint(900, 1900) for _ in range(n)),
+                                                       reverse=True)) for n in (128, 96, 64, 48, 32, 16)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tail", action="store_true", help="late-run batch sizes, splits 1-8")
     args = ap.parse_args()
     from rlserve.ops import triton_attention as ta
     results = []
-    for name, ctx in shapes():
+    configs, orders, split_counts = CONFIGS, (False, True), (1, 2, 4)
+    if args.tail:
+        configs, orders, split_counts = [(64, 2, 3), (64, 4, 3), (128, 4, 3)], (True,), (1, 2, 3, 4, 6, 8)
+    for name, ctx in (tail_shapes() if args.tail else shapes()):
         batch = make_batch(ctx, [1] * len(ctx))
         kv_bytes = batch["kv_tokens"] * KV_HEADS * HEAD_DIM * 2 * 2
         out = torch.empty_like(batch["query"])
@@ -49,7 +63,7 @@ def main() -> None:
         print(f"== {name}: {kv_bytes / 1e6:.0f} MB of K+V; current default {base:.1f} us "
               f"({kv_bytes / base / 1e3:.0f} GB/s)", flush=True)
         rows = []
-        for (bn, nw, st), heads_first, splits in itertools.product(CONFIGS, (False, True), (1, 2, 4)):
+        for (bn, nw, st), heads_first, splits in itertools.product(configs, orders, split_counts):
             cfg = dict(BLOCK_M=16, BLOCK_N=bn, num_warps=nw, num_stages=st, HEADS_FIRST=heads_first)
             try:
                 check(ta, batch, _config=cfg, num_kv_splits=splits)
