@@ -696,9 +696,9 @@ class ModelRunner:
 
     def _copy_out(self, handle: StepHandle) -> None:
         """Queue the copy of the step's results to the host right behind the step itself.
-        `collect` then waits for this step alone: a plain `.tolist()` would queue its copy
-        behind the next step, already launched by then, and the device would sit idle
-        while the host turned that wait into the step after."""
+        `collect` then waits for this step alone: a plain `.tolist()` there would queue its
+        copy behind the next step, which overlapped scheduling has launched by then, and
+        the device would idle while the host prepared the step after that."""
         if self.device.type != "cuda":
             return
 
