@@ -6,6 +6,7 @@
     python benchmarks/throughput.py --model qwen3-0.6b                 # GPU, bf16
     python benchmarks/throughput.py --model qwen3-0.6b --transformers  # side by side
     python benchmarks/throughput.py --model smollm2 --device cpu --num-seqs 8 --max-len 128
+    python benchmarks/throughput.py --model qwen3-0.6b --device-profile /tmp/t.json  # idle per step
 
 --model takes a preset (qwen3-0.6b, llama-3.1-8b, qwen3-8b, tiny, smollm2) or an HF directory.
 
@@ -219,6 +220,10 @@ def main() -> None:
                    help="profile the rlserve run with torch.profiler and print the top ops")
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="with --profile: write the chrome trace to PATH and summarise the device timeline")
+    p.add_argument("--device-profile", default=None, metavar="PATH",
+                   help="record only the device's kernels (no host-side ops, so the host runs at "
+                        "nearly full speed), write the trace to PATH, and summarise the device's "
+                        "busy share and its idle time per step")
     p.add_argument("--loras", type=int, default=0,
                    help="also run with this many random LoRA adapters mixed in every batch")
     p.add_argument("--lora-rank", type=int, default=16)
@@ -230,7 +235,17 @@ def main() -> None:
     prompts, out_lens = workload(args.num_seqs, args.min_len, args.max_len, args.max_out or args.max_len)
     print(f"workload: {len(prompts)} seqs, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(out_lens)} output tokens; model {args.model} on {args.device}")
-    if args.profile:
+    if args.device_profile and not args.device.startswith("cuda"):
+        p.error("--device-profile records CUDA kernels: it needs --device cuda")
+    if args.device_profile:
+        from torch.profiler import ProfilerActivity, profile
+        from trace_summary import idle_per_step, summarize
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        ours = run_rlserve(args, path, prompts, out_lens, profiler=prof)
+        prof.export_chrome_trace(args.device_profile)
+        summarize(args.device_profile)
+        idle_per_step(args.device_profile)
+    elif args.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         prof = profile(activities=acts)

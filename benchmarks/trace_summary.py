@@ -2,9 +2,10 @@
 
 Prints the device's busy share of the run, the idle time between kernels by gap length
 (short gaps are launch latency inside a stream or graph; long ones mean the device waited
-for the host), and the kernels that took the most time.
+for the host), and the kernels that took the most time; with --steps, the idle time per
+engine step over the run.
 
-    python benchmarks/trace_summary.py TRACE.json [--top 25]
+    python benchmarks/trace_summary.py TRACE.json [--top 25] [--steps]
 """
 
 from __future__ import annotations
@@ -59,12 +60,51 @@ def summarize(path: str, top: int = 25) -> None:
         print(f"  {t / 1e6:8.3f} s {t / busy:6.1%} {n:8d} x {t / n:8.1f} us  {name}")
 
 
+def idle_per_step(path: str, marker: str = "_split_logsumexp_kernel", parts: int = 10) -> None:
+    """The device's idle time between consecutive `marker` kernels (one per step: the
+    sampler's first kernel), summarised per tenth of the run. Idle that stays the same
+    whether a step's kernels take 6 ms or 2 ms is a wait built into every step, not a
+    host that cannot keep up."""
+    with open(path) as f:
+        intervals = kernel_intervals(json.load(f))
+    marks = [s for s, _, name in intervals if name.startswith(marker)]
+    if len(marks) < 2:
+        print(f"fewer than two {marker} kernels: no steps to compare")
+        return
+    spans, busy = [], []
+    j = 0
+    for s0, s1 in zip(marks, marks[1:]):
+        while intervals[j][0] < s0:
+            j += 1
+        b, end, i = 0.0, s0, j
+        while i < len(intervals) and intervals[i][0] < s1:
+            s, e = intervals[i][0], min(intervals[i][1], s1)
+            b += max(0.0, e - max(s, end))
+            end = max(end, e)
+            i += 1
+        spans.append(s1 - s0)
+        busy.append(b)
+    n = len(spans)
+    print(f"{n} steps (from one {marker} to the next):")
+    for k in range(parts):
+        lo, hi = k * n // parts, (k + 1) * n // parts
+        if hi <= lo:
+            continue
+        span = sorted(spans[lo:hi])[(hi - lo) // 2]
+        idle = sorted(sp - b for sp, b in zip(spans[lo:hi], busy[lo:hi]))[(hi - lo) // 2]
+        print(f"  steps {lo:5d}-{hi:5d}: median step {span:8.1f} us, of it idle {idle:7.1f} us")
+    print(f"  idle between markers: {(sum(spans) - sum(busy)) / 1e6:.3f} s of {sum(spans) / 1e6:.3f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--steps", action="store_true", help="also the idle time per step")
     args = ap.parse_args()
     summarize(args.trace, args.top)
+    if args.steps:
+        idle_per_step(args.trace)
 
 
 if __name__ == "__main__":
