@@ -243,8 +243,7 @@ def main() -> None:
         prof = profile(activities=[ProfilerActivity.CUDA])
         ours = run_rlserve(args, path, prompts, out_lens, profiler=prof)
         prof.export_chrome_trace(args.device_profile)
-        summarize(args.device_profile)
-        idle_per_step(args.device_profile)
+        idle_per_step(summarize(args.device_profile))
     elif args.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

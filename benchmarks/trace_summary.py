@@ -26,12 +26,13 @@ def kernel_intervals(trace: dict) -> list[tuple[float, float, str]]:
     return out
 
 
-def summarize(path: str, top: int = 25) -> None:
+def summarize(path: str, top: int = 25) -> list[tuple[float, float, str]]:
+    """Prints the summary; returns the trace's device intervals (for idle_per_step)."""
     with open(path) as f:
         intervals = kernel_intervals(json.load(f))
     if not intervals:
         print("no device events in the trace")
-        return
+        return intervals
     span = intervals[-1][1] - intervals[0][0]
     busy = 0.0
     gaps = collections.Counter()
@@ -58,15 +59,15 @@ def summarize(path: str, top: int = 25) -> None:
     print(f"top {top} device ops by total time:")
     for name, (n, t) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"  {t / 1e6:8.3f} s {t / busy:6.1%} {n:8d} x {t / n:8.1f} us  {name}")
+    return intervals
 
 
-def idle_per_step(path: str, marker: str = "_split_logsumexp_kernel", parts: int = 10) -> None:
-    """The device's idle time between consecutive `marker` kernels (one per step: the
-    sampler's first kernel), summarised per tenth of the run. Idle that stays the same
-    whether a step's kernels take 6 ms or 2 ms is a wait built into every step, not a
-    host that cannot keep up."""
-    with open(path) as f:
-        intervals = kernel_intervals(json.load(f))
+def idle_per_step(intervals: list[tuple[float, float, str]], marker: str = "_split_logsumexp_kernel",
+                  parts: int = 10) -> None:
+    """The device's idle time between consecutive `marker` kernels (one per step: the first
+    kernel of temperature sampling; a greedy run has none), summarised per tenth of the run.
+    Idle that stays the same whether a step's kernels take 6 ms or 2 ms is a wait built into
+    every step, not a host that cannot keep up."""
     marks = [s for s, _, name in intervals if name.startswith(marker)]
     if len(marks) < 2:
         print(f"fewer than two {marker} kernels: no steps to compare")
@@ -102,9 +103,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--steps", action="store_true", help="also the idle time per step")
     args = ap.parse_args()
-    summarize(args.trace, args.top)
+    intervals = summarize(args.trace, args.top)
     if args.steps:
-        idle_per_step(args.trace)
+        idle_per_step(intervals)
 
 
 if __name__ == "__main__":

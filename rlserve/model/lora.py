@@ -168,11 +168,7 @@ class LoRAModel:
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
-        torch._foreach_zero_(self._slot(slot))
-
-    def _slot(self, slot: int) -> list[torch.Tensor]:
-        """Every layer's A and B of `slot`."""
-        return [t for layer in self.layers for t in (layer.a[slot], layer.b[slot])]
+        torch._foreach_zero_([t for layer in self.layers for t in (layer.a[slot], layer.b[slot])])
 
 
 class LoadPlan(NamedTuple):
