@@ -106,7 +106,7 @@ def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] |
               skip_tokenizer_init=True, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-              **lora_kw)
+              **({"block_size": args.block_size} if args.block_size else {}), **lora_kw)
     names = [f"lora{i % len(loras)}" for i in range(len(prompts))] if loras else None
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n,
                              detokenize=False) for n in out_lens]
@@ -215,6 +215,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: the engine's)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="profile the rlserve run with torch.profiler and print the top ops")

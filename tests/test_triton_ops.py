@@ -174,6 +174,25 @@ def test_paged_attention_dtypes_no_hints(dtype):
     assert _rel_err(out, expected) < TOL[dtype]
 
 
+@pytest.mark.parametrize("num_seqs, block_size", [(40, 16), (120, 16), (170, 16), (40, 128)])
+def test_decode_tile_for_each_batch_size(num_seqs, block_size):
+    """The decode tile follows the batch size and the block size (_pick_config): each
+    choice against the reference, with contexts across several key tiles."""
+    ops = _ops()
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(num_seqs + block_size)
+    seqs = [(int(p), 1) for p in torch.randint(0, 300, (num_seqs,), generator=gen)]
+    batch = _make_batch(seqs, 4, 2, 64, block_size, dtype, gen)
+    scale = 0.125
+    expected = _reference(batch, scale)
+    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                       batch["slot_mapping"])
+    out = ops.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
+                              batch["query_start_loc"], batch["seq_lens"], batch["block_tables"],
+                              scale, max_query_len=1, max_seq_len=batch["max_seq_len"])
+    assert _rel_err(out, expected) < TOL[dtype]
+
+
 @pytest.mark.parametrize("seqs", [[(150, 1), (3, 1), (0, 1), (97, 1)], MIXED],
                          ids=["decode", "mixed"])
 @pytest.mark.parametrize("splits", [2, 3, 5])

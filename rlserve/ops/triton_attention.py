@@ -276,11 +276,24 @@ def _sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _pick_config(max_query_len: int, group_pad: int, head_dim: int) -> dict:
-    """Tile shape from host-side sizes only (no device reads); tuned on an H200, bf16."""
-    if max_query_len * group_pad <= 16:  # decode (and tiny chunks): memory bound, small M
-        return dict(BLOCK_M=max(16, group_pad), BLOCK_N=64, num_warps=2, num_stages=3)
-    return dict(BLOCK_M=max(64, group_pad), BLOCK_N=64, num_warps=4, num_stages=2)
+def _pick_config(max_query_len: int, group_pad: int, head_dim: int, num_seqs: int,
+                 block_size: int) -> dict:
+    """Tile shape from host-side sizes only (no device reads); tuned on an H200, bf16
+    (benchmarks/decode_sweep.py). A CUDA graph is captured per batch size, so the decode
+    tile may follow the number of sequences."""
+    if max_query_len * group_pad > 16:  # prefill and mixed steps
+        return dict(BLOCK_M=max(64, group_pad), BLOCK_N=64, num_warps=4, num_stages=2)
+    # Decode (and tiny chunks): memory bound, small M.
+    if block_size >= 128:  # a key tile inside one block: one block-table read per tile
+        tile = (64, 4, 2)
+    elif num_seqs > 160:  # many programs: smaller tiles, more of them resident per SM
+        tile = (32, 2, 3)
+    elif num_seqs > 96:
+        tile = (64, 2, 3)
+    else:  # few, long sequences late in a run: larger tiles per program
+        tile = (128, 4, 3)
+    block_n, warps, stages = tile
+    return dict(BLOCK_M=max(16, group_pad), BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
 def _pick_splits(num_seqs: int, num_kv_heads: int, q_tiles: int, max_ctx: int,
@@ -379,7 +392,8 @@ def _tiling(query: torch.Tensor, k_cache: torch.Tensor, num_seqs: int, max_query
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    cfg = dict(config) if config else _pick_config(max_query_len, group_pad, head_dim)
+    cfg = dict(config) if config else _pick_config(max_query_len, group_pad, head_dim, num_seqs,
+                                                   block_size)
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     block_q = max(1, block_m // group_pad)
     block_m = block_q * group_pad
