@@ -174,15 +174,17 @@ def test_paged_attention_dtypes_no_hints(dtype):
     assert _rel_err(out, expected) < TOL[dtype]
 
 
-@pytest.mark.parametrize("num_seqs, block_size", [(40, 16), (120, 16), (170, 16), (40, 128)])
-def test_decode_tile_for_each_batch_size(num_seqs, block_size):
-    """The decode tile follows the batch size and the block size (_pick_config): each
-    choice against the reference, with contexts across several key tiles."""
+@pytest.mark.parametrize("num_seqs, block_size, dtype, head_dim", [
+    (40, 16, torch.bfloat16, 64), (120, 16, torch.bfloat16, 64), (170, 16, torch.bfloat16, 64),
+    (40, 128, torch.bfloat16, 64),
+    (40, 16, torch.float32, 128)])  # a narrower key tile, so its stages fit in shared memory
+def test_decode_tile_for_each_batch_size(num_seqs, block_size, dtype, head_dim):
+    """The decode tile follows the batch size, the block size and the bytes of a key row
+    (_pick_config): each choice against the reference, contexts across several key tiles."""
     ops = _ops()
-    dtype = torch.bfloat16
-    gen = torch.Generator().manual_seed(num_seqs + block_size)
+    gen = torch.Generator().manual_seed(num_seqs + block_size + head_dim)
     seqs = [(int(p), 1) for p in torch.randint(0, 300, (num_seqs,), generator=gen)]
-    batch = _make_batch(seqs, 4, 2, 64, block_size, dtype, gen)
+    batch = _make_batch(seqs, 4, 2, head_dim, block_size, dtype, gen)
     scale = 0.125
     expected = _reference(batch, scale)
     ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],

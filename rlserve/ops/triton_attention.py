@@ -276,8 +276,12 @@ def _sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Shared memory the decode tile's pipelined K/V stages may take (an H200 SM has 228 KB).
+_STAGES_BYTES = 200 * 1024
+
+
 def _pick_config(max_query_len: int, group_pad: int, head_dim: int, num_seqs: int,
-                 block_size: int) -> dict:
+                 block_size: int, itemsize: int) -> dict:
     """Tile shape from host-side sizes only (no device reads); tuned on an H200, bf16
     (benchmarks/decode_sweep.py). A CUDA graph is captured per batch size, so the decode
     tile may follow the number of sequences."""
@@ -285,14 +289,17 @@ def _pick_config(max_query_len: int, group_pad: int, head_dim: int, num_seqs: in
         return dict(BLOCK_M=max(64, group_pad), BLOCK_N=64, num_warps=4, num_stages=2)
     # Decode (and tiny chunks): memory bound, small M.
     if block_size >= 128:  # a key tile inside one block: one block-table read per tile
-        tile = (64, 4, 2)
+        block_n, warps, stages = 64, 4, 2
     elif num_seqs > 160:  # many programs: smaller tiles, more of them resident per SM
-        tile = (32, 2, 3)
+        block_n, warps, stages = 32, 2, 3
     elif num_seqs > 96:
-        tile = (64, 2, 3)
+        block_n, warps, stages = 64, 2, 3
     else:  # few, long sequences late in a run: larger tiles per program
-        tile = (128, 4, 3)
-    block_n, warps, stages = tile
+        block_n, warps, stages = 128, 4, 3
+    # Wider heads or float32 caches: narrower key tiles, so the stages still fit.
+    block_d = triton.next_power_of_2(head_dim)
+    while block_n > 16 and 2 * block_n * block_d * itemsize * stages > _STAGES_BYTES:
+        block_n //= 2
     return dict(BLOCK_M=max(16, group_pad), BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
@@ -393,7 +400,7 @@ def _tiling(query: torch.Tensor, k_cache: torch.Tensor, num_seqs: int, max_query
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     cfg = dict(config) if config else _pick_config(max_query_len, group_pad, head_dim, num_seqs,
-                                                   block_size)
+                                                   block_size, k_cache.element_size())
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     block_q = max(1, block_m // group_pad)
     block_m = block_q * group_pad
