@@ -61,10 +61,13 @@ def bench_graph(fn, iters: int = 50) -> float:
     return bench(graph.replay, iters)
 
 
-def make_batch(prefix_lens, q_lens, seed=0):
+def make_batch(prefix_lens, q_lens, seed=0, block_size=BLOCK, head_major=False):
+    """Inputs over a cache of `block_size`-token blocks (shuffled), stored token-major
+    ([block, token, head, dim], the engine's) or head-major ([block, head, token, dim],
+    handed to the kernels as a strided view of that shape)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     seq_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
-    nblk = [math.ceil(s / BLOCK) for s in seq_lens]
+    nblk = [math.ceil(s / block_size) for s in seq_lens]
     max_blocks = max(nblk)
     num_blocks = sum(nblk) + 16
     perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
@@ -73,9 +76,12 @@ def make_batch(prefix_lens, q_lens, seed=0):
     for b, n in enumerate(nblk):
         bt[b, :n] = perm[i:i + n]
         i += n
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = ((num_blocks, KV_HEADS, block_size, HEAD_DIM) if head_major
+             else (num_blocks, block_size, KV_HEADS, HEAD_DIM))
     k_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)
     v_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)
+    if head_major:
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     n_tok = sum(q_lens)
     query = torch.randn(n_tok, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32,

@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import random
 
 import torch
 
-from attention_kernels import HEADS, HEAD_DIM, KV_HEADS, bench_graph, check, make_batch, run_triton
-from rlserve.ops import attention as ref
+from attention_kernels import HEAD_DIM, KV_HEADS, bench_graph, check, make_batch, run_triton
 
 # (BLOCK_N, num_warps, num_stages). The default decode tile follows the batch size
 # (triton_attention._pick_config): (32, 2, 3) above 160 sequences, (64, 2, 3) above 96,
@@ -52,32 +50,6 @@ def tail_shapes():
                                                        reverse=True)) for n in (128, 96, 64, 48, 32, 16)]
 
 
-def cache_batch(ctx, block_size, head_major, gen):
-    """Decode inputs over a cache of `block_size`-token blocks (shuffled), stored token-major
-    ([block, token, head, dim], the engine's) or head-major ([block, head, token, dim],
-    passed to the kernel as a strided view)."""
-    seq_lens = [c + 1 for c in ctx]
-    per_seq = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(per_seq) + 4
-    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
-    tables = torch.zeros(len(ctx), max(per_seq), dtype=torch.int32, device="cuda")
-    i = 0
-    for b, n in enumerate(per_seq):
-        tables[b, :n] = perm[i:i + n]
-        i += n
-    shape = (num_blocks, KV_HEADS, block_size, HEAD_DIM) if head_major else (num_blocks, block_size, KV_HEADS, HEAD_DIM)
-    caches = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2)]
-    if head_major:
-        caches = [c.transpose(1, 2) for c in caches]
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    return dict(query=torch.randn(len(ctx), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen),
-                k_cache=caches[0], v_cache=caches[1],
-                query_start_loc=torch.arange(len(ctx) + 1, dtype=torch.int32, device="cuda"),
-                seq_lens=lens, block_tables=tables, max_query_len=1, max_seq_len=max(seq_lens),
-                order=torch.argsort(-lens).to(torch.int32),
-                kv_bytes=sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * 2)
-
-
 def cache_sweep(ta) -> None:
     rng = random.Random(0)
     shapes = [("256 x U[150,1074]", [rng.randint(100, 1024) + 50 for _ in range(256)]),
@@ -86,28 +58,24 @@ def cache_sweep(ta) -> None:
               ("128 x U[900,1900]", [rng.randint(900, 1900) for _ in range(128)])]
     tiles = [(64, 2, 3), (64, 4, 3), (128, 4, 3), (64, 4, 2), (32, 2, 3), (64, 2, 1), (64, 4, 1),
              (32, 4, 1), (128, 8, 2), (128, 4, 2), (32, 1, 3), (16, 1, 3)]
-    gen = torch.Generator(device="cuda").manual_seed(0)
     for name, ctx in shapes:
         print(f"== {name}", flush=True)
         rows = []
         for head_major, block_size in itertools.product((False, True), (16, 32, 64, 128)):
             layout = "head-major" if head_major else "token-major"
-            b = cache_batch(ctx, block_size, head_major, gen)
+            b = make_batch(ctx, [1] * len(ctx), block_size=block_size, head_major=head_major)
+            kv_bytes = b["kv_tokens"] * KV_HEADS * HEAD_DIM * 2 * 2
+            order = torch.argsort(-b["seq_lens"]).to(torch.int32)  # longest first
             out = torch.empty_like(b["query"])
-            expected = ref.paged_attention(b["query"], b["k_cache"], b["v_cache"], b["query_start_loc"],
-                                           b["seq_lens"], b["block_tables"], HEAD_DIM ** -0.5)
             for bn, nw, st in tiles:
                 cfg = dict(BLOCK_M=16, BLOCK_N=bn, num_warps=nw, num_stages=st)
-                kw = dict(_config=cfg, seq_order=b["order"])
                 try:
-                    run_triton(ta, b, out, **kw)()
-                    err = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-                    assert err < 2e-2, err
-                    us = bench_graph(run_triton(ta, b, out, **kw))
+                    check(ta, b, _config=cfg, seq_order=order)
+                    us = bench_graph(run_triton(ta, b, out, _config=cfg, seq_order=order))
                 except Exception as e:  # out of resources
                     print(f"  {layout} block {block_size} {cfg}: failed ({type(e).__name__})", flush=True)
                     continue
-                rows.append((us, layout, block_size, bn, nw, st, b["kv_bytes"] / us / 1e3))
+                rows.append((us, layout, block_size, bn, nw, st, kv_bytes / us / 1e3))
             del b
         for us, layout, block_size, bn, nw, st, gbps in sorted(rows)[:12]:
             print(f"  {us:7.1f} us {gbps:5.0f} GB/s {layout} block {block_size} BLOCK_N={bn} warps={nw} "
