@@ -50,6 +50,18 @@ def tail_shapes():
                                                        reverse=True)) for n in (128, 96, 64, 48, 32, 16)]
 
 
+def checked_time(ta, batch, out, label: str, **kw) -> float | None:
+    """Microseconds per CUDA-graph replay of the kernel launched with `kw`, once its output
+    has been checked against the torch reference; None, with a line saying why, for a
+    variant that fails (out of resources, or a wrong result)."""
+    try:
+        check(ta, batch, **kw)
+        return bench_graph(run_triton(ta, batch, out, **kw))
+    except Exception as e:
+        print(f"  {label}: failed ({type(e).__name__}: {e})", flush=True)
+        return None
+
+
 def cache_sweep(ta) -> None:
     rng = random.Random(0)
     shapes = [("256 x U[150,1074]", [rng.randint(100, 1024) + 50 for _ in range(256)]),
@@ -69,11 +81,8 @@ def cache_sweep(ta) -> None:
             out = torch.empty_like(b["query"])
             for bn, nw, st in tiles:
                 cfg = dict(BLOCK_M=16, BLOCK_N=bn, num_warps=nw, num_stages=st)
-                try:
-                    check(ta, b, _config=cfg, seq_order=order)
-                    us = bench_graph(run_triton(ta, b, out, _config=cfg, seq_order=order))
-                except Exception as e:  # out of resources
-                    print(f"  {layout} block {block_size} {cfg}: failed ({type(e).__name__})", flush=True)
+                us = checked_time(ta, b, out, f"{layout} block {block_size} {cfg}", _config=cfg, seq_order=order)
+                if us is None:
                     continue
                 rows.append((us, layout, block_size, bn, nw, st, kv_bytes / us / 1e3))
             del b
@@ -106,11 +115,8 @@ def main() -> None:
         rows = []
         for (bn, nw, st), heads_first, splits in itertools.product(configs, orders, split_counts):
             cfg = dict(BLOCK_M=16, BLOCK_N=bn, num_warps=nw, num_stages=st, HEADS_FIRST=heads_first)
-            try:
-                check(ta, batch, _config=cfg, num_kv_splits=splits)
-                us = bench_graph(run_triton(ta, batch, out, _config=cfg, num_kv_splits=splits))
-            except Exception as e:  # out of resources
-                print(f"  {cfg} splits={splits}: failed ({type(e).__name__}: {e})", flush=True)
+            us = checked_time(ta, batch, out, f"{cfg} splits={splits}", _config=cfg, num_kv_splits=splits)
+            if us is None:
                 continue
             rows.append((us, bn, nw, st, heads_first, splits))
             results.append(dict(shape=name, us=us, block_n=bn, warps=nw, stages=st,
