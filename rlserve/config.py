@@ -22,6 +22,10 @@ _DTYPES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "half": "float16", "fp16": "float16",
 }
+# vLLM's --kv-cache-dtype names. fp8 caches keep a float32 scale per token and kv head
+# (rlserve/ops/attention.py), where vLLM takes one scale per layer, 1.0 unless calibrated.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8": "float8_e4m3fn",
+                   "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "pt")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
@@ -40,6 +44,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: str, config_dtype: Any = Non
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: unsupported {dtype!r}; choose auto, float32, bfloat16 or float16")
     return getattr(torch, _DTYPES[dtype])
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: `auto` keeps the model's."""
+    import torch
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: unsupported {kv_cache_dtype!r}; "
+                         f"choose one of {', '.join(KV_CACHE_DTYPES)}")
+    name = KV_CACHE_DTYPES[kv_cache_dtype]
+    return model_dtype if name is None else getattr(torch, name)
 
 
 def default_device() -> str:
@@ -163,6 +177,10 @@ class EngineConfig:
     # Cache
     block_size: int = field(default=16, metadata=flag(
         "tokens per KV-cache block", choices=BLOCK_SIZES, group=_CACHE))
+    kv_cache_dtype: str = field(default="auto", metadata=flag(
+        "element type of the KV cache; auto: the model's. fp8 (e4m3, a scale per token and "
+        "head) holds twice the tokens of bf16 and decodes faster, at 3 mantissa bits",
+        choices=list(KV_CACHE_DTYPES), group=_CACHE))
     enable_prefix_caching: bool = field(default=True, metadata=flag(
         "reuse the KV cache of shared prompt prefixes", group=_CACHE))
     gpu_memory_utilization: float = field(default=0.9, metadata=flag(
@@ -234,6 +252,9 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size: must be one of {', '.join(map(str, BLOCK_SIZES))}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: unsupported {self.kv_cache_dtype!r}; "
+                             f"choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs: must be at least 1")
         if self.max_num_batched_tokens < 1:

@@ -74,7 +74,7 @@ def test_flags_set_their_fields(tmp_path):
     cfg = _config(
         "--tokenizer", "t", "--device", "cpu", "--dtype", "bfloat16", "--load-format", "dummy",
         "--max-model-len", "512", "--seed", "3", "--trust-remote-code", "--block-size", "32",
-        "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "2G",
+        "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "2G",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--enforce-eager", "-tp", "1", "-dp", "1",
         "--dp-retry-on-failure", "--dp-max-restarts", "0", "--served-model-name", "x",
         "--chat-template", str(template), "--weight-transfer-config", '{"backend": "gloo", "timeout_s": 30}',
@@ -82,8 +82,8 @@ def test_flags_set_their_fields(tmp_path):
         "--lora-modules", "a=/p/a", json.dumps({"name": "b", "path": "/p/b"}))
     assert cfg == EngineConfig(
         model="m", tokenizer="t", device="cpu", dtype="bfloat16", load_format="dummy", max_model_len=512,
-        seed=3, trust_remote_code=True, block_size=32, enable_prefix_caching=False,
-        gpu_memory_utilization=0.5, kv_cache_memory_bytes=2 << 30, max_num_seqs=8, max_num_batched_tokens=1024,
+        seed=3, trust_remote_code=True, block_size=32, kv_cache_dtype="fp8",
+        enable_prefix_caching=False, gpu_memory_utilization=0.5, kv_cache_memory_bytes=2 << 30, max_num_seqs=8, max_num_batched_tokens=1024,
         enforce_eager=True, dp_retry_on_failure=True, dp_max_restarts=0, served_model_name="x",
         chat_template="{{ messages }}", weight_transfer=WeightTransferConfig("gloo", 30.0),
         logprobs_mode="processed_logprobs", enable_lora=True, max_loras=2, max_lora_rank=8,
@@ -100,6 +100,7 @@ def test_flags_set_their_fields(tmp_path):
     (["--block-size", "3"], "--block-size: invalid choice: 3"),
     (["--chat-template", "/no/such/file"], "--chat-template: no such file '/no/such/file'"),
     (["--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype: invalid choice: 'int8'"),
     (["-dp", "0"], "--data-parallel-size/-dp: must be at least 1, got 0"),
 ])
 def test_a_bad_flag_is_a_usage_error_naming_it(flags, message, capsys):

@@ -209,6 +209,48 @@ def test_unsupported_architecture_lists_the_supported(tmp_path, model_path):
         LLM(str(tmp_path / "m"), device="cpu", load_format="dummy")
 
 
+LONG_TEXT = ("Group relative policy optimisation samples several completions for each prompt, "
+             "scores them, and uses the group's mean and standard deviation as the baseline. "
+             "The server that generates these rollouts receives new weights after every "
+             "training step, without a restart, so the samples come from the current policy. ") * 3
+
+
+def test_fp8_kv_cache_holds_more_tokens_and_stays_close(model_path, llm):
+    """kv_cache_dtype="fp8": a byte per element and a float32 scale per head row, so one
+    budget holds 3.8x the blocks of a float32 cache (SmolLM2: head_dim 64); prompt
+    logprobs, whose keys are read back from the cache, stay close to the float32 cache's
+    (benchmarks/kv_cache_precision.py: 0.05 nats on average; bf16 weights alone 0.03)."""
+    budget = 16 << 20
+    base = LLM(model_path, device="cpu", dtype="float32", max_model_len=512,
+               kv_cache_memory_bytes=budget)
+    fp8 = LLM(model_path, device="cpu", dtype="float32", max_model_len=512,
+              kv_cache_memory_bytes=budget, kv_cache_dtype="fp8")
+    runner = fp8.engine.executor.driver.runner
+    assert runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert runner.kv_scales.shape == (*runner.kv_cache.shape[:-1],)
+    runners = [e.engine.executor.driver.runner for e in (base, fp8)]
+    rows = 2 * 16 * 3 * 30  # k and v, block size, kv heads, layers
+    assert [r.kv_bytes_per_block() for r in runners] == [rows * 64 * 4, rows * (64 + 4)]
+    assert [r.num_blocks for r in runners] == [budget // r.kv_bytes_per_block() for r in runners]
+
+    ids = fp8.tokenizer.encode(LONG_TEXT)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    ours, theirs = (torch.tensor([lp.logprob for lp in e.generate([ids], params)[0].prompt_logprobs[1:]])
+                    for e in (fp8, base))
+    assert (ours - theirs).abs().mean() < 0.1
+    assert (ours - theirs).abs().max() < 1.5
+    # Greedy decoding reads its prompt back from fp8 blocks, also through the prefix cache.
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first, again = (fp8.generate([ids], greedy)[0] for _ in range(2))
+    assert again.num_cached_tokens > 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids
+
+
+def test_kv_cache_dtype_is_checked(model_path):
+    with pytest.raises(ValueError, match="kv_cache_dtype: unsupported 'int8'; choose one of auto"):
+        LLM(model_path, device="cpu", kv_cache_dtype="int8")
+
+
 def test_unknown_load_format_is_refused(model_path):
     with pytest.raises(ValueError, match="load_format"):
         LLM(model_path, device="cpu", load_format="gguf-magic")

@@ -83,6 +83,29 @@ def test_graphs_and_eager_give_the_same_tokens(checkpoint):
     assert same >= len(graphs) - 1  # bf16: batch shape may flip a near-tie, rarely
 
 
+def test_fp8_kv_cache_stays_close_to_transformers(checkpoint):
+    """kv_cache_dtype="fp8" through the Triton stores, attention and CUDA graphs: prompt
+    logprobs (keys read back from the fp8 cache) near transformers', and the decode graphs
+    give eager's tokens."""
+    from rlserve import SamplingParams
+    path, hf = checkpoint
+    llm = _llm(path, "bfloat16", kv_cache_dtype="fp8")
+    assert llm.engine.executor.driver.runner.kv_cache.dtype == torch.float8_e4m3fn
+    ids = _prompts()[4]
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0].float(), -1)
+    ours = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+    theirs = torch.tensor([ref[i, t].item() for i, t in enumerate(ids[1:])])
+    assert (ours - theirs).abs().mean() < 0.1
+    assert (ours - theirs).abs().max() < 1.0
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, detokenize=False)
+    graphs = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+    eager = _llm(path, "bfloat16", kv_cache_dtype="fp8", enforce_eager=True)
+    same = sum(a == o.outputs[0].token_ids for a, o in zip(graphs, eager.generate(_prompts(), params)))
+    assert same >= len(graphs) - 1
+
+
 def test_live_update_keeps_graphs_valid(checkpoint):
     from rlserve import SamplingParams
     path, hf = checkpoint

@@ -52,8 +52,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, gen,
-                extra_blocks=7):
-    """seqs: list of (cached_prefix_len, query_len).
+                extra_blocks=7, cache_dtype=None):
+    """seqs: list of (cached_prefix_len, query_len); cache_dtype: the cache's, if not dtype.
 
     Builds a cache whose prefix tokens are already stored, the new keys/values to store this
     step, a shuffled block table padded with ids of NaN-filled blocks, and unused slots
@@ -74,8 +74,11 @@ def _make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, gen,
         i += n
 
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    k_cache = torch.full(cache_shape, float("nan"), dtype=cache_dtype or dtype)
+    v_cache = torch.full(cache_shape, float("nan"), dtype=cache_dtype or dtype)
+    scales = {}
+    if k_cache.dtype in ref.FP8_DTYPES:  # fp8: a scale per row, NaN where nothing is stored
+        scales = {name: torch.full(cache_shape[:3], float("nan")) for name in ("k_scale", "v_scale")}
 
     def slots(b, positions):
         pos = torch.as_tensor(positions, dtype=torch.int64)
@@ -86,7 +89,7 @@ def _make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, gen,
         if p:
             k = torch.randn(p, num_kv_heads, head_dim, generator=gen).to(dtype)
             v = torch.randn(p, num_kv_heads, head_dim, generator=gen).to(dtype)
-            ref.store_kv_cache(k, v, k_cache, v_cache, slots(b, range(p)))
+            ref.store_kv_cache(k, v, k_cache, v_cache, slots(b, range(p)), **scales)
         new_slots.append(slots(b, range(p, p + q)))
         q_start.append(q_start[-1] + q)
     num_tokens = q_start[-1]
@@ -102,14 +105,22 @@ def _make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, gen,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
         block_tables=block_tables.to(dev),
         max_query_len=max(q for _, q in seqs), max_seq_len=max(seq_lens),
+        scales={name: t.to(dev) for name, t in scales.items()},
     )
 
 
 def _reference(batch, scale):
-    """fp32 reference over a copy of the cache with the new keys stored."""
-    kc, vc = batch["k_cache"].float().clone(), batch["v_cache"].float().clone()
-    ref.store_kv_cache(batch["key"].float(), batch["value"].float(), kc, vc,
-                       batch["slot_mapping"])
+    """fp32 reference over a copy of the cache with the new keys stored (fp8 caches: stored
+    in fp8 first, rounded and saturated as the kernels store them, then widened)."""
+    kc, vc = batch["k_cache"].clone(), batch["v_cache"].clone()
+    if kc.dtype in ref.FP8_DTYPES:
+        scales = {name: t.clone() for name, t in batch["scales"].items()}
+        ref.store_kv_cache(batch["key"], batch["value"], kc, vc, batch["slot_mapping"], **scales)
+        kc, vc = ref.dequantize(kc, scales["k_scale"]), ref.dequantize(vc, scales["v_scale"])
+    else:
+        kc, vc = kc.float(), vc.float()
+        ref.store_kv_cache(batch["key"].float(), batch["value"].float(), kc, vc,
+                           batch["slot_mapping"])
     return ref.paged_attention(batch["query"].float(), kc, vc, batch["query_start_loc"],
                                batch["seq_lens"], batch["block_tables"], scale)
 
@@ -193,6 +204,69 @@ def test_decode_tile_for_each_batch_size(num_seqs, block_size, dtype, head_dim):
                               batch["query_start_loc"], batch["seq_lens"], batch["block_tables"],
                               scale, max_query_len=1, max_seq_len=batch["max_seq_len"])
     assert _rel_err(out, expected) < TOL[dtype]
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _fp8_batch(seqs, cache_dtype, query_dtype, seed):
+    """A batch over an fp8 cache whose new keys and values include out-of-range values."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = _make_batch(seqs, 8, 2, 128, 16, query_dtype, gen, cache_dtype=cache_dtype)
+    limit = torch.finfo(cache_dtype).max
+    batch["key"][0, 0, :4] = torch.tensor([2 * limit, -2 * limit, 1e-3, 300.0])
+    batch["value"][-1, 1, :2] = torch.tensor([3 * limit, -3 * limit])
+    return batch
+
+
+@pytest.mark.skipif(INTERPRET, reason="Triton's interpreter rounds to fp8 wrongly (0.4927 -> 0.25)")
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_cache_store(cache_dtype, query_dtype):
+    """The store kernel writes the reference's bytes and scales: each head row divided by
+    max|row| / the format's largest value, rounded to nearest even."""
+    ops = _ops()
+    batch = _fp8_batch(MIXED, cache_dtype, query_dtype, 21)
+    kc_ref, vc_ref = batch["k_cache"].clone(), batch["v_cache"].clone()
+    scales_ref = {name: t.clone() for name, t in batch["scales"].items()}
+    ref.store_kv_cache(batch["key"], batch["value"], kc_ref, vc_ref, batch["slot_mapping"],
+                       **scales_ref)
+    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                       batch["slot_mapping"], **batch["scales"])
+    assert torch.equal(batch["k_cache"].view(torch.uint8), kc_ref.view(torch.uint8))
+    assert torch.equal(batch["v_cache"].view(torch.uint8), vc_ref.view(torch.uint8))
+    for name, t in batch["scales"].items():
+        torch.testing.assert_close(t, scales_ref[name], **SAME)
+    # The row holding +-2 limit stores +-limit at scale 2; the rest of it is still there.
+    first = batch["slot_mapping"][0]
+    limit = torch.finfo(cache_dtype).max
+    row = batch["k_cache"].flatten(0, 1)[first, 0].float()
+    assert row[:2].tolist() == [limit, -limit]
+    assert batch["scales"]["k_scale"].flatten(0, 1)[first, 0].item() == 2.0
+    assert row[3].item() == pytest.approx(150.0, rel=2 ** -3)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("seqs, max_query_len, splits", [
+    (MIXED, None, 1), ([(p, 1) for p in range(0, 1200, 7)], 1, 1),  # 172: the narrow tile
+    ([(1500, 1), (900, 1), (3, 1)], 1, 4)], ids=["mixed", "decode", "split"])
+def test_fp8_cache_attention(cache_dtype, query_dtype, seqs, max_query_len, splits):
+    """Attention reads an fp8 cache, scaled row by row, in the query's type: the reference
+    over the widened cache, and an output in the query's type."""
+    ops = _ops()
+    batch = _fp8_batch(seqs, cache_dtype, query_dtype, len(seqs) + splits)
+    scale = 128 ** -0.5
+    expected = _reference(batch, scale)
+    ref.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                       batch["slot_mapping"], **batch["scales"])
+    out = ops.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
+                              batch["query_start_loc"], batch["seq_lens"], batch["block_tables"],
+                              scale, max_query_len=max_query_len or batch["max_query_len"],
+                              max_seq_len=batch["max_seq_len"], num_kv_splits=splits,
+                              **batch["scales"])
+    assert out.dtype == query_dtype and not out.isnan().any()
+    assert _rel_err(out, expected) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("seqs", [[(150, 1), (3, 1), (0, 1), (97, 1)], MIXED],
@@ -497,6 +571,48 @@ def test_rope_store_casts_to_the_cache_dtype():
     torch.testing.assert_close(qkv, qkv_sep, **SAME)
     torch.testing.assert_close(kc, kc_sep, **SAME)
     torch.testing.assert_close(vc, vc_sep, **SAME)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_rope_store_into_an_fp8_cache(cache_dtype):
+    """The fused rotary store writes the same bytes and scales as rotary, then the store
+    kernel."""
+    from rlserve.model.layers import RotaryEmbedding
+    from rlserve.ops import triton_attention
+    from rlserve.ops.triton_rotary import rope_
+    gen = torch.Generator().manual_seed(11)
+    t, hq, hk, d, block_size = 9, 8, 2, 128, 16
+    rope = RotaryEmbedding(d, MAX_POSITION, 1e4).to(DEVICE)
+    positions = torch.randint(0, MAX_POSITION, (t,), generator=gen).to(DEVICE)
+    slots = _slots(t, block_size, gen)
+    qkv, q, k, v = _qkv(t, hq, hk, d, torch.bfloat16, gen)
+    v[1, 0, :3] = torch.tensor([1e5, -1e5, 5.0])
+    qw, kw = _norms(d, torch.bfloat16, gen)
+    qkv_sep = qkv.clone()
+    q_sep, k_sep, v_sep = (x.view(t, -1, d) for x in qkv_sep.split([hq * d, hk * d, hk * d], -1))
+    def scales():
+        return {name: torch.full((NUM_BLOCKS, block_size, hk), float("nan"), device=DEVICE)
+                for name in ("k_scale", "v_scale")}
+
+    kc_sep, vc_sep = (_nan_cache(block_size, hk, d, cache_dtype) for _ in range(2))
+    sc_sep = scales()
+    rope_(q_sep, k_sep, positions, rope.cos, rope.sin, qw, kw, 1e-6)
+    triton_attention.store_kv_cache(k_sep, v_sep, kc_sep, vc_sep, slots, **sc_sep)
+    kc, vc = (_nan_cache(block_size, hk, d, cache_dtype) for _ in range(2))
+    sc = scales()
+    rope_(q, k, positions, rope.cos, rope.sin, qw, kw, 1e-6,
+          v=v, k_cache=kc, v_cache=vc, slot_mapping=slots, **sc)
+    torch.testing.assert_close(qkv, qkv_sep, **SAME)
+    assert torch.equal(kc.view(torch.uint8), kc_sep.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vc_sep.view(torch.uint8))
+    for name in sc:
+        torch.testing.assert_close(sc[name], sc_sep[name], **SAME)
+    # Token 1 is stored (_slots skips every third): its row's extremes +-1e5 take the
+    # format's largest value, and 5.0 in the same row survives within 2^-3.
+    limit = torch.finfo(cache_dtype).max
+    row = vc.flatten(0, 1)[slots[1], 0, :3].float()
+    assert row[:2].tolist() == [limit, -limit]
+    assert (row[2] * sc["v_scale"].flatten(0, 1)[slots[1], 0]).item() == pytest.approx(5.0, rel=2 ** -3)
 
 
 def test_rope_store_with_no_tokens():

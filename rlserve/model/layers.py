@@ -100,7 +100,8 @@ class RotaryEmbedding(nn.Module):
         paged cache at slot_mapping: one kernel. Only where fuse_rope_and_store(q, attn)."""
         qw, kw, eps = (None, None, 1e-6) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
         self.kernels.rope(q, k, positions, self.cos, self.sin, qw, kw, eps,
-              v=v, k_cache=attn.k_cache, v_cache=attn.v_cache, slot_mapping=slot_mapping)
+              v=v, k_cache=attn.k_cache, v_cache=attn.v_cache, slot_mapping=slot_mapping,
+              k_scale=attn.k_scale, v_scale=attn.v_scale)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -112,7 +113,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class PagedAttention(nn.Module):
     """Stores this step's keys/values in the paged cache, then attends over it.
 
-    The model runner binds `k_cache`/`v_cache` (views into one pool) before the first step.
+    The model runner binds `k_cache`/`v_cache` (views into one pool) before the first step,
+    and for fp8 caches their per-row scales `k_scale`/`v_scale` (ops/attention.py).
     """
 
     kernels: Kernels = TORCH
@@ -123,6 +125,8 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, stored: bool = False) -> torch.Tensor:
@@ -131,9 +135,11 @@ class PagedAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # fp8 caches only: the kernel sets' plain signature stays for every other cache.
+        scales = {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if not stored:
-            self.kernels.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = self.kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+            self.kernels.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
+        out = self.kernels.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, **scales)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
 

@@ -31,6 +31,7 @@ class Kernels:
     """The ops a model's forward pass and the sampler call."""
 
     name: str
+    # fp8 caches also take k_scale=, v_scale= (ops/attention.py)
     store_kv_cache: Callable[..., None]  # (key, value, k_cache, v_cache, slot_mapping)
     paged_attention: Callable[..., torch.Tensor]  # (query, k_cache, v_cache, meta, scale)
     rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps)
@@ -52,9 +53,10 @@ class Kernels:
         return self.rope is not None and head_dim & (head_dim - 1) == 0 and q.stride(-1) == 1
 
 
-def _torch_paged_attention(query, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+def _torch_paged_attention(query, k_cache, v_cache, meta, scale: float, k_scale=None,
+                           v_scale=None) -> torch.Tensor:
     return attention_ref.paged_attention(query, k_cache, v_cache, meta.query_start_loc,
-                                         meta.seq_lens, meta.block_tables, scale)
+                                         meta.seq_lens, meta.block_tables, scale, k_scale, v_scale)
 
 
 def _torch_lora(y, x, a, b, slices, slice_table, batch) -> None:
@@ -78,11 +80,12 @@ def _triton() -> Kernels:
     from rlserve.ops.triton_rotary import rope_
     from rlserve.ops.triton_sampling import gumbel_sample
 
-    def paged_attention(query, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    def paged_attention(query, k_cache, v_cache, meta, scale: float, k_scale=None,
+                        v_scale=None) -> torch.Tensor:
         return triton_attention.paged_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            seq_order=meta.seq_order)
+            seq_order=meta.seq_order, k_scale=k_scale, v_scale=v_scale)
 
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # The kernel reads rows at unit stride; a strided view (rare) takes the reference.

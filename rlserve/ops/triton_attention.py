@@ -13,6 +13,9 @@ each K/V tile is loaded once per kv head (GQA packing) and fed to tensor-core do
 gathered through the block table in tiles of BLOCK_N positions independent of the cache's
 block size. Softmax is online, in fp32, base 2.
 
+fp8 caches are read as bytes and widened in registers, each key's and value's row scale
+applied to the score's column and to p (ops/attention.py has the format).
+
 Launch order matters for decode, which is bound by reading the cache: programs of one
 sequence's kv heads are neighbours (they read neighbouring bytes of the same cache rows),
 and with `seq_order` the longest sequences start first, so no long one is left running
@@ -30,19 +33,56 @@ import torch
 import triton
 import triton.language as tl
 
-_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+from rlserve.ops.attention import FP8_DTYPES, fp8_max
+from rlserve.ops.attention import MIN_SCALE as MIN_SCALE_F
+
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32, *FP8_DTYPES)
 
 
 # ----------------------------------------------------------------------------- store
 
 
+MIN_SCALE = tl.constexpr(MIN_SCALE_F)
+
+
+@triton.jit
+def fp8_scale(amax, LIMIT: tl.constexpr):
+    """Scale of fp8 rows whose largest magnitude is amax (ops/attention.quantize_fp8)."""
+    return tl.maximum(amax * (1.0 / LIMIT), MIN_SCALE)
+
+
+@triton.jit
+def fp8_rows(x, scale, fp8_ty: tl.constexpr, LIMIT: tl.constexpr):
+    """x [rows, cols] / scale [rows], saturated, in fp8. Division and cast round to
+    nearest (even), as torch's do, so the stored bytes equal the reference's."""
+    y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -LIMIT, LIMIT)
+    return y.to(fp8_ty, fp_downcast_rounding="rtne")
+
+
+def fp8_limit(cache: torch.Tensor) -> float:
+    """A cache's LIMIT for the kernels: its format's largest value; 0.0 for other types."""
+    return fp8_max(cache.dtype) or 0.0
+
+
+def scale_args(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+               dummy: torch.Tensor) -> tuple:
+    """(k_scale, v_scale, block stride, slot stride) for a kernel; any pointers and zero
+    strides for caches without scales."""
+    if cache.dtype not in FP8_DTYPES:
+        return dummy, dummy, 0, 0
+    assert k_scale is not None and v_scale is not None, "fp8 caches need their scales"
+    assert k_scale.shape == cache.shape[:3] and k_scale.dtype == torch.float32
+    assert v_scale.stride() == k_scale.stride() and k_scale.stride(2) == 1
+    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1)
+
+
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks_ptr, vs_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_sb, stride_ss,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, LIMIT: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -54,31 +94,45 @@ def _store_kv_kernel(
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     t64 = t.to(tl.int64)
-    k = tl.load(key_ptr + t64 * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(value_ptr + t64 * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k = tl.load(key_ptr + t64 * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+    v = tl.load(value_ptr + t64 * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+    if LIMIT > 0:  # fp8: one scale per head row
+        ks = fp8_scale(tl.max(tl.abs(k.to(tl.float32)), 1), LIMIT)
+        vs = fp8_scale(tl.max(tl.abs(v.to(tl.float32)), 1), LIMIT)
+        hs = tl.arange(0, BLOCK_H)
+        tl.store(ks_ptr + blk * stride_sb + off * stride_ss + hs, ks, mask=hs < NUM_KV_HEADS)
+        tl.store(vs_ptr + blk * stride_sb + off * stride_ss + hs, vs, mask=hs < NUM_KV_HEADS)
+        k8 = fp8_rows(k, ks, k_cache_ptr.dtype.element_ty, LIMIT)
+        v8 = fp8_rows(v, vs, v_cache_ptr.dtype.element_ty, LIMIT)
+        tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d, k8, mask=mask)
+        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v8, mask=mask)
+    else:
+        tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d,
+                 k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d,
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write key/value [num_tokens, num_kv_heads, head_dim] into their cache slots (-1: skip)."""
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into their cache slots (-1: skip);
+    fp8 caches also get each row's scale in k_scale / v_scale (see ops/attention.py)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     _check_last_dim(key, value, k_cache, v_cache)
     assert k_cache.shape[2:] == (num_kv_heads, head_dim), "cache/key shape mismatch"
     assert slot_mapping.shape[0] >= num_tokens
+    ks, vs, stride_sb, stride_ss = scale_args(k_cache, k_scale, v_scale, key)
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, ks, vs,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_sb, stride_ss,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
+        LIMIT=fp8_limit(k_cache), num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
     )
 
 
@@ -97,12 +151,12 @@ def _dim_mask(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 @triton.jit
 def _attn_tiles(
     acc, l_i, m_i, q, q_pos, lo, hi, kv_end,
-    k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh,
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     scale_log2,
     MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     d = tl.arange(0, BLOCK_D)
     d_ok = _dim_mask(HEAD_DIM, BLOCK_D)
@@ -118,9 +172,22 @@ def _attn_tiles(
         off = j % BLOCK_SIZE
         k = tl.load(k_cache_ptr + phys[:, None] * stride_kb + off[:, None] * stride_ks
                     + kvh * stride_kh + d[None, :], mask=ld_mask, other=0.0)
+        if KV_FP8:  # widened in registers; the rows' scales apply to the dot's columns
+            k = k.to(q.dtype)
+            sc = phys * stride_sb + off * stride_ss + kvh
+            if MASKED:
+                ks = tl.load(ks_ptr + sc, mask=j_ok, other=0.0)
+                vs = tl.load(vs_ptr + sc, mask=j_ok, other=0.0)
+            else:
+                ks = tl.load(ks_ptr + sc)
+                vs = tl.load(vs_ptr + sc)
         if DOT_F32:
             k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if KV_FP8:
+            qk = qk * (ks * scale_log2)[None, :]
+        else:
+            qk = qk * scale_log2
         if MASKED:
             visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :]
             qk = tl.where(visible, qk, float("-inf"))
@@ -130,10 +197,15 @@ def _attn_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + phys[:, None] * stride_vb + off[:, None] * stride_vs
                     + kvh * stride_vh + d[None, :], mask=ld_mask, other=0.0)
-        if DOT_F32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        if KV_FP8:  # the values' scales weight p; the normaliser l_i sums p unscaled
+            v = v.to(q.dtype)
+            pw = p * vs[None, :]
         else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            pw = p
+        if DOT_F32:
+            pv = tl.dot(pw, v.to(tl.float32), input_precision=PRECISION)
+        else:
+            pv = tl.dot(pw.to(v.dtype), v, input_precision=PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, l_i, m_i
@@ -144,15 +216,16 @@ def _attn_tiles(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    qsl_ptr, seq_lens_ptr, bt_ptr, order_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr, order_ptr, ks_ptr, vs_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
     stride_bt, num_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr, HEADS_FIRST: tl.constexpr, ORDERED: tl.constexpr,
+    DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, Q_F16: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     if HEADS_FIRST:
         # Neighbouring programs read the neighbouring heads of the same cache rows.
@@ -190,7 +263,13 @@ def _paged_attn_kernel(
     tok_g = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + tok_g[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if Q_F16:
+        # fp8 caches with half-precision queries compute in float16: it holds every fp8
+        # value exactly, and widening to it is cheaper than to bfloat16 (decode attention
+        # 14% faster on an H200, benchmarks/RESULTS.md).
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    elif not KV_FP8:  # float32 queries read an fp8 cache in float32
+        q = q.to(k_cache_ptr.dtype.element_ty)
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = ctx + tok
@@ -219,14 +298,14 @@ def _paged_attn_kernel(
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attn_tiles(
         acc, l_i, m_i, q, q_pos, unmasked_lo, unmasked_hi, kv_end,
-        k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh,
+        k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-        False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32)
+        False, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32, KV_FP8)
     acc, l_i, m_i = _attn_tiles(
         acc, l_i, m_i, q, q_pos, masked_lo, hi, kv_end,
-        k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh,
+        k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-        True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32)
+        True, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32, KV_FP8)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -288,7 +367,9 @@ def _pick_config(max_query_len: int, group_pad: int, head_dim: int, num_seqs: in
     if max_query_len * group_pad > 16:  # prefill and mixed steps
         return dict(BLOCK_M=max(64, group_pad), BLOCK_N=64, num_warps=4, num_stages=2)
     # Decode (and tiny chunks): memory bound, small M.
-    if block_size >= 128:  # a key tile inside one block: one block-table read per tile
+    if itemsize == 1:  # fp8: widening the keys in registers, not bytes, sets the pace
+        block_n, warps, stages = 64, 2, 3
+    elif block_size >= 128:  # a key tile inside one block: one block-table read per tile
         block_n, warps, stages = 64, 4, 2
     elif num_seqs > 160:  # many programs: smaller tiles, more of them resident per SM
         block_n, warps, stages = 32, 2, 3
@@ -322,6 +403,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     max_query_len: int | None = None, max_seq_len: int | None = None,
                     out: torch.Tensor | None = None, num_kv_splits: int | None = None,
                     seq_order: torch.Tensor | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     _config: dict | None = None) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache.
 
@@ -329,7 +411,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     of tokens, and the block table's capacity). out: optional preallocated output, which may
     be a strided view. num_kv_splits: force the split-KV decode path (1 disables it).
     seq_order: optional int32 permutation of the sequences, the order their programs start
-    in; longest first keeps the GPU busy to the end when lengths vary.
+    in; longest first keeps the GPU busy to the end when lengths vary. k_scale / v_scale:
+    an fp8 cache's per-row scales (see ops/attention.py).
     """
     num_tokens, num_heads, head_dim = query.shape
     _check_inputs(query, k_cache, v_cache)
@@ -355,13 +438,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused
+    ks, vs, stride_sb, stride_ss = scale_args(k_cache, k_scale, v_scale, query)
     _paged_attn_kernel[t.grid](
         query, k_cache, v_cache, out, part_out, part_lse,
         query_start_loc, seq_lens, block_tables, seq_order if seq_order is not None else seq_lens,
-        scale * math.log2(math.e),
+        ks, vs, scale * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_sb, stride_ss,
         block_tables.stride(0), num_heads, ORDERED=seq_order is not None, **t.constants,
     )
     if t.splits > 1:
@@ -409,15 +493,21 @@ def _tiling(query: torch.Tensor, k_cache: torch.Tensor, num_seqs: int, max_query
         num_kv_splits = _pick_splits(num_seqs, num_kv_heads, q_tiles, max_seq_len, query.device)
     splits = max(1, int(num_kv_splits))
     block_d = triton.next_power_of_2(head_dim)
+    kv_fp8 = k_cache.dtype in FP8_DTYPES
+    # The dots' operand type; fp8 caches: float16 for half-precision queries (see the kernel).
+    compute = k_cache.dtype
+    if kv_fp8:
+        compute = torch.float32 if query.dtype == torch.float32 else torch.float16
     heads_first = cfg.pop("HEADS_FIRST", True)
     grid = ((num_kv_heads, q_tiles * splits, num_seqs) if heads_first
             else (q_tiles * splits, num_seqs, num_kv_heads))
     constants = dict(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if compute == torch.float32 else "tf32",
         # Triton's CPU interpreter mis-evaluates bf16 dots; it gets fp32 operands instead.
-        DOT_F32=query.device.type == "cpu" and k_cache.dtype == torch.bfloat16,
+        DOT_F32=query.device.type == "cpu" and compute == torch.bfloat16, KV_FP8=kv_fp8,
+        Q_F16=kv_fp8 and compute == torch.float16,
         HEADS_FIRST=heads_first, **cfg)
     return _Tiling(grid, splits, block_d, constants)
 

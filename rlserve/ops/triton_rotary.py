@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rlserve.ops.triton_attention import fp8_limit, fp8_rows, fp8_scale, scale_args
+
 
 @triton.jit
 def _heads(x_ptr, t, stride_t, stride_h, w_ptr, cos, sin, eps,
@@ -46,22 +48,40 @@ def _heads(x_ptr, t, stride_t, stride_h, w_ptr, cos, sin, eps,
 
 @triton.jit
 def _store_kv(k_lo, k_hi, v_ptr, t, stride_vt, stride_vh, k_cache_ptr, v_cache_ptr, slot_ptr,
-              stride_cb, stride_cs, stride_ch,
+              stride_cb, stride_cs, stride_ch, ks_ptr, vs_ptr, stride_sb, stride_ss,
               NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-              BLOCK_SIZE: tl.constexpr):
-    """Writes the token's rotated key halves and its value to cache slot slot_ptr[t]."""
+              BLOCK_SIZE: tl.constexpr, LIMIT: tl.constexpr):
+    """Writes the token's rotated key halves and its value to cache slot slot_ptr[t]
+    (fp8 caches, LIMIT > 0: quantized, with each head row's scale)."""
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # -1: padding, nothing to store
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, HALF)[None, :]
         mask = h < NUM_HEADS
-        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
-        cache_ty = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dst, k_lo.to(cache_ty), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, k_hi.to(cache_ty), mask=mask)
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
         src = v_ptr + t * stride_vt + h * stride_vh + d
-        tl.store(v_cache_ptr + dst, tl.load(src, mask=mask).to(cache_ty), mask=mask)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(src + HALF, mask=mask).to(cache_ty), mask=mask)
+        v_lo = tl.load(src, mask=mask, other=0.0)
+        v_hi = tl.load(src + HALF, mask=mask, other=0.0)
+        cache_ty = k_cache_ptr.dtype.element_ty
+        if LIMIT > 0:
+            ks = fp8_scale(tl.maximum(tl.max(tl.abs(k_lo.to(tl.float32)), 1),
+                                      tl.max(tl.abs(k_hi.to(tl.float32)), 1)), LIMIT)
+            vs = fp8_scale(tl.maximum(tl.max(tl.abs(v_lo.to(tl.float32)), 1),
+                                      tl.max(tl.abs(v_hi.to(tl.float32)), 1)), LIMIT)
+            hs = tl.arange(0, BLOCK_H)
+            tl.store(ks_ptr + blk * stride_sb + off * stride_ss + hs, ks, mask=hs < NUM_HEADS)
+            tl.store(vs_ptr + blk * stride_sb + off * stride_ss + hs, vs, mask=hs < NUM_HEADS)
+            tl.store(k_cache_ptr + dst, fp8_rows(k_lo, ks, cache_ty, LIMIT), mask=mask)
+            tl.store(k_cache_ptr + dst + HALF, fp8_rows(k_hi, ks, cache_ty, LIMIT), mask=mask)
+            tl.store(v_cache_ptr + dst, fp8_rows(v_lo, vs, cache_ty, LIMIT), mask=mask)
+            tl.store(v_cache_ptr + dst + HALF, fp8_rows(v_hi, vs, cache_ty, LIMIT), mask=mask)
+        else:
+            tl.store(k_cache_ptr + dst, k_lo.to(cache_ty), mask=mask)
+            tl.store(k_cache_ptr + dst + HALF, k_hi.to(cache_ty), mask=mask)
+            tl.store(v_cache_ptr + dst, v_lo.to(cache_ty), mask=mask)
+            tl.store(v_cache_ptr + dst + HALF, v_hi.to(cache_ty), mask=mask)
 
 
 # Every integer argument is fixed by the model and the cache layout (the token count is
@@ -71,9 +91,10 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, eps,
                  v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                  stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                 ks_ptr, vs_ptr, stride_sb, stride_ss,
                  NQ: tl.constexpr, NK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                  HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, LIMIT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)[None, :]
@@ -83,21 +104,23 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
     k_lo, k_hi = _heads(k_ptr, t, stride_kt, stride_kh, kw_ptr, cos, sin, eps, NK, BLOCK_K, HALF, NORM)
     if STORE:
         _store_kv(k_lo, k_hi, v_ptr, t, stride_vt, stride_vh, k_cache_ptr, v_cache_ptr, slot_ptr,
-                  stride_cb, stride_cs, stride_ch, NK, BLOCK_K, HALF, BLOCK_SIZE)
+                  stride_cb, stride_cs, stride_ch, ks_ptr, vs_ptr, stride_sb, stride_ss,
+                  NK, BLOCK_K, HALF, BLOCK_SIZE, LIMIT)
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
           sin: torch.Tensor, q_weight: torch.Tensor | None = None,
           k_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
           v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
-          v_cache: torch.Tensor | None = None,
-          slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          v_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
+          k_scale: torch.Tensor | None = None,
+          v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q [T, Hq, D] and k [T, Hkv, D] (strided views are fine); cos/sin are the
     float32 [max_position, D] tables. With weights, RMSNorm each head first.
 
     With v [T, Hkv, D], the paged caches [num_blocks, block_size, Hkv, D] and slot_mapping,
     also store each token's rotated key and its value at slot_mapping[t] (-1: skip), cast
-    to the cache dtype: the same result as triton_attention.store_kv_cache afterwards.
+    to the cache dtype (fp8 caches: quantized, scales in k_scale / v_scale): the same result as triton_attention.store_kv_cache afterwards.
     """
     num_tokens, nq, dim = q.shape
     nk = k.shape[1]
@@ -114,15 +137,16 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
         assert k_cache.stride(-1) == 1 and v_cache.dtype == k_cache.dtype
         assert slot_mapping.shape[0] >= num_tokens
         cache_args = (v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1),
-                      *k_cache.stride()[:3])
+                      *k_cache.stride()[:3], *scale_args(k_cache, k_scale, v_scale, k))
     else:
         assert v is None and v_cache is None and slot_mapping is None
-        cache_args = (k, k, k, positions, 0, 0, 0, 0, 0)  # never read: any pointers, zero strides
+        # Never read: any pointers, zero strides.
+        cache_args = (k, k, k, positions, 0, 0, 0, 0, 0, k, k, 0, 0)
     if num_tokens:
         _rope_kernel[(num_tokens,)](
             q, k, positions, cos, sin, q_weight if norm else q, k_weight if norm else k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps, *cache_args,
             NQ=nq, NK=nk, BLOCK_Q=triton.next_power_of_2(nq), BLOCK_K=triton.next_power_of_2(nk),
             HALF=dim // 2, NORM=norm, STORE=store, BLOCK_SIZE=k_cache.shape[1] if store else 1,
-            num_warps=4)
+            LIMIT=fp8_limit(k_cache) if store else 0.0, num_warps=4)
     return q, k

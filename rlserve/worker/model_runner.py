@@ -14,6 +14,7 @@ import torch
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import AttentionMetadata, PagedAttention
 from rlserve.ops import kernels
+from rlserve.ops.attention import FP8_DTYPES
 from rlserve.ops.lora import LoRABatch, group_tokens
 from rlserve.sequence import PLACEHOLDER, SchedulerOutput, TokenLogprob
 from rlserve.worker import sampler as S
@@ -168,18 +169,21 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, block_size: int,
-                 logprobs_mode: str = "raw_logprobs", lora=None):
+                 logprobs_mode: str = "raw_logprobs", lora=None,
+                 kv_cache_dtype: torch.dtype | None = None):
         self.model = model
         self.lora = lora  # rlserve.model.lora.LoRAModel, when adapters are enabled
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.kernels = kernels.select(device)  # once, for the model's every layer
         kernels.bind(model, self.kernels)
         if lora is not None:
             lora.context.kernels = self.kernels
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # fp8 caches only
         self.num_blocks = 0
         self.graphs: CudaGraphs | None = None
         self._noise_rng = np.random.default_rng()  # keys of unseeded rows (fused sampling)
@@ -193,24 +197,33 @@ class ModelRunner:
         return self.kernels.sample is not None
 
     # -- KV cache --------------------------------------------------------------------
+    @property
+    def kv_scaled(self) -> bool:
+        """fp8 caches keep a float32 scale per token and kv head (ops/attention.py)."""
+        return self.kv_cache_dtype in FP8_DTYPES
+
     def kv_bytes_per_block(self) -> int:
         a = self.attn_layers[0]
-        per_layer = 2 * self.block_size * a.num_kv_heads * a.head_dim
-        return per_layer * len(self.attn_layers) * self.dtype.itemsize
+        rows = 2 * self.block_size * a.num_kv_heads * len(self.attn_layers)
+        return rows * (a.head_dim * self.kv_cache_dtype.itemsize + (4 if self.kv_scaled else 0))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         a = self.attn_layers[0]
-        self.kv_cache = torch.empty(
-            (len(self.attn_layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
-            dtype=self.dtype, device=self.device)
+        shape = (len(self.attn_layers), 2, num_blocks, self.block_size, a.num_kv_heads)
+        self.kv_cache = torch.empty((*shape, a.head_dim), dtype=self.kv_cache_dtype,
+                                    device=self.device)
+        self.kv_scales = (torch.ones(shape, dtype=torch.float32, device=self.device)
+                          if self.kv_scaled else None)
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            if self.kv_scales is not None:
+                layer.k_scale, layer.v_scale = self.kv_scales[i, 0], self.kv_scales[i, 1]
         self.num_blocks = num_blocks
 
     def free_kv_cache(self) -> None:
         for layer in self.attn_layers:
-            layer.k_cache = layer.v_cache = None
-        self.kv_cache = None
+            layer.k_cache = layer.v_cache = layer.k_scale = layer.v_scale = None
+        self.kv_cache = self.kv_scales = None
         self.graphs = None  # they captured the cache's addresses
         self.penalties.reset()  # device memory too
 

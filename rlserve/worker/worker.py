@@ -10,7 +10,7 @@ import time
 import numpy as np
 import torch
 
-from rlserve.config import EngineConfig, resolve_dtype
+from rlserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from rlserve.distributed import TPGroup, tp_device, tp_group_scope
 from rlserve.model.loader import build_model
 from rlserve.model.peft import LoRAConfig, pair_tensors, peft_name
@@ -46,7 +46,8 @@ class Worker:
             self.lora = attach_lora(self.model, config.max_loras, config.max_lora_rank)
         self.load_seconds = time.perf_counter() - t0
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size,
-                                  config.logprobs_mode, lora=self.lora)
+                                  config.logprobs_mode, lora=self.lora,
+                                  kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype))
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
         # Taken while the parameters have their real shapes (sleep empties them).
         self.expected = self.model.expected_weights()
