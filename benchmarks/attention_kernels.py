@@ -61,10 +61,11 @@ def bench_graph(fn, iters: int = 50) -> float:
     return bench(graph.replay, iters)
 
 
-def make_batch(prefix_lens, q_lens, seed=0, block_size=BLOCK, head_major=False):
+def make_batch(prefix_lens, q_lens, seed=0, block_size=BLOCK, head_major=False, cache_dtype=None):
     """Inputs over a cache of `block_size`-token blocks (shuffled), stored token-major
     ([block, token, head, dim], the engine's) or head-major ([block, head, token, dim],
-    handed to the kernels as a strided view of that shape)."""
+    handed to the kernels as a strided view of that shape). cache_dtype: an fp8 type for a
+    quantized cache with its per-row scales (token-major only)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     seq_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
     nblk = [math.ceil(s / block_size) for s in seq_lens]
@@ -82,6 +83,12 @@ def make_batch(prefix_lens, q_lens, seed=0, block_size=BLOCK, head_major=False):
     v_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)
     if head_major:
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    scales, row_bytes = {}, HEAD_DIM * DTYPE.itemsize
+    if cache_dtype is not None:
+        assert not head_major
+        k_cache, k_scale = ref.quantize_fp8(k_cache, cache_dtype)
+        v_cache, v_scale = ref.quantize_fp8(v_cache, cache_dtype)
+        scales, row_bytes = dict(k_scale=k_scale, v_scale=v_scale), HEAD_DIM + 4
     n_tok = sum(q_lens)
     query = torch.randn(n_tok, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32,
@@ -89,7 +96,8 @@ def make_batch(prefix_lens, q_lens, seed=0, block_size=BLOCK, head_major=False):
     return dict(query=query, k_cache=k_cache, v_cache=v_cache, query_start_loc=qsl,
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
                 block_tables=bt, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-                kv_tokens=sum(seq_lens),
+                kv_tokens=sum(seq_lens), scales=scales,
+                kv_bytes=sum(seq_lens) * KV_HEADS * row_bytes * 2,
                 # causal score entries: each query row sees prefix + its index + 1 keys
                 score_entries=sum(q * p + q * (q + 1) // 2 for p, q in zip(prefix_lens, q_lens)))
 
@@ -98,13 +106,14 @@ def run_triton(ta, batch, out, **kw):
     return lambda: ta.paged_attention(
         batch["query"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
         batch["seq_lens"], batch["block_tables"], HEAD_DIM ** -0.5,
-        max_query_len=batch["max_query_len"], max_seq_len=batch["max_seq_len"], out=out, **kw)
+        max_query_len=batch["max_query_len"], max_seq_len=batch["max_seq_len"], out=out,
+        **batch["scales"], **kw)
 
 
 def run_ref(batch):
     return lambda: ref.paged_attention(
         batch["query"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
-        batch["seq_lens"], batch["block_tables"], HEAD_DIM ** -0.5)
+        batch["seq_lens"], batch["block_tables"], HEAD_DIM ** -0.5, **batch["scales"])
 
 
 def check(ta, batch, **kw):

@@ -7,6 +7,7 @@ against the torch reference, then timed as a CUDA-graph replay.
 Usage: python benchmarks/decode_sweep.py [--json PATH]
        python benchmarks/decode_sweep.py --tail   # the end of a run: fewer, longer sequences,
                                                   # longest first, more KV splits
+       python benchmarks/decode_sweep.py --kv-cache-dtype fp8  # tiles for an fp8 cache
        python benchmarks/decode_sweep.py --cache  # block sizes 16-128, the cache's layout
                                                   # ([block, token, head, dim] or [block, head,
                                                   # token, dim]) and tiles, longest first
@@ -96,6 +97,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--tail", action="store_true", help="late-run batch sizes, splits 1-8")
     ap.add_argument("--cache", action="store_true", help="block sizes, cache layouts and tiles")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="fp8: a quantized cache (e4m3, a scale per row), its tiles")
     args = ap.parse_args()
     from rlserve.ops import triton_attention as ta
     if args.cache:
@@ -105,9 +108,13 @@ def main() -> None:
     configs, orders, split_counts = CONFIGS, (False, True), (1, 2, 4)
     if args.tail:
         configs, orders, split_counts = [(64, 2, 3), (64, 4, 3), (128, 4, 3)], (True,), (1, 2, 3, 4, 6, 8)
+    cache_dtype = None
+    if args.kv_cache_dtype == "fp8":  # half the bytes a key: wider key tiles
+        cache_dtype, orders, split_counts = torch.float8_e4m3fn, (True,), (1, 2)
+        configs = CONFIGS + [(128, 4, 4), (256, 4, 2), (256, 4, 3), (256, 8, 2)]
     for name, ctx in (tail_shapes() if args.tail else shapes()):
-        batch = make_batch(ctx, [1] * len(ctx))
-        kv_bytes = batch["kv_tokens"] * KV_HEADS * HEAD_DIM * 2 * 2
+        batch = make_batch(ctx, [1] * len(ctx), cache_dtype=cache_dtype)
+        kv_bytes = batch["kv_bytes"]
         out = torch.empty_like(batch["query"])
         base = bench_graph(run_triton(ta, batch, out))
         print(f"== {name}: {kv_bytes / 1e6:.0f} MB of K+V; current default {base:.1f} us "

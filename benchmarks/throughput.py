@@ -40,15 +40,16 @@ def workload(num_seqs: int, min_len: int, max_len: int, max_out: int, seed: int 
 
 
 def bound_tokens_per_s(cfg: dict, prompts, out_lens, dtype_bytes: int = 2,
-                       hbm_bytes_per_s: float = 4.8e12) -> float:
-    """Bytes-moved bound: weights once per decode step, each token's KV once per step."""
+                       hbm_bytes_per_s: float = 4.8e12, kv_fp8: bool = False) -> float:
+    """Bytes-moved bound: weights once per decode step, each token's KV once per step
+    (kv_fp8: a byte per element and a float32 scale per head row)."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     params = (cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
               + layers * (h * head_dim * (cfg["num_attention_heads"] + 2 * kv_heads)
                           + cfg["num_attention_heads"] * head_dim * h + 3 * h * cfg["intermediate_size"]))
-    kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    kv_per_token = 2 * layers * kv_heads * (head_dim + 4 if kv_fp8 else head_dim * dtype_bytes)
     # All sequences decode together; a sequence's context grows from its prompt.
     steps = max(out_lens)
     weight_bytes = params * dtype_bytes * steps
@@ -106,6 +107,7 @@ def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] |
               skip_tokenizer_init=True, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_dtype=args.kv_cache_dtype,
               **({"block_size": args.block_size} if args.block_size else {}), **lora_kw)
     names = [f"lora{i % len(loras)}" for i in range(len(prompts))] if loras else None
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n,
@@ -216,6 +218,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: the engine's)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8: the engine's option")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="profile the rlserve run with torch.profiler and print the top ops")
@@ -266,6 +269,9 @@ def main() -> None:
     if args.model in PRESETS and args.device.startswith("cuda"):
         bound = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens)
         print(f"byte-counting bound (H200, 4.8 TB/s): {bound:,.0f} tok/s; rlserve at {ours / bound:.0%}")
+        if args.kv_cache_dtype.startswith("fp8"):
+            fp8 = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens, kv_fp8=True)
+            print(f"the same bound for an fp8 cache: {fp8:,.0f} tok/s; rlserve at {ours / fp8:.0%}")
     if args.loras:
         import tempfile
         with tempfile.TemporaryDirectory() as root:
