@@ -120,7 +120,8 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
 
     With v [T, Hkv, D], the paged caches [num_blocks, block_size, Hkv, D] and slot_mapping,
     also store each token's rotated key and its value at slot_mapping[t] (-1: skip), cast
-    to the cache dtype (fp8 caches: quantized, scales in k_scale / v_scale): the same result as triton_attention.store_kv_cache afterwards.
+    to the cache dtype (fp8 caches: quantized, scales in k_scale / v_scale): the same
+    result as triton_attention.store_kv_cache afterwards.
     """
     num_tokens, nq, dim = q.shape
     nk = k.shape[1]
