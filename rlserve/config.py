@@ -47,11 +47,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str, config_dtype: Any = Non
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: `auto` keeps the model's."""
+    """The KV cache's element type: `auto` keeps the model's. EngineConfig has checked
+    the name."""
     import torch
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: unsupported {kv_cache_dtype!r}; "
-                         f"choose one of {', '.join(KV_CACHE_DTYPES)}")
     name = KV_CACHE_DTYPES[kv_cache_dtype]
     return model_dtype if name is None else getattr(torch, name)
 
