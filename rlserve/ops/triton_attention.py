@@ -102,15 +102,13 @@ def _store_kv_kernel(
         hs = tl.arange(0, BLOCK_H)
         tl.store(ks_ptr + blk * stride_sb + off * stride_ss + hs, ks, mask=hs < NUM_KV_HEADS)
         tl.store(vs_ptr + blk * stride_sb + off * stride_ss + hs, vs, mask=hs < NUM_KV_HEADS)
-        k8 = fp8_rows(k, ks, k_cache_ptr.dtype.element_ty, LIMIT)
-        v8 = fp8_rows(v, vs, v_cache_ptr.dtype.element_ty, LIMIT)
-        tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d, k8, mask=mask)
-        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v8, mask=mask)
+        k_out = fp8_rows(k, ks, k_cache_ptr.dtype.element_ty, LIMIT)
+        v_out = fp8_rows(v, vs, v_cache_ptr.dtype.element_ty, LIMIT)
     else:
-        tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d,
-                 k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d,
-                 v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        k_out = k.to(k_cache_ptr.dtype.element_ty)
+        v_out = v.to(v_cache_ptr.dtype.element_ty)
+    tl.store(k_cache_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d, k_out, mask=mask)
+    tl.store(v_cache_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v_out, mask=mask)
 
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -73,15 +73,15 @@ def _store_kv(k_lo, k_hi, v_ptr, t, stride_vt, stride_vh, k_cache_ptr, v_cache_p
             hs = tl.arange(0, BLOCK_H)
             tl.store(ks_ptr + blk * stride_sb + off * stride_ss + hs, ks, mask=hs < NUM_HEADS)
             tl.store(vs_ptr + blk * stride_sb + off * stride_ss + hs, vs, mask=hs < NUM_HEADS)
-            tl.store(k_cache_ptr + dst, fp8_rows(k_lo, ks, cache_ty, LIMIT), mask=mask)
-            tl.store(k_cache_ptr + dst + HALF, fp8_rows(k_hi, ks, cache_ty, LIMIT), mask=mask)
-            tl.store(v_cache_ptr + dst, fp8_rows(v_lo, vs, cache_ty, LIMIT), mask=mask)
-            tl.store(v_cache_ptr + dst + HALF, fp8_rows(v_hi, vs, cache_ty, LIMIT), mask=mask)
+            out_k_lo, out_k_hi = fp8_rows(k_lo, ks, cache_ty, LIMIT), fp8_rows(k_hi, ks, cache_ty, LIMIT)
+            out_v_lo, out_v_hi = fp8_rows(v_lo, vs, cache_ty, LIMIT), fp8_rows(v_hi, vs, cache_ty, LIMIT)
         else:
-            tl.store(k_cache_ptr + dst, k_lo.to(cache_ty), mask=mask)
-            tl.store(k_cache_ptr + dst + HALF, k_hi.to(cache_ty), mask=mask)
-            tl.store(v_cache_ptr + dst, v_lo.to(cache_ty), mask=mask)
-            tl.store(v_cache_ptr + dst + HALF, v_hi.to(cache_ty), mask=mask)
+            out_k_lo, out_k_hi = k_lo.to(cache_ty), k_hi.to(cache_ty)
+            out_v_lo, out_v_hi = v_lo.to(cache_ty), v_hi.to(cache_ty)
+        tl.store(k_cache_ptr + dst, out_k_lo, mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, out_k_hi, mask=mask)
+        tl.store(v_cache_ptr + dst, out_v_lo, mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, out_v_hi, mask=mask)
 
 
 # Every integer argument is fixed by the model and the cache layout (the token count is
