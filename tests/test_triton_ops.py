@@ -470,8 +470,14 @@ SAME = dict(rtol=0, atol=0, equal_nan=True)
 def _qkv(num_tokens: int, hq: int, hk: int, d: int, dtype: torch.dtype, gen: torch.Generator):
     """A fused qkv projection output and its q, k, v views, as the model splits it."""
     qkv = torch.randn(num_tokens, (hq + 2 * hk) * d, generator=gen).to(dtype).to(DEVICE)
+    return (qkv, *_qkv_views(qkv, hq, hk, d))
+
+
+def _qkv_views(qkv: torch.Tensor, hq: int, hk: int, d: int):
+    """q [T, hq, d], k and v [T, hk, d]: strided views into a fused qkv output."""
+    t = qkv.shape[0]
     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-    return qkv, q.view(num_tokens, hq, d), k.view(num_tokens, hk, d), v.view(num_tokens, hk, d)
+    return q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
 
 
 def _slots(num_tokens: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
@@ -511,7 +517,7 @@ def test_rope_store_matches_rope_then_store(dtype, norm, block_size, hk, d):
 
     # The separate kernels, on a copy.
     qkv_sep = qkv.clone()
-    q_sep, k_sep, v_sep = (x.view(t, -1, d) for x in qkv_sep.split([hq * d, hk * d, hk * d], -1))
+    q_sep, k_sep, v_sep = _qkv_views(qkv_sep, hq, hk, d)
     kc_sep, vc_sep = _nan_cache(block_size, hk, d, dtype), _nan_cache(block_size, hk, d, dtype)
     rope_(q_sep, k_sep, positions, rope.cos, rope.sin, qw, kw, 1e-6)
     triton_attention.store_kv_cache(k_sep, v_sep, kc_sep, vc_sep, slots)
@@ -536,7 +542,7 @@ def test_rope_store_matches_rope_then_store(dtype, norm, block_size, hk, d):
         assert flat[~written].isnan().all()
 
     # The torch reference: RMSNorm as transformers, rotation in float32, the reference store.
-    q0, k0, _ = (x.view(t, -1, d) for x in original.split([hq * d, hk * d, hk * d], -1))
+    q0, k0, _ = _qkv_views(original, hq, hk, d)
     if norm:
         q0, k0 = fused_ref.rms_norm(q0, qw, 1e-6), fused_ref.rms_norm(k0, kw, 1e-6)
     cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
@@ -562,7 +568,7 @@ def test_rope_store_casts_to_the_cache_dtype():
     slots = _slots(t, block_size, gen)
     qkv, q, k, v = _qkv(t, hq, hk, d, torch.float32, gen)
     qkv_sep = qkv.clone()
-    q_sep, k_sep, v_sep = (x.view(t, -1, d) for x in qkv_sep.split([hq * d, hk * d, hk * d], -1))
+    q_sep, k_sep, v_sep = _qkv_views(qkv_sep, hq, hk, d)
     kc_sep, vc_sep = (_nan_cache(block_size, hk, d, torch.bfloat16) for _ in range(2))
     rope_(q_sep, k_sep, positions, rope.cos, rope.sin)
     triton_attention.store_kv_cache(k_sep, v_sep, kc_sep, vc_sep, slots)
@@ -589,7 +595,7 @@ def test_rope_store_into_an_fp8_cache(cache_dtype):
     v[1, 0, :3] = torch.tensor([1e5, -1e5, 5.0])
     qw, kw = _norms(d, torch.bfloat16, gen)
     qkv_sep = qkv.clone()
-    q_sep, k_sep, v_sep = (x.view(t, -1, d) for x in qkv_sep.split([hq * d, hk * d, hk * d], -1))
+    q_sep, k_sep, v_sep = _qkv_views(qkv_sep, hq, hk, d)
     def scales():
         return {name: torch.full((NUM_BLOCKS, block_size, hk), float("nan"), device=DEVICE)
                 for name in ("k_scale", "v_scale")}
