@@ -180,7 +180,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     ctx = torch.randint(500, 701, (256,), generator=g).tolist()
     dec = make_batch(ctx, [1] * 256)
-    kv_bytes = dec["kv_tokens"] * KV_HEADS * HEAD_DIM * 2 * 2
+    kv_bytes = dec["kv_bytes"]
     print(f"decode: 256 seqs, {dec['kv_tokens']} cached tokens, "
           f"{kv_bytes / 1e6:.0f} MB of K+V; rel err {check(ta, dec):.2e}", flush=True)
     out = torch.empty_like(dec["query"])
@@ -190,7 +190,7 @@ def main() -> None:
 
     # ---------------------------------------------------------------- decode, long contexts
     lng = make_batch([8191] * 8, [1] * 8, seed=2)
-    lbytes = lng["kv_tokens"] * KV_HEADS * HEAD_DIM * 2 * 2
+    lbytes = lng["kv_bytes"]
     print(f"long decode: rel err auto-split {check(ta, lng):.2e}", flush=True)
     out = torch.empty_like(lng["query"])
     report("long decode 8x8192 triton auto splits (graph)",

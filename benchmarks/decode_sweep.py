@@ -22,7 +22,7 @@ import random
 
 import torch
 
-from attention_kernels import HEAD_DIM, KV_HEADS, bench_graph, check, make_batch, run_triton
+from attention_kernels import bench_graph, check, make_batch, run_triton
 
 # (BLOCK_N, num_warps, num_stages). The default decode tile follows the batch size
 # (triton_attention._pick_config): (32, 2, 3) above 160 sequences, (64, 2, 3) above 96,
@@ -77,7 +77,7 @@ def cache_sweep(ta) -> None:
         for head_major, block_size in itertools.product((False, True), (16, 32, 64, 128)):
             layout = "head-major" if head_major else "token-major"
             b = make_batch(ctx, [1] * len(ctx), block_size=block_size, head_major=head_major)
-            kv_bytes = b["kv_tokens"] * KV_HEADS * HEAD_DIM * 2 * 2
+            kv_bytes = b["kv_bytes"]
             order = torch.argsort(-b["seq_lens"]).to(torch.int32)  # longest first
             out = torch.empty_like(b["query"])
             for bn, nw, st in tiles:
