@@ -216,9 +216,11 @@ def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr, order_ptr, ks_ptr, vs_ptr,
     scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_sb, stride_ss,
-    stride_bt, num_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_sb, stride_ss, stride_bt, num_heads,
+    # The cache's strides follow from block size, kv heads and head_dim alone: constants
+    # for a model, so they cost no recompiles, and K and V share their offset arithmetic.
+    stride_kb: tl.constexpr, stride_ks: tl.constexpr, stride_kh: tl.constexpr,
+    stride_vb: tl.constexpr, stride_vs: tl.constexpr, stride_vh: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
@@ -441,10 +443,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query, k_cache, v_cache, out, part_out, part_lse,
         query_start_loc, seq_lens, block_tables, seq_order if seq_order is not None else seq_lens,
         ks, vs, scale * math.log2(math.e),
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_sb, stride_ss,
-        block_tables.stride(0), num_heads, ORDERED=seq_order is not None, **t.constants,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), stride_sb, stride_ss,
+        block_tables.stride(0), num_heads,
+        stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
+        stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
+        ORDERED=seq_order is not None, **t.constants,
     )
     if t.splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
