@@ -27,9 +27,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+import attention_kernels
 from attention_kernels import bench_graph
 
-H, D, BS, GROUP = 8, 128, 16, 2  # kv heads, head_dim, block size, query heads per kv head
+# kv heads, head_dim, block size, query heads per kv head: attention_kernels' batches
+H, D, BS = attention_kernels.KV_HEADS, attention_kernels.HEAD_DIM, attention_kernels.BLOCK
+GROUP = attention_kernels.HEADS // H
 KH, HD, BLK, G = (tl.constexpr(c) for c in (H, D, BS, GROUP))  # the same, for the kernels
 
 
@@ -57,16 +60,31 @@ def _softmax_step(acc, l_i, m_i, q, k, v, ok, scale_log2):
 
 
 @triton.jit
-def attn_pointers(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, sl_ptr, order_ptr, stride_bt, scale_log2,
-                  HINT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def _start(q_ptr, sl_ptr, order_ptr, BLOCK_M: tl.constexpr):
+    """A program's kv head, sequence, length and query rows (G heads padded to BLOCK_M)."""
     kvh = tl.program_id(0)
     b = tl.load(order_ptr + tl.program_id(1))
-    seq_len = tl.load(sl_ptr + b)
     rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < G
     d = tl.arange(0, HD)
     q = tl.load(q_ptr + b * (KH * G * HD) + (kvh * G + rows)[:, None] * HD + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=(rows < G)[:, None], other=0.0)
+    return kvh, b, tl.load(sl_ptr + b), q
+
+
+@triton.jit
+def _finish(out_ptr, acc, l_i, kvh, b, BLOCK_M: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HD)
+    o = acc / l_i[:, None]
+    tl.store(out_ptr + b * (KH * G * HD) + (kvh * G + rows)[:, None] * HD + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=(rows < G)[:, None])
+
+
+@triton.jit
+def attn_pointers(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, sl_ptr, order_ptr, stride_bt, scale_log2,
+                  HINT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    kvh, b, seq_len, q = _start(q_ptr, sl_ptr, order_ptr, BLOCK_M)
+    d = tl.arange(0, HD)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
@@ -85,23 +103,14 @@ def attn_pointers(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, sl_ptr, order_ptr, strid
             k = tl.load(k_ptr + rowoff, mask=ok[:, None], other=0.0)
             v = tl.load(v_ptr + rowoff, mask=ok[:, None], other=0.0)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, ok, scale_log2)
-    o = acc / l_i[:, None]
-    tl.store(out_ptr + b * (KH * G * HD) + (kvh * G + rows)[:, None] * HD + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    _finish(out_ptr, acc, l_i, kvh, b, BLOCK_M)
 
 
 @triton.jit
 def attn_tma(q_ptr, k_desc, v_desc, out_ptr, bt_ptr, sl_ptr, order_ptr, stride_bt, scale_log2,
              BLOCK_M: tl.constexpr):
     """One 16-token block a step: its K and V rows of this kv head arrive by TMA."""
-    kvh = tl.program_id(0)
-    b = tl.load(order_ptr + tl.program_id(1))
-    seq_len = tl.load(sl_ptr + b)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < G
-    d = tl.arange(0, HD)
-    q = tl.load(q_ptr + b * (KH * G * HD) + (kvh * G + rows)[:, None] * HD + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    kvh, b, seq_len, q = _start(q_ptr, sl_ptr, order_ptr, BLOCK_M)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
@@ -111,29 +120,17 @@ def attn_tma(q_ptr, k_desc, v_desc, out_ptr, bt_ptr, sl_ptr, order_ptr, stride_b
         v = v_desc.load([phys * BLK, kvh, 0]).reshape(BLK, HD)
         ok = i * BLK + tl.arange(0, BLK) < seq_len
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, ok, scale_log2)
-    o = acc / l_i[:, None]
-    tl.store(out_ptr + b * (KH * G * HD) + (kvh * G + rows)[:, None] * HD + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    _finish(out_ptr, acc, l_i, kvh, b, BLOCK_M)
 
 
-def make_batch(lens: list[int], seed: int = 0) -> dict:
-    """Longest-first lengths over a shuffled bf16 cache."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    nblk = [(s + BS - 1) // BS for s in lens]
-    num_blocks = sum(nblk) + 8
-    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
-    table = torch.zeros(len(lens), max(nblk), dtype=torch.int32, device="cuda")
-    i = 0
-    for r, n in enumerate(nblk):
-        table[r, :n] = perm[i:i + n]
-        i += n
-    k = torch.randn(num_blocks, BS, H, D, device="cuda", generator=gen).bfloat16()
-    v = torch.randn(num_blocks, BS, H, D, device="cuda", generator=gen).bfloat16()
-    q = torch.randn(len(lens), H * GROUP, D, device="cuda", generator=gen).bfloat16()
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    order = torch.argsort(seq_lens, descending=True).to(torch.int32)
-    return dict(q=q, k=k, v=v, table=table, seq_lens=seq_lens, order=order,
-                kv_bytes=sum(lens) * H * D * 2 * 2)
+def make_batch(lens: list[int]) -> dict:
+    """One query token per sequence over a shuffled bf16 cache (attention_kernels' batch),
+    longest sequence first."""
+    batch = attention_kernels.make_batch([n - 1 for n in lens], [1] * len(lens))
+    seq_lens = batch["seq_lens"]
+    return dict(q=batch["query"], k=batch["k_cache"], v=batch["v_cache"],
+                table=batch["block_tables"], seq_lens=seq_lens, kv_bytes=batch["kv_bytes"],
+                order=torch.argsort(seq_lens, descending=True).to(torch.int32))
 
 
 def variants(batch: dict):
