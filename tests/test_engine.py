@@ -42,8 +42,8 @@ def test_smollm2_greedy_matches_transformers(llm, hf_demo):
     for prompt, out in zip(PROMPTS, outs):
         ids = llm.tokenizer.encode(prompt)
         assert out.prompt_token_ids == ids
-        ref_tokens, ref_lps = hf_greedy(hf_demo, ids, 32)
         sample = out.outputs[0]
+        ref_tokens, ref_lps = hf_greedy(hf_demo, ids, 32, guess=sample.token_ids)
         assert sample.token_ids == ref_tokens, prompt
         ours = [lp.logprob for lp in sample.logprobs]
         assert max(abs(a - b) for a, b in zip(ours, ref_lps)) < 1e-4
@@ -106,7 +106,7 @@ def test_small_architectures_match_transformers(arch, tmp_path, model_path):
     prompts = [[5, 17, 300, 42, 9, 11], [1000, 2000, 3000], list(range(100, 140))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for ids, out in zip(prompts, outs):
-        ref, _ = hf_greedy(hf, ids, 16)
+        ref, _ = hf_greedy(hf, ids, 16, guess=out.outputs[0].token_ids)
         assert out.outputs[0].token_ids == ref, arch
 
 
@@ -121,16 +121,23 @@ def test_prefix_cache_hit_gives_same_tokens(llm):
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
 
 
-def test_preempted_requests_recompute_to_same_tokens(model_path, llm):
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params)]
-    # 12 blocks of 16 tokens cannot hold six sequences of ~50 tokens: preemption is forced.
+# Six sequences of ~50 tokens: 12 blocks of 16 tokens cannot hold them, so preemption is forced.
+PREEMPTED = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def unconstrained(llm) -> list[list[int]]:
+    """The greedy tokens of PROMPTS[:6] from an engine with room for all of them."""
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], PREEMPTED)]
+
+
+def test_preempted_requests_recompute_to_same_tokens(model_path, llm, unconstrained):
     small = LLM(model_path, device="cpu", dtype="float32", num_kv_blocks=12, max_model_len=512)
-    outs = small.generate(PROMPTS[:6], params)
+    outs = small.generate(PROMPTS[:6], PREEMPTED)
     assert small.engine.stats().preemptions_total > 0
-    assert [o.outputs[0].token_ids for o in outs] == plain
-    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS[:2]]
-    assert alone == plain[:2]
+    assert [o.outputs[0].token_ids for o in outs] == unconstrained
+    alone = [llm.generate([p], PREEMPTED)[0].outputs[0].token_ids for p in PROMPTS[:2]]
+    assert alone == unconstrained[:2]
 
 
 def test_chunked_prefill_gives_same_tokens(model_path, llm):
@@ -343,10 +350,9 @@ def test_block_table_array_follows_allocation_preemption_and_prefix_hits():
     assert not kv.tables.array.any() and kv.pool.num_free == 400
 
 
-def test_block_tables_through_engine_preemption(model_path, llm):
+def test_block_tables_through_engine_preemption(model_path, unconstrained):
     """Step by step through forced preemption: the table the runner gets is the
     requests' block lists, and the tokens match an unconstrained engine's."""
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     small = LLM(model_path, device="cpu", dtype="float32", num_kv_blocks=12, max_model_len=512,
                 async_scheduling=True)
     engine = small.engine
@@ -360,10 +366,9 @@ def test_block_tables_through_engine_preemption(model_path, llm):
         return launch(sched, block_tables, prev, **kw)
 
     engine.executor.driver.runner.launch = checked_launch
-    outs = small.generate(PROMPTS[:6], params)
+    outs = small.generate(PROMPTS[:6], PREEMPTED)
     assert engine.stats().preemptions_total > 0 and tables_seen
-    assert [o.outputs[0].token_ids for o in outs] == \
-        [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params)]
+    assert [o.outputs[0].token_ids for o in outs] == unconstrained
 
 
 @pytest.mark.parametrize("overlapped", [False, True])
