@@ -16,7 +16,7 @@ import sys
 import httpx
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import start_tiny_server, stop_server
 from rlserve.server.routes_control import router
 
 API_KEY = "user-key"
@@ -43,8 +43,7 @@ def _state(http: httpx.Client, base: str) -> tuple[bool, bool]:
 def open_server(demo_model, tmp_path_factory):
     """Weight transfer, an API key and no admin key."""
     log = tmp_path_factory.mktemp("sec") / "server.log"
-    srv = start_server(demo_model, log, "--load-format", "dummy", "--weight-transfer-config", GLOO,
-                       "--served-model-name", "m", api_key=API_KEY)
+    srv = start_tiny_server(log, "--weight-transfer-config", GLOO, api_key=API_KEY)
     yield srv
     stop_server(srv)
 
@@ -117,7 +116,9 @@ def test_dns_rebinding_host_is_refused(open_server):
         assert _state(http, base) == (False, False)
 
 
-def test_responses_name_the_served_model_not_its_path(open_server, demo_model):
+def test_responses_name_the_served_model_not_its_paths(open_server, demo_model):
+    """Neither the weights' directory nor the tokenizer's shows in what clients get."""
+    from rlserve.model.presets import model_dir
     with _client() as http:
         models = http.get(f"{open_server.url}/v1/models", headers=open_server.headers)
         r = http.post(f"{open_server.url}/v1/completions", headers=open_server.headers,
@@ -125,7 +126,8 @@ def test_responses_name_the_served_model_not_its_path(open_server, demo_model):
     assert models.json()["data"][0]["root"] == "m"
     assert r.status_code == 404 and "'m'" in r.text
     for text in (models.text, r.text):
-        assert demo_model not in text and os.path.basename(demo_model.rstrip("/")) not in text
+        for path in (model_dir("tiny"), demo_model):
+            assert path not in text and os.path.basename(path.rstrip("/")) not in text
 
 
 @pytest.mark.parametrize("flags, remote_needs_key", [
@@ -133,8 +135,8 @@ def test_responses_name_the_served_model_not_its_path(open_server, demo_model):
     (("--allow-remote-control",), False),
 ], ids=["admin-key", "allow-remote-control"])
 def test_admin_key_or_flag_opens_control_to_the_network(demo_model, tmp_path, flags, remote_needs_key):
-    srv = start_server(demo_model, tmp_path / "server.log", "--load-format", "dummy",
-                       "--weight-transfer-config", GLOO, "--max-model-len", "64", *flags)
+    srv = start_tiny_server(tmp_path / "server.log", "--weight-transfer-config", GLOO,
+                            "--max-model-len", "64", *flags)
     try:
         base = srv.url
         with _client() as http:

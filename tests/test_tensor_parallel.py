@@ -13,8 +13,9 @@ import httpx
 import pytest
 import torch
 
+from conftest import greedy_reference
 from conftest import hf_greedy as oracle
-from conftest import start_server, stop_server
+from conftest import start_server, start_tiny_server, stop_server
 from rlserve.distributed import HeadShard, partition_heads, split_evenly
 from rlserve.weight_transfer import WeightSyncClient
 
@@ -64,8 +65,8 @@ def tokenizer(demo_model):
 
 
 @pytest.fixture(scope="module")
-def checkpoint_output(trainer_model, tokenizer) -> list[list[int]]:
-    return [hf_greedy(trainer_model, tokenizer, p) for p in PROMPTS]
+def checkpoint_output(trainer_model, offline_llm) -> list[list[int]]:
+    return greedy_reference(trainer_model, offline_llm, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -188,9 +189,8 @@ def _tp_workers(pid: int) -> list[int]:
             if b"rlserve.worker.worker_proc" in Path(f"/proc/{d}/cmdline").read_bytes()]
 
 
-def test_dead_worker_takes_the_server_down(demo_model, tmp_path):
-    srv = start_server(demo_model, tmp_path / "tp2.log", "--load-format", "dummy", "--served-model-name", "m",
-                       "--max-model-len", "128", "--tensor-parallel-size", "2")
+def test_dead_worker_takes_the_server_down(tmp_path):
+    srv = start_tiny_server(tmp_path / "tp2.log", "--max-model-len", "128", "--tensor-parallel-size", "2")
     try:
         (worker,) = _tp_workers(srv.process.pid)
         events = []

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import hf_greedy, start_server, stop_server, stream_completion
+from conftest import greedy_reference, start_server, start_tiny_server, stop_server, stream_completion
 from rlserve.weight_transfer import GlooWeightTransferEngine, WeightSyncClient, WeightTransferError, get_open_port
 
 ADMIN_KEY = "admin-secret"
@@ -27,11 +27,9 @@ def trainer_model(hf_demo):
 
 
 @pytest.fixture(scope="module")
-def reference(demo_model, trainer_model):
+def reference(trainer_model, offline_llm):
     """transformers' greedy output on the real weights: what the server must produce."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(demo_model)
-    return {p: hf_greedy(trainer_model, tok.encode(p), 16)[0] for p in PROMPTS}
+    return dict(zip(PROMPTS, greedy_reference(trainer_model, offline_llm, PROMPTS, 16)))
 
 
 @pytest.fixture(scope="module")
@@ -222,18 +220,23 @@ def test_control_plane_needs_the_admin_key(dummy_server):
     assert httpx.get(f"{url}/is_paused", headers=admin()).json()["is_paused"] is False
 
 
-def test_update_before_init_is_refused(demo_model, tmp_path):
-    srv = start_server(demo_model, tmp_path / "s.log", "--load-format", "dummy",
-                       "--weight-transfer-config", '{"backend": "gloo"}', "--max-model-len", "64")
-    try:
-        r = httpx.post(f"{srv.url}/update_weights", timeout=30, json={"update_info": dict(
-            names=["model.norm.weight"], dtype_names=["float32"], shapes=[[576]])})
-        assert r.status_code == 400
-        assert "init_weight_transfer_engine" in r.json()["error"]["message"]
-        r = httpx.post(f"{srv.url}/pause", params={"mode": "sideways"})
-        assert r.status_code == 400 and "mode" in r.json()["error"]["message"]
-    finally:
-        stop_server(srv)
+@pytest.fixture(scope="module")
+def rejecting_server(tmp_path_factory):
+    """A small server whose weight transfer nobody initializes, refusing requests while asleep."""
+    srv = start_tiny_server(tmp_path_factory.mktemp("rejecting") / "s.log", "--weight-transfer-config",
+                            '{"backend": "gloo"}', "--max-model-len", "64", "--reject-while-asleep")
+    yield srv
+    stop_server(srv)
+
+
+def test_update_before_init_is_refused(rejecting_server):
+    url = rejecting_server.url
+    r = httpx.post(f"{url}/update_weights", timeout=30, json={"update_info": dict(
+        names=["model.norm.weight"], dtype_names=["float32"], shapes=[[576]])})
+    assert r.status_code == 400
+    assert "init_weight_transfer_engine" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/pause", params={"mode": "sideways"})
+    assert r.status_code == 400 and "mode" in r.json()["error"]["message"]
 
 
 _DYING_TRAINER = r"""
@@ -326,17 +329,11 @@ def test_sleep_and_wake_keep_serving_the_same_model(dummy_server, trainer_model,
         assert tokens(url, p) == reference[p]
 
 
-def test_reject_while_asleep_answers_503_and_serves_after_wake(demo_model, tmp_path):
-    srv = start_server(demo_model, tmp_path / "server.log", "--load-format", "dummy",
-                       "--weight-transfer-config", '{"backend": "gloo"}', "--served-model-name", "m",
-                       "--reject-while-asleep")
-    try:
-        assert httpx.post(f"{srv.url}/sleep").status_code == 200
-        r = httpx.post(f"{srv.url}/v1/completions", timeout=30,
-                       json=dict(model="m", prompt="Hi", max_tokens=2))
-        assert r.status_code == 503 and "asleep" in r.json()["error"]["message"]
-        assert httpx.get(f"{srv.url}/health").status_code == 200
-        assert httpx.post(f"{srv.url}/wake_up").status_code == 200
-        assert len(greedy(srv.url, "Hi", max_tokens=2)["choices"][0]["token_ids"]) == 2
-    finally:
-        stop_server(srv)
+def test_reject_while_asleep_answers_503_and_serves_after_wake(rejecting_server):
+    url = rejecting_server.url
+    assert httpx.post(f"{url}/sleep").status_code == 200
+    r = httpx.post(f"{url}/v1/completions", timeout=30, json=dict(model="m", prompt="Hi", max_tokens=2))
+    assert r.status_code == 503 and "asleep" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.post(f"{url}/wake_up").status_code == 200
+    assert len(greedy(url, "Hi", max_tokens=2)["choices"][0]["token_ids"]) == 2
