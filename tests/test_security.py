@@ -40,7 +40,7 @@ def _state(http: httpx.Client, base: str) -> tuple[bool, bool]:
 
 
 @pytest.fixture(scope="module")
-def open_server(demo_model, tmp_path_factory):
+def open_server(tmp_path_factory):
     """Weight transfer, an API key and no admin key."""
     log = tmp_path_factory.mktemp("sec") / "server.log"
     srv = start_tiny_server(log, "--weight-transfer-config", GLOO, api_key=API_KEY)
@@ -134,7 +134,7 @@ def test_responses_name_the_served_model_not_its_paths(open_server, demo_model):
     (("--admin-key", ADMIN_KEY), True),
     (("--allow-remote-control",), False),
 ], ids=["admin-key", "allow-remote-control"])
-def test_admin_key_or_flag_opens_control_to_the_network(demo_model, tmp_path, flags, remote_needs_key):
+def test_admin_key_or_flag_opens_control_to_the_network(tmp_path, flags, remote_needs_key):
     srv = start_tiny_server(tmp_path / "server.log", "--weight-transfer-config", GLOO,
                             "--max-model-len", "64", *flags)
     try:

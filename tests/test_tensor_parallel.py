@@ -13,9 +13,8 @@ import httpx
 import pytest
 import torch
 
-from conftest import greedy_reference
+from conftest import greedy_reference, start_server, start_tiny_server, stop_server
 from conftest import hf_greedy as oracle
-from conftest import start_server, start_tiny_server, stop_server
 from rlserve.distributed import HeadShard, partition_heads, split_evenly
 from rlserve.weight_transfer import WeightSyncClient
 
