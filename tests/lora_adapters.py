@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from conftest import hf_greedy
+
 PROMPTS = ["The capital of France is", "Hello, my name is",
            "def fibonacci(n):\n    # returns the n-th Fibonacci number, computed iteratively"]
 MAX_TOKENS = 12
@@ -29,15 +31,8 @@ def _randomize(peft_model, seed: int, scale: float) -> None:
 
 
 def greedy(model, tokenizer, prompt: str, n: int = MAX_TOKENS) -> list[int]:
-    """transformers' greedy tokens (eos ignored), with its KV cache."""
-    ids, past, out = torch.tensor([tokenizer.encode(prompt)]), None, []
-    with torch.no_grad():
-        for _ in range(n):
-            step = model(ids, past_key_values=past, use_cache=True)
-            past = step.past_key_values
-            out.append(int(step.logits[0, -1].argmax()))
-            ids = torch.tensor([[out[-1]]])
-    return out
+    """transformers' greedy tokens for a text prompt (conftest.hf_greedy)."""
+    return hf_greedy(model, tokenizer.encode(prompt), n)[0]
 
 
 def make_adapter(base_model, tokenizer, path: str, r: int, targets: list[str], seed: int,

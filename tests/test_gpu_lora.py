@@ -11,6 +11,8 @@ import json
 import pytest
 import torch
 
+from conftest import hf_greedy
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -58,14 +60,7 @@ def _prompts():
 
 
 def _hf_greedy(model, ids, n=MAX_TOKENS):
-    out, past, x = [], None, torch.tensor([ids], device="cuda")
-    with torch.no_grad():
-        for _ in range(n):
-            step = model(x, past_key_values=past, use_cache=True)
-            past = step.past_key_values
-            out.append(int(step.logits[0, -1].argmax()))
-            x = torch.tensor([[out[-1]]], device="cuda")
-    return out
+    return hf_greedy(model, ids, n)[0]
 
 
 def _hf_logprobs(model, prompt, tokens, best: bool = False):
