@@ -82,7 +82,8 @@ def _finish(out_ptr, acc, l_i, kvh, b, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def attn_pointers(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, sl_ptr, order_ptr, stride_bt, scale_log2,
-                  HINT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+                  EVICT: tl.constexpr, CACHE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
     kvh, b, seq_len, q = _start(q_ptr, sl_ptr, order_ptr, BLOCK_M)
     d = tl.arange(0, HD)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -93,15 +94,8 @@ def attn_pointers(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, sl_ptr, order_ptr, strid
         ok = j < seq_len
         phys = tl.load(bt_ptr + b * stride_bt + j // BLK, mask=ok, other=0).to(tl.int64)
         rowoff = phys[:, None] * (BLK * KH * HD) + (j % BLK)[:, None] * (KH * HD) + kvh * HD + d[None, :]
-        if HINT == 1:
-            k = tl.load(k_ptr + rowoff, mask=ok[:, None], other=0.0, eviction_policy="evict_first")
-            v = tl.load(v_ptr + rowoff, mask=ok[:, None], other=0.0, eviction_policy="evict_first")
-        elif HINT == 2:
-            k = tl.load(k_ptr + rowoff, mask=ok[:, None], other=0.0, cache_modifier=".cg")
-            v = tl.load(v_ptr + rowoff, mask=ok[:, None], other=0.0, cache_modifier=".cg")
-        else:
-            k = tl.load(k_ptr + rowoff, mask=ok[:, None], other=0.0)
-            v = tl.load(v_ptr + rowoff, mask=ok[:, None], other=0.0)
+        k = tl.load(k_ptr + rowoff, mask=ok[:, None], other=0.0, eviction_policy=EVICT, cache_modifier=CACHE)
+        v = tl.load(v_ptr + rowoff, mask=ok[:, None], other=0.0, eviction_policy=EVICT, cache_modifier=CACHE)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, k, v, ok, scale_log2)
     _finish(out_ptr, acc, l_i, kvh, b, BLOCK_M)
 
@@ -139,12 +133,12 @@ def variants(batch: dict):
     scale_log2 = D ** -0.5 * 1.4426950408889634
     common = (table, batch["seq_lens"], batch["order"], table.stride(0), scale_log2)
     grid = (H, q.shape[0])
-    for label, hint in (("pointers", 0), ("evict_first", 1), (".cg", 2)):
+    for label, evict, cache in (("pointers", "", ""), ("evict_first", "evict_first", ""), (".cg", "", ".cg")):
         for block_n, warps, stages in [(32, 2, 3), (64, 2, 3), (64, 4, 3), (128, 4, 3)]:
             out = torch.empty_like(q)
             yield label, (block_n, warps, stages), (
-                lambda out=out, bn=block_n, w=warps, s=stages, h=hint: attn_pointers[grid](
-                    q, k, v, out, *common, HINT=h, BLOCK_N=bn, BLOCK_M=16,
+                lambda out=out, bn=block_n, w=warps, s=stages, e=evict, c=cache: attn_pointers[grid](
+                    q, k, v, out, *common, EVICT=e, CACHE=c, BLOCK_N=bn, BLOCK_M=16,
                     num_warps=w, num_stages=s)), out
     shape3 = [k.shape[0] * BS, H, D]
     k_desc = TensorDescriptor(k, shape3, [H * D, D, 1], [BS, 1, D])
