@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
@@ -106,7 +107,9 @@ class _InFlightFill(NamedTuple):
 class _LogitsPlan(NamedTuple):
     """The rows that need logits, and those that sample (see ModelRunner._logits_plan)."""
 
-    logits_indices: np.ndarray  # int64 rows of the hidden states
+    logits_indices: np.ndarray  # int64 rows of the hidden states, padded (see _lm_head_rows)
+    num_logits: int  # the rows that need logits: the first num_logits of logits_indices
+    identity: bool  # the rows needing logits are the hidden states' first num_logits
     sample_rows: list[int]  # index into logits_indices of each sampling request
     sample_requests: list  # ScheduledRequest that sample, aligned with sample_rows
     requests: list  # the Sequence of each sample_requests item
@@ -137,11 +140,13 @@ class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the hidden states that need logits
+    logits_indices: torch.Tensor  # rows of the hidden states that need logits, padded
     sample_rows: list[int]  # index into logits_indices of each sampling request
     sample_requests: list  # ScheduledRequest that sample, aligned with sample_rows
     requests: list  # the Request of each sample_requests item
     prompt_rows: dict[str, tuple[int, list[int]]]  # req id -> (first logits row, target ids)
+    num_logits: int = 0  # logits_indices[:num_logits] are the rows that need logits
+    logits_identity: bool = False  # those rows are hidden[:num_logits]
     sample_index: torch.Tensor | None = None  # sample_rows on the device, when not every row samples
     sampling: S.SamplingBatch | None = None  # parameters of the sampling rows
     lora: LoRABatch | None = None  # which tokens use which adapter (runner with LoRA only)
@@ -318,8 +323,27 @@ class ModelRunner:
                 sample_requests, sample_reqs = [items[i] for i in rows], [reqs[i] for i in rows]
             sample_rows = list(range(len(sample_requests)))
             prompt_rows = {}
-        return _LogitsPlan(np.asarray(logits_indices, dtype=np.int64), sample_rows, sample_requests,
-                           sample_reqs, prompt_rows, sample_index)
+        indices = np.asarray(logits_indices, dtype=np.int64)
+        n = indices.size
+        identity = n == lay.ids.size and bool((indices == np.arange(n)).all())
+        padded = self._lm_head_rows(n)
+        if padded > n:  # repeats of a real row: computed, then dropped
+            indices = np.concatenate([indices, np.full(padded - n, indices[-1], dtype=np.int64)])
+        return _LogitsPlan(indices, n, identity, sample_rows, sample_requests, sample_reqs,
+                           prompt_rows, sample_index)
+
+    def _lm_head_rows(self, n: int) -> int:
+        """How many rows the LM head computes when n need logits: with CUDA graphs, n rounded
+        up to a graph's batch size (or to a multiple of 256 above the largest). cuBLAS
+        spends host time choosing a kernel the first time it meets a shape (0.4-9 ms on an
+        H200), which the eager prefill steps and the short steps at the end of a run
+        cannot hide; a few shapes, met at capture, pay it once."""
+        graphs = self.graphs
+        if graphs is None or n == 0:
+            return n
+        if n <= graphs.max_batch:
+            return graphs.sizes[bisect.bisect_left(graphs.sizes, n)]
+        return -(-n // 256) * 256
 
     def _upload(self, lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, reqs: list,
                 step: _SamplingStep | None):
@@ -366,13 +390,15 @@ class ModelRunner:
             if step.named:
                 # Each sampling row's newest token: the input at its logits position,
                 # filled from the previous step's tokens on the device if still in flight.
-                rows = t.logits_indices if t.sample_index is None else t.logits_indices[t.sample_index]
+                rows = (t.logits_indices[:plan.num_logits] if t.sample_index is None
+                        else t.logits_indices[t.sample_index])
                 last_tokens = t.ids[rows]
             sampling = self._sampling_device(step, sampling_tensors, last_tokens)
         return BatchInputs(
             input_ids=t.ids, positions=t.positions, meta=meta, logits_indices=t.logits_indices,
             sample_rows=plan.sample_rows, sample_requests=plan.sample_requests, requests=plan.requests,
-            prompt_rows=plan.prompt_rows, sample_index=t.sample_index, sampling=sampling, lora=lora)
+            prompt_rows=plan.prompt_rows, num_logits=plan.num_logits, logits_identity=plan.identity,
+            sample_index=t.sample_index, sampling=sampling, lora=lora)
 
     @staticmethod
     def _gather_rows(items):
@@ -663,6 +689,8 @@ class ModelRunner:
 
     # -- the step ----------------------------------------------------------------------
     def forward(self, batch: BatchInputs, decode_only: bool) -> torch.Tensor:
+        """The last hidden states: a row per input token, and from a CUDA graph also its
+        padded rows after them."""
         n = batch.input_ids.shape[0]
         if decode_only and self.graphs is not None and n <= self.graphs.max_batch:
             return self.graphs.run(batch)
@@ -684,9 +712,15 @@ class ModelRunner:
         grammar mask that the host can only fill once the previous step's tokens are back."""
         batch = self.prepare(sched, block_tables, prev)
         hidden = self.forward(batch, decode_only=batch.meta.max_query_len == 1)
-        if not batch.logits_indices.numel():
+        n, padded = batch.num_logits, batch.logits_indices.shape[0]
+        if not n:
             return StepHandle([], None, {}, {})
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # A decode graph's rows are the padded rows the LM head wants: no gather.
+        rows = hidden[:padded] if batch.logits_identity and hidden.shape[0] >= padded \
+            else hidden[batch.logits_indices]
+        logits = self.model.compute_logits(rows)
+        if padded != n:
+            logits = logits[:n]
         sampled = pending = None
         if batch.sampling is not None:
             # Every logits row samples unless some are prompt positions.
@@ -837,6 +871,7 @@ class CudaGraphs:
                     out = runner.model(*args)
                 pool = graph.pool()
                 self.graphs[size] = (graph, out)
+                runner.model.compute_logits(out)  # cuBLAS chooses its kernel for this shape now
             if lora is not None:
                 lora.context.batch = None
         torch.cuda.synchronize(dev)
@@ -865,4 +900,4 @@ class CudaGraphs:
             self.lora_starts.copy_(batch.lora.slot_starts)
         graph, out = self.graphs[size]
         graph.replay()
-        return out[:n]
+        return out  # padded: the LM head takes the batch's graph size (_lm_head_rows)
