@@ -139,6 +139,10 @@ class StepTimer:
     def decode_steps(self, batch: int):
         return [s for s in self.steps if s[3] == batch and s[4] == batch]
 
+    def prefill_steps(self, min_tokens: int):
+        """Steps that compute at least `min_tokens` prompt tokens (chunks of a full budget)."""
+        return [s for s in self.steps if s[4] >= min_tokens and s[4] > s[3]]
+
 
 def workload(args):
     rng = random.Random(args.seed)
@@ -191,6 +195,12 @@ def run(args, temperature: float, prompts) -> None:
               f"per step: total {total:.2f}, forward {fwd:.2f}, sampler {smp:.2f}")
         print(f"engine host ms per decode step (total - forward - sampler): {rest:.2f} "
               f"({rest * 1e3 / len(prompts):.1f} us per request)")
+    pre = timer.prefill_steps(args.max_num_batched_tokens // 2)
+    if pre:
+        rest = statistics.median((s[0] - s[1] - s[2]) for s in pre) * 1e3
+        tokens = statistics.median(s[4] for s in pre)
+        print(f"prefill steps of {tokens:.0f} tokens (median): {len(pre)}; engine host ms per step "
+              f"(total - forward - sampler): {rest:.2f} ({rest * 1e3 / tokens:.2f} us per token)")
     total_tokens = args.repeat * args.output_len * len(prompts)
     print(f"{total_tokens} tokens in {elapsed:.2f}s = {total_tokens / elapsed:,.0f} output tok/s; "
           f"outputs sha256 {', '.join(sorted(digests))}")
