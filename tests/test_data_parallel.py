@@ -94,9 +94,16 @@ def test_one_push_updates_both_replicas(dp_server, sync, trainer, tokenizer):
         assert got[p]["choices"][0]["token_ids"] == hf_greedy(trainer, tokenizer.encode(p)), p
 
 
+# Tokens a request of the kill tests asks for: enough that it is surely still running when
+# the test pauses the server (the two-layer model makes 64 in well under a second, 480 in
+# about three seconds).
+IN_FLIGHT_TOKENS = 480
+
+
 def _stream(url: str, prompt: str, out: dict, key, started: threading.Event) -> None:
     events, error = [], None
-    body = dict(model="m", prompt=prompt, max_tokens=64, temperature=0, ignore_eos=True, stream=True)
+    body = dict(model="m", prompt=prompt, max_tokens=IN_FLIGHT_TOKENS, temperature=0, ignore_eos=True,
+                stream=True)
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
@@ -176,7 +183,8 @@ def test_dead_replica_retries_requests_that_produced_nothing(dp_server):
     out: dict = {}
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, httpx.post(
         f"{url}/v1/completions", timeout=300, json=dict(model="m", prompt=f"{PROMPTS[i]} again",
-                                                        max_tokens=64, temperature=0, ignore_eos=True))))
+                                                        max_tokens=IN_FLIGHT_TOKENS, temperature=0,
+                                                        ignore_eos=True))))
                for i in range(4)]
     for t in threads:
         t.start()
