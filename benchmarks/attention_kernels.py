@@ -7,7 +7,7 @@ Shapes are Qwen3-0.6B's (16 query heads, 8 kv heads, head_dim 128, bf16, block s
 
 Usage: python benchmarks/attention_kernels.py [--sweep] [--sampling-only] [--json PATH]
 
---sweep times other prefill tile configs; benchmarks/decode_sweep.py sweeps the decode
+--sweep times other prefill tile configs (one long prompt; throughput.py's first step); benchmarks/decode_sweep.py sweeps the decode
 launch (tile config, program order, KV splits) over several context mixes.
 """
 
@@ -26,8 +26,8 @@ from rlserve.ops import attention as ref
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 DTYPE = torch.bfloat16
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) to try.
-PREFILL_SWEEP = [(32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 2), (64, 128, 8, 2),
-                 (128, 64, 8, 3), (128, 128, 8, 3)]
+PREFILL_SWEEP = [(32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 8, 2),
+                 (64, 128, 8, 2), (128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3)]
 
 
 def bench(fn, iters: int = 50, warmup: int = 5) -> float:
@@ -201,8 +201,18 @@ def main() -> None:
     report("long decode 8x8192 torch reference", bench(run_ref(lng), iters=10), lbytes)
 
     # ---------------------------------------------------------------- prefill
+    # throughput.py's first prefill step: its workload's prompts up to a 16384-token budget
+    # (the last one cut to fit, as the scheduler's chunk).
+    from throughput import workload
+    first_chunk, budget = [], 16384
+    for p in workload(256, 100, 1024, 1024)[0]:
+        first_chunk.append(min(len(p), budget - sum(first_chunk)))
+        if sum(first_chunk) == budget:
+            break
     prefill_cases = [("prefill 1x8192", [0], [8192]),
-                     ("chunked prefill 4x2048 over 2048 prefix", [2048] * 4, [2048] * 4)]
+                     ("chunked prefill 4x2048 over 2048 prefix", [2048] * 4, [2048] * 4),
+                     (f"prefill {len(first_chunk)} prompts (throughput.py's first step)",
+                      [0] * len(first_chunk), first_chunk)]
     for i, (name, prefix, qlens) in enumerate(prefill_cases):
         pb = make_batch(prefix, qlens, seed=3)
         flops = 4 * HEADS * HEAD_DIM * pb["score_entries"]
@@ -210,7 +220,7 @@ def main() -> None:
         out = torch.empty_like(pb["query"])
         report(f"{name} triton", bench(run_triton(ta, pb, out), iters=20), flops=flops)
         report(f"{name} torch reference", bench(run_ref(pb), iters=5), flops=flops)
-        if prefix[0] == 0:
+        if qlens == [8192]:
             # Contiguous causal SDPA (flash) as a yardstick for the paged kernel.
             q = pb["query"].transpose(0, 1).unsqueeze(0).contiguous()
             k = torch.randn(1, KV_HEADS, 8192, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -219,7 +229,7 @@ def main() -> None:
                 q, k, k, is_causal=True)
             report(f"{name} contiguous SDPA causal (yardstick)", bench(sdpa, iters=20),
                    flops=flops)
-        if args.sweep and i == 0:
+        if args.sweep and prefix[0] == 0:
             for bm, bn, nw, st in PREFILL_SWEEP:
                 cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=st)
                 try:
