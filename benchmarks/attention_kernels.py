@@ -7,8 +7,9 @@ Shapes are Qwen3-0.6B's (16 query heads, 8 kv heads, head_dim 128, bf16, block s
 
 Usage: python benchmarks/attention_kernels.py [--sweep] [--sampling-only] [--json PATH]
 
---sweep times other prefill tile configs (one long prompt; throughput.py's first step); benchmarks/decode_sweep.py sweeps the decode
-launch (tile config, program order, KV splits) over several context mixes.
+--sweep times other prefill tile configs (on one long prompt and on throughput.py's first
+prefill step); benchmarks/decode_sweep.py sweeps the decode launch (tile config, program
+order, KV splits) over several context mixes.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def main() -> None:
                      ("chunked prefill 4x2048 over 2048 prefix", [2048] * 4, [2048] * 4),
                      (f"prefill {len(first_chunk)} prompts (throughput.py's first step)",
                       [0] * len(first_chunk), first_chunk)]
-    for i, (name, prefix, qlens) in enumerate(prefill_cases):
+    for name, prefix, qlens in prefill_cases:
         pb = make_batch(prefix, qlens, seed=3)
         flops = 4 * HEADS * HEAD_DIM * pb["score_entries"]
         print(f"{name}: rel err {check(ta, pb):.2e}", flush=True)

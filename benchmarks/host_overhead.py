@@ -11,6 +11,8 @@ dominate), so what is left is the engine's own cost per step.
     python benchmarks/host_overhead.py --profile --repeat 1   # plus the top functions (cProfile)
     python benchmarks/host_overhead.py --no-async-scheduling  # plain schedule -> run -> update
     python benchmarks/host_overhead.py --vocab-size 151936    # Qwen3's vocabulary (see below)
+    python benchmarks/host_overhead.py --max-prompt 1024 --output-len 4 --temperatures 0.6
+        # mostly full 16384-token prefill steps: their host time is printed too
 
 Workload: 256 prompts of 100-600 random token ids, 200 output tokens each (ignore_eos),
 overlapped scheduling as on the GPU, run --repeat times. For the decode steps at full
