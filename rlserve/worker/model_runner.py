@@ -342,7 +342,7 @@ class ModelRunner:
         if graphs is None or n == 0:
             return n
         if n <= graphs.max_batch:
-            return graphs.sizes[bisect.bisect_left(graphs.sizes, n)]
+            return graphs.size_for(n)
         return -(-n // 256) * 256
 
     def _upload(self, lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, reqs: list,
@@ -876,13 +876,17 @@ class CudaGraphs:
                 lora.context.batch = None
         torch.cuda.synchronize(dev)
 
+    def size_for(self, n: int) -> int:
+        """The batch size of the graph that runs n sequences (n <= max_batch)."""
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(self.slots[:size], self.qsl[:size + 1], self.seq_lens[:size],
                                  self.tables[:size], 1, self.max_model_len, self.order[:size])
 
     def run(self, batch: BatchInputs) -> torch.Tensor:
         n = batch.input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= n)
+        size = self.size_for(n)
         m = batch.meta
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
