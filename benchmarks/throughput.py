@@ -39,22 +39,50 @@ def workload(num_seqs: int, min_len: int, max_len: int, max_out: int, seed: int 
     return prompts, out_lens
 
 
+def _shape(cfg: dict, kv_fp8: bool = False, dtype_bytes: int = 2):
+    """(params, per-layer GEMM params, KV bytes a token, query heads x head_dim x layers)."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or h // heads
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    gemm = layers * (h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h + 3 * h * cfg["intermediate_size"])
+    params = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2) + gemm
+    kv_per_token = 2 * layers * kv_heads * (head_dim + 4 if kv_fp8 else head_dim * dtype_bytes)
+    return params, gemm, kv_per_token, heads * head_dim * layers
+
+
 def bound_tokens_per_s(cfg: dict, prompts, out_lens, dtype_bytes: int = 2,
                        hbm_bytes_per_s: float = 4.8e12, kv_fp8: bool = False) -> float:
     """Bytes-moved bound: weights once per decode step, each token's KV once per step
     (kv_fp8: a byte per element and a float32 scale per head row)."""
-    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    params = (cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
-              + layers * (h * head_dim * (cfg["num_attention_heads"] + 2 * kv_heads)
-                          + cfg["num_attention_heads"] * head_dim * h + 3 * h * cfg["intermediate_size"]))
-    kv_per_token = 2 * layers * kv_heads * (head_dim + 4 if kv_fp8 else head_dim * dtype_bytes)
+    params, _, kv_per_token, _ = _shape(cfg, kv_fp8, dtype_bytes)
     # All sequences decode together; a sequence's context grows from its prompt.
     steps = max(out_lens)
     weight_bytes = params * dtype_bytes * steps
     kv_bytes = sum(kv_per_token * (p * o + o * (o - 1) / 2) for p, o in zip(map(len, prompts), out_lens))
     return sum(out_lens) / ((weight_bytes + kv_bytes) / hbm_bytes_per_s)
+
+
+def roofline_tokens_per_s(cfg: dict, prompts, out_lens, hbm_bytes_per_s: float = 4.8e12,
+                          flops_per_s: float = 989e12, dtype_bytes: int = 2) -> float:
+    """The byte bound with arithmetic counted too: the prefill's FLOPs (every prompt token
+    through the layers, causal attention, one LM-head row per prompt) at `flops_per_s`,
+    and each decode step at the slower of its bytes and its FLOPs. The H200's dense bf16
+    peak is 989 TFLOP/s. A larger model's prefill is compute-bound and costs seconds the
+    byte bound leaves out."""
+    params, gemm, kv_per_token, attn_width = _shape(cfg, dtype_bytes=dtype_bytes)
+    vocab_h = cfg["vocab_size"] * cfg["hidden_size"]
+    lens = list(map(len, prompts))
+    # QK^T and PV: 2 FLOPs a multiply-add, over the causal half of each prompt.
+    prefill = sum(2 * gemm * n + 2 * vocab_h + 2 * 2 * attn_width * n * (n + 1) / 2 for n in lens)
+    seconds = prefill / flops_per_s
+    for step in range(max(out_lens)):
+        contexts = [p + step for p, o in zip(lens, out_lens) if o > step]
+        tokens = sum(contexts)
+        bytes_ = params * dtype_bytes + kv_per_token * tokens
+        flops = 2 * (gemm + vocab_h) * len(contexts) + 2 * 2 * attn_width * tokens
+        seconds += max(bytes_ / hbm_bytes_per_s, flops / flops_per_s)
+    return sum(out_lens) / seconds
 
 
 def write_random_adapters(path: str, num: int, rank: int, root: str) -> list[str]:
@@ -269,6 +297,9 @@ def main() -> None:
     if args.model in PRESETS and args.device.startswith("cuda"):
         bound = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens)
         print(f"byte-counting bound (H200, 4.8 TB/s): {bound:,.0f} tok/s; rlserve at {ours / bound:.0%}")
+        roof = roofline_tokens_per_s(PRESETS[args.model], prompts, out_lens)
+        print(f"roofline with the prefill's FLOPs (4.8 TB/s, 989 TFLOP/s): {roof:,.0f} tok/s; "
+              f"rlserve at {ours / roof:.0%}")
         if args.kv_cache_dtype.startswith("fp8"):
             fp8 = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens, kv_fp8=True)
             print(f"the same bound for an fp8 cache: {fp8:,.0f} tok/s; rlserve at {ours / fp8:.0%}")
