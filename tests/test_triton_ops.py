@@ -401,6 +401,43 @@ def test_decode_cuda_graph_replay(splits):
         assert _rel_err(out, expected) < TOL[dtype]
 
 
+@pytest.mark.parametrize("n,size,width", [(5, 8, 3), (16, 16, 7), (1, 1, 1), (37, 48, 300)])
+def test_stage_graph_inputs_matches_the_copies(n, size, width):
+    """One launch leaves a graph's static buffers as the plain copies and fills would: the
+    step's rows copied, padding rows with slot -1, length 1, their own order and block 0,
+    everything else untouched."""
+    from rlserve.ops.triton_graph_inputs import stage_graph_inputs
+    gen = torch.Generator().manual_seed(n * 1000 + width)
+
+    def ints(shape, dtype, high=10_000):
+        return torch.randint(0, high, shape, generator=gen).to(dtype).to(DEVICE)
+
+    b, max_blocks = 48, 320
+    ids, pos, slots = (ints((n,), torch.int64) for _ in range(3))
+    lens, order = ints((n,), torch.int32), torch.randperm(n, generator=gen).to(torch.int32).to(DEVICE)
+    tables = ints((n, width), torch.int32)
+    static = [ints((b,), torch.int64), ints((b,), torch.int64), ints((b,), torch.int64),
+              ints((b,), torch.int32), ints((b,), torch.int32), ints((b, max_blocks), torch.int32)]
+    expected = [t.clone() for t in static]
+    e_ids, e_pos, e_slots, e_lens, e_order, e_tables = expected
+    e_ids[:n], e_pos[:n], e_slots[:n], e_lens[:n], e_order[:n] = ids, pos, slots, lens, order
+    e_slots[n:size], e_lens[n:size], e_tables[n:size, 0] = -1, 1, 0
+    e_order[n:size] = torch.arange(n, size, dtype=torch.int32, device=DEVICE)
+    e_tables[:n, :width] = tables
+    stage_graph_inputs(ids, pos, slots, lens, order, tables, *static, size)
+    for name, got, want in zip(("ids", "positions", "slots", "seq_lens", "order", "tables"), static, expected):
+        assert torch.equal(got, want), name
+
+
+def test_stage_graph_inputs_rejects_a_batch_larger_than_the_graph():
+    from rlserve.ops.triton_graph_inputs import stage_graph_inputs
+    row = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    small = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="do not fit"):
+        stage_graph_inputs(row, row, row, row.int(), row.int(), row.int()[:, None], small, small, small,
+                           small.int(), small.int(), torch.zeros(2, 4, dtype=torch.int32, device=DEVICE), 4)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_paged_attention_head_dim_not_power_of_two(splits):
     ops = _ops()

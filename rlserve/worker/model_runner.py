@@ -830,8 +830,8 @@ class ModelRunner:
 class CudaGraphs:
     """Decode steps replayed from CUDA graphs: one graph per padded batch size.
 
-    Inputs are copied into static buffers; padded rows write nowhere (slot -1) and attend
-    to one key of block 0, so their (discarded) outputs cost almost nothing. Weight updates
+    Inputs are copied into static buffers (one kernel, ops/triton_graph_inputs.py); padded
+    rows write nowhere (slot -1) and attend to one key of block 0, so their (discarded) outputs cost almost nothing. Weight updates
     copy into the same parameter storage, so the graphs stay valid across them.
     """
 
@@ -851,7 +851,9 @@ class CudaGraphs:
         self.qsl = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=dev)
         self.order = torch.arange(b, dtype=torch.int32, device=dev)
-        self.identity = torch.arange(b, dtype=torch.int32, device=dev)  # padded rows go last
+        # Graphs run only with the Triton kernel set (Kernels.graphs): triton imports here.
+        from rlserve.ops.triton_graph_inputs import stage_graph_inputs
+        self.stage = stage_graph_inputs  # a step's rows into these buffers, padding rows after
         lora = runner.lora
         if lora is not None:  # the step's token grouping by adapter (padded rows in no slot)
             self.lora_tokens = torch.zeros(b, dtype=torch.int32, device=dev)
@@ -888,17 +890,8 @@ class CudaGraphs:
         n = batch.input_ids.shape[0]
         size = self.size_for(n)
         m = batch.meta
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.slots[:n].copy_(m.slot_mapping)
-        self.slots[n:size].fill_(-1)
-        self.seq_lens[:n].copy_(m.seq_lens)
-        self.seq_lens[n:size].fill_(1)
-        width = m.block_tables.shape[1]
-        self.tables[:n, :width].copy_(m.block_tables)
-        self.tables[n:size, 0].fill_(0)
-        self.order[:n].copy_(m.seq_order)
-        self.order[n:size].copy_(self.identity[n:size])
+        self.stage(batch.input_ids, batch.positions, m.slot_mapping, m.seq_lens, m.seq_order, m.block_tables,
+                   self.input_ids, self.positions, self.slots, self.seq_lens, self.order, self.tables, size)
         if batch.lora is not None:
             self.lora_tokens[:n].copy_(batch.lora.sorted_tokens)
             self.lora_starts.copy_(batch.lora.slot_starts)
