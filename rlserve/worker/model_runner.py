@@ -831,8 +831,9 @@ class CudaGraphs:
     """Decode steps replayed from CUDA graphs: one graph per padded batch size.
 
     Inputs are copied into static buffers (one kernel, ops/triton_graph_inputs.py); padded
-    rows write nowhere (slot -1) and attend to one key of block 0, so their (discarded) outputs cost almost nothing. Weight updates
-    copy into the same parameter storage, so the graphs stay valid across them.
+    rows write nowhere (slot -1) and attend to one key of block 0, so their (discarded)
+    outputs cost almost nothing. Weight updates copy into the same parameter storage, so
+    the graphs stay valid across them.
     """
 
     def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int):
