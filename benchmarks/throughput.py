@@ -85,6 +85,38 @@ def roofline_tokens_per_s(cfg: dict, prompts, out_lens, hbm_bytes_per_s: float =
     return sum(out_lens) / seconds
 
 
+def attention_by_batch(intervals, cfg: dict, prompts, out_lens) -> None:
+    """From a device profile: decode attention's read rate, and the time in every other
+    kernel, by the number of sequences still decoding. The steps map onto the workload when
+    every prompt was prefilled before the first decode step and nothing was preempted
+    (throughput.py's default workload): decode step j reads each live sequence's prompt
+    and j + 1 generated tokens."""
+    from trace_summary import kernel_time_per_step
+    steps = kernel_time_per_step(intervals, "_paged_attn")
+    if len(steps) != max(out_lens) - 1:
+        print(f"attention by batch size: {len(steps)} graph steps where the workload has "
+              f"{max(out_lens) - 1} decode steps; the steps do not map onto it")
+        return
+    kv_per_token = _shape(cfg)[2]
+    lens = list(map(len, prompts))
+    buckets = [(192, 256), (128, 191), (96, 127), (64, 95), (32, 63), (16, 31), (1, 15)]
+    sums = {b: [0, 0.0, 0.0, 0.0] for b in buckets}  # steps, attention us, KV bytes, other us
+    for j, (attn, other) in enumerate(steps):
+        live = [p + j + 1 for p, o in zip(lens, out_lens) if o > j + 1]
+        for lo, hi in buckets:
+            if lo <= len(live) <= hi:
+                acc = sums[(lo, hi)]
+                acc[0] += 1
+                acc[1] += attn
+                acc[2] += kv_per_token * sum(live)
+                acc[3] += other
+    print("decode steps by live sequences: attention's read rate, other kernels' time a step")
+    for (lo, hi), (n, attn, kv, other) in sums.items():
+        if n:
+            print(f"  {lo:3d}-{hi:3d}: {n:4d} steps, attention {attn / 1e6:.3f} s at {kv / attn / 1e6:.2f} TB/s, "
+                  f"other kernels {other / 1e6:.3f} s ({other / n:.0f} us a step)")
+
+
 def write_random_adapters(path: str, num: int, rank: int, root: str) -> list[str]:
     """`num` PEFT adapter directories with random weights on every projection of `path`'s
     architecture (Llama / Qwen names)."""
@@ -275,7 +307,10 @@ def main() -> None:
         prof = profile(activities=[ProfilerActivity.CUDA])
         ours = run_rlserve(args, path, prompts, out_lens, profiler=prof)
         prof.export_chrome_trace(args.device_profile)
-        idle_per_step(summarize(args.device_profile))
+        intervals = summarize(args.device_profile)
+        idle_per_step(intervals)
+        if args.model in PRESETS:
+            attention_by_batch(intervals, PRESETS[args.model], prompts, out_lens)
     elif args.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

@@ -97,6 +97,20 @@ def idle_per_step(intervals: list[tuple[float, float, str]], marker: str = "_spl
     print(f"  idle between markers: {(sum(spans) - sum(busy)) / 1e6:.3f} s of {sum(spans) / 1e6:.3f} s")
 
 
+def kernel_time_per_step(intervals: list[tuple[float, float, str]], kernel: str,
+                         marker: str = "_stage_kernel") -> list[tuple[float, float]]:
+    """Per CUDA-graph decode step (from one `marker` kernel, which writes a step's graph
+    inputs, to the next): microseconds in kernels whose name starts with `kernel`, and in
+    every other kernel and copy. Steps before the first marker (the prefill) are not counted."""
+    steps: list[list[float]] = []
+    for s, e, name in intervals:
+        if name.startswith(marker):
+            steps.append([0.0, 0.0])
+        elif steps:
+            steps[-1][0 if name.startswith(kernel) else 1] += e - s
+    return [(a, b) for a, b in steps]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
