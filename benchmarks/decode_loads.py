@@ -37,13 +37,14 @@ KH, HD, BLK, G = (tl.constexpr(c) for c in (H, D, BS, GROUP))  # the same, for t
 
 
 @triton.jit
-def stream_sum(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """Each program sums ITERS consecutive BLOCKs of x: a pure read stream."""
+def stream_sum(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, EVICT: tl.constexpr = ""):
+    """Each program sums ITERS consecutive BLOCKs of x: a pure read stream (EVICT: the
+    loads' L2 eviction policy, as tl.load takes it)."""
     base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for i in range(ITERS):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy=EVICT).to(tl.float32)
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
 
 

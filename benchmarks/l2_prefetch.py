@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from attention_kernels import bench_graph
+from decode_loads import stream_sum
 
 LAYERS = 28
 SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]  # (K, N): qkv, o, gate_up, down
@@ -44,16 +45,6 @@ def prefetch_kernel(table_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ASM: tl
     off = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64) * CHUNK
     size = tl.minimum(nbytes - off, CHUNK).to(tl.int32)  # <= 0: past the tensor's end
     tl.inline_asm_elementwise(ASM, "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def stream_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr, EVICT: tl.constexpr):
-    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(ITERS):
-        offs = base + i * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(x_ptr + offs, eviction_policy=EVICT).to(tl.float32)  # n: a multiple of BLOCK * ITERS
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
 
 
 class Prefetcher:
@@ -88,7 +79,7 @@ def main() -> None:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
 
         def stream(i, evict):
-            stream_kernel[(grid,)](kv[i], sink, n, BLOCK=stream_block, ITERS=iters, EVICT=evict, num_warps=8)
+            stream_sum[(grid,)](kv[i], sink, n, BLOCK=stream_block, ITERS=iters, EVICT=evict, num_warps=8)
 
         prefetchers = {
             (name, chunk): [Prefetcher(ws, chunk, asm) for ws in layers]
