@@ -1,109 +1,128 @@
-"""Decode GEMMs of Qwen3-0.6B: cuBLAS against a Triton GEMM written for few rows.
+"""Decode GEMMs with their neighbours: cuBLAS and the op after it, against
+rlserve/ops/triton_decode_gemm.py with that op fused.
 
-The Triton kernel computes W @ X^T (the weight rows fill the MMA's M side, so a batch of
-16 to 256 tokens is its narrow N side), optionally splitting K across programs; with
-splits, the partial sums are either reduced by a second kernel or left in float32, the
-cost a consumer that reduces them (the next RMSNorm, say) would save. Each variant is
-checked against torch, then timed as a CUDA-graph replay of 28 GEMMs with distinct
-weights (one per layer, so none is served from L2).
+Per model and batch size, four pairs, each timed as a CUDA-graph replay of 28 layers with
+distinct weights (none served from L2), in microseconds a layer:
 
-Usage: python benchmarks/decode_gemm.py
+  o, down   F.linear, then the residual add + RMSNorm kernel   | split-K GEMM whose partial
+            sums the norm reads (triton_fused.partials_add_rms_norm)
+  gate_up   F.linear, then SiLU-and-mul                        | one GEMM writing silu(g) * u
+  qkv       F.linear                                           | the decode GEMM, unsplit
+
+For each: the tiles the engine picks (plan_o_down / plan_gate_up; "-" where it keeps
+cuBLAS) and the best of a sweep of tiles, so the plans can be checked and retuned. Every
+variant is checked against the cuBLAS pair first.
+
+Usage: python benchmarks/decode_gemm.py [--models qwen3-0.6b,llama-3.1-8b] [--rows 1,16,64]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
-import triton
-import triton.language as tl
+import torch.nn.functional as F
 
 from attention_kernels import bench_graph
+from rlserve.ops import triton_fused
+from rlserve.ops import triton_decode_gemm as G
 
 LAYERS = 28
-SHAPES = [("qkv", 1024, 4096), ("o", 2048, 1024), ("gate_up", 1024, 6144), ("down", 3072, 1024)]  # (K, N)
+# hidden, q heads x head_dim, kv heads x head_dim, intermediate
+MODELS = {"qwen3-0.6b": (1024, 2048, 1024, 3072), "llama-3.1-8b": (4096, 4096, 1024, 14336)}
+ROWS = (1, 8, 16, 32, 64, 96, 128, 192, 256)
 
 
-@triton.jit
-def _gemm_kernel(x_ptr, w_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr):
-    pid_m = tl.program_id(0)  # the row tiles of one weight tile are neighbours
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
-    k_per = K // SPLIT_K
-    rk = pid_k * k_per + tl.arange(0, BK)
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    m_ok = rm < M
-    acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for _ in range(0, k_per, BK):
-        acc = tl.dot(tl.load(w_ptrs), tl.trans(tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)), acc)
-        w_ptrs += BK
-        x_ptrs += BK
-    if SPLIT_K == 1:
-        tl.store(out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
+def _sweep(rows: int, k: int, n: int, gated: bool):
+    """Candidate tiles: a few shapes per knob, the ones that divide the problem."""
+    bms = sorted({G._bm(rows), min(128, max(16, 1 << (rows - 1).bit_length()))})
+    for bm, bn, bk, splits in itertools.product(bms, (16, 32, 64, 128), (128, 256),
+                                                (1,) if gated else (1, 2, 4, 8, 16)):
+        plan = G.GemmPlan(bn=bn, bm=bm, bk=bk, splits=splits, stages=3 if gated else 4, warps=4)
+        if G._fits(plan, k, n) and (bn * (2 if gated else 1) + bm) * bk * 2 * plan.stages <= 200_000:
+            yield plan
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _time(fn) -> float:
+    return bench_graph(fn, iters=30) / LAYERS
+
+
+def _pair(kind: str, rows: int, k: int, n: int, dtype: torch.dtype):
+    """(baseline fn, fn of a plan, reference output) over LAYERS distinct weights."""
+    gated = kind == "gate_up"
+    wn = 2 * n if gated else n
+    weights = [torch.randn(wn, k, device="cuda", dtype=dtype) * k ** -0.5 for _ in range(LAYERS)]
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    residual = torch.randn(rows, n, device="cuda", dtype=dtype)
+    norm_w = torch.ones(n, device="cuda", dtype=dtype)
+
+    if kind in ("o", "down"):
+        def base(w):
+            return triton_fused.fused_add_rms_norm(F.linear(x, w), residual, norm_w, 1e-6)[0]
+
+        def fused(w, plan):
+            y = G.decode_gemm(x, w, plan)
+            if plan.splits == 1:
+                return triton_fused.fused_add_rms_norm(y, residual, norm_w, 1e-6)[0]
+            return triton_fused.partials_add_rms_norm(y, residual, norm_w, 1e-6)[0]
+    elif gated:
+        def base(w):
+            return triton_fused.silu_and_mul(F.linear(x, w))
+
+        def fused(w, plan):
+            return G.decode_gemm(x, w, plan, gated=True)
     else:
-        tl.store(part_ptr + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc,
-                 mask=m_ok[None, :])
+        def base(w):
+            return F.linear(x, w)
+
+        def fused(w, plan):
+            return G.decode_gemm(x, w, plan)
+    return weights, base, fused
 
 
-@triton.jit
-def _reduce_kernel(part_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
-    acc = tl.load(part_ptr + row * N + cols, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + row * N + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def gemm(x, w, out, part, BM, BN, BK, SPLIT_K, stages, reduce=True):
-    M, K = x.shape
-    N = w.shape[0]
-    _gemm_kernel[(triton.cdiv(M, BM), N // BN, SPLIT_K)](
-        x, w, out, part, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        BM=BM, BN=BN, BK=BK, SPLIT_K=SPLIT_K, num_stages=stages, num_warps=4)
-    if SPLIT_K > 1 and reduce:
-        _reduce_kernel[(M, triton.cdiv(N, 1024))](part, out, M, N, SPLIT_K=SPLIT_K, BLOCK=1024, num_warps=4)
+def measure(kind: str, rows: int, k: int, n: int, dtype=torch.bfloat16) -> str:
+    weights, base, fused = _pair(kind, rows, k, n, dtype)
+    expected = base(weights[0])
+    t_base = _time(lambda: [base(w) for w in weights])
+    planner = {"o": G.plan_o_down, "down": G.plan_o_down, "gate_up": G.plan_gate_up}.get(kind)
+    picked = planner(rows, k, n) if planner else None
+    results = {}
+    for plan in _sweep(rows, k, n, kind == "gate_up"):
+        if kind == "qkv" and plan.splits > 1:
+            continue
+        try:
+            err = _rel(fused(weights[0], plan), expected)
+            assert err < 2e-2, f"relative error {err:.3g}"
+            results[plan] = _time(lambda: [fused(w, plan) for w in weights])
+        except Exception as e:  # out of resources
+            print(f"    {kind} rows={rows} {plan}: failed ({type(e).__name__}: {e})", flush=True)
+    if picked is not None and picked not in results:
+        results[picked] = _time(lambda: [fused(w, picked) for w in weights])
+    best = min(results, key=results.get)
+    t_pick = f"{results[picked]:7.2f}" if picked is not None else "      -"
+    return (f"{kind:8s} K={k:5d} N={n:5d} rows={rows:3d}: cuBLAS pair {t_base:7.2f} | plan {t_pick} "
+            f"{tuple(picked) if picked else ''} | best {results[best]:7.2f} {tuple(best)}")
 
 
 def main() -> None:
-    dtype = torch.bfloat16
-    for name, k, n in SHAPES:
-        weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.03 for _ in range(LAYERS)]
-        for m in (256, 128, 64, 16):
-            x = torch.randn(m, k, device="cuda", dtype=dtype)
-            out = torch.empty(m, n, device="cuda", dtype=dtype)
-            part = torch.empty(4, m, n, device="cuda", dtype=torch.float32)
-            expected = torch.nn.functional.linear(x, weights[0]).float()
-            cublas = bench_graph(lambda: [torch.nn.functional.linear(x, w) for w in weights], iters=30) / LAYERS
-            rows = []
-            p2 = triton.next_power_of_2(m)
-            tiles_m = sorted({max(16, min(p2, 32)), min(p2, 64), min(p2, 128), min(p2, 256)})
-            for bm, bn, bk, split, stages in itertools.product(tiles_m, (64, 128), (128, 256), (1, 2, 4), (3, 4)):
-                if k % (split * bk) or (bm + bn) * bk * 2 * stages > 200_000:
-                    continue
-                kw = dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, stages=stages)
-                try:
-                    gemm(x, weights[0], out, part, **kw)
-                    err = ((out.float() - expected).norm() / expected.norm()).item()
-                    assert err < 1e-2, err
-                    t = bench_graph(lambda: [gemm(x, w, out, part, **kw) for w in weights], iters=30) / LAYERS
-                    t_partial = (bench_graph(lambda: [gemm(x, w, out, part, reduce=False, **kw) for w in weights],
-                                             iters=30) / LAYERS if split > 1 else t)
-                except Exception as e:  # out of resources
-                    print(f"  {name} M={m} {kw}: failed ({type(e).__name__})", flush=True)
-                    continue
-                rows.append((t, t_partial, kw))
-            best = min(rows, key=lambda r: r[0])
-            best_partial = min(rows, key=lambda r: r[1])
-            print(f"{name} K={k} N={n} M={m}: cuBLAS {cublas:.2f} us | Triton {best[0]:.2f} us {best[2]} | "
-                  f"partial sums left unreduced {best_partial[1]:.2f} us {best_partial[2]}", flush=True)
-        del weights
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    args = ap.parse_args()
+    print("GemmPlan fields: (bn, bm, bk, splits, stages, warps); us per layer", flush=True)
+    for model in args.models.split(","):
+        hidden, q, kv, inter = MODELS[model]
+        print(f"== {model}", flush=True)
+        for rows in map(int, args.rows.split(",")):
+            for kind, k, n in (("qkv", hidden, q + 2 * kv), ("o", q, hidden),
+                               ("gate_up", hidden, inter), ("down", inter, hidden)):
+                print(measure(kind, rows, k, n), flush=True)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

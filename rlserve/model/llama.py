@@ -7,7 +7,7 @@ from torch import nn
 from rlserve.distributed import current_tp_group, partition_heads, split_evenly
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import (AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, act_and_mul,
-                                  fuse_rope_and_store)
+                                  fuse_rope_and_store, linear_add_norm)
 from rlserve.model.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
                                     VocabParallelEmbedding)
 from rlserve.ops.kernels import TORCH, Kernels
@@ -49,6 +49,10 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, positions, hidden, meta: AttentionMetadata):
+        return self.o_proj(self.attend(positions, hidden, meta))
+
+    def attend(self, positions, hidden, meta: AttentionMetadata):
+        """The attention heads' output, before o_proj."""
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -61,7 +65,7 @@ class LlamaAttention(nn.Module):
                                               self.q_norm, self.k_norm)
         else:
             q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v, meta, stored=fused))
+        return self.attn(q, k, v, meta, stored=fused)
 
 
 class LlamaMLP(nn.Module):
@@ -78,7 +82,14 @@ class LlamaMLP(nn.Module):
         self.act = config.hidden_act
 
     def forward(self, x):
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act, self.kernels))
+        return self.down_proj(self.activate(x))
+
+    def activate(self, x):
+        """act(gate) * up: the input of down_proj."""
+        gate_up, fused = self.gate_up_proj, self.kernels.linear_silu_and_mul
+        if fused is not None and self.act == "silu" and gate_up.bias is None and gate_up.lora is None:
+            return fused(x, gate_up.weight)
+        return act_and_mul(gate_up(x), self.act, self.kernels)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,15 +100,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def forward(self, positions, hidden, residual, meta, next_norm: RMSNorm):
+        """`hidden`: this layer's input, already through input_layernorm. Returns the
+        next norm's output (the next layer's input_layernorm, or the final norm) and the
+        residual stream: each projection that ends a block ends in the norm after it, so
+        a decode GEMM can hand its partial sums to that norm (Kernels.linear_add_rms_norm)."""
+        attn = self.self_attn.attend(positions, hidden, meta)
+        hidden, residual = linear_add_norm(self.self_attn.o_proj, attn, residual, self.post_attention_layernorm)
+        return linear_add_norm(self.mlp.down_proj, self.mlp.activate(hidden), residual, next_norm)
 
 
 class LlamaModel(nn.Module):
@@ -109,11 +119,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
+        residual = self.embed_tokens(input_ids)
+        layers = self.layers
+        hidden = layers[0].input_layernorm(residual)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            hidden, residual = layer(positions, hidden, residual, meta, next_norm)
         return hidden
 
 

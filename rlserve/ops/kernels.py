@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from rlserve.ops import attention as attention_ref
 from rlserve.ops import fused_ref
@@ -41,6 +42,10 @@ class Kernels:
     lora: Callable[..., None]
     # Fused rotary embedding (with the q/k norms and the KV store folded in); None: torch rotary.
     rope: Callable[..., None] | None = None
+    # Decode-sized projections with the op after them fused (ops/triton_decode_gemm.py);
+    # None: F.linear, then that op. (x, weight, residual, norm_weight, eps) -> (normed, sum)
+    linear_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    linear_silu_and_mul: Callable[..., torch.Tensor] | None = None  # (x, weight [2 I, K]) -> [.., I]
     # Gumbel-max sampling over tempered logits; None: the torch sampler.
     sample: Callable[..., torch.Tensor] | None = None
     # Every op reads only device tensors, so a decode step can be captured in a CUDA graph.
@@ -76,7 +81,7 @@ TORCH = Kernels(
 
 
 def _triton() -> Kernels:
-    from rlserve.ops import triton_attention, triton_fused, triton_lora
+    from rlserve.ops import triton_attention, triton_decode_gemm, triton_fused, triton_lora
     from rlserve.ops.triton_rotary import rope_
     from rlserve.ops.triton_sampling import gumbel_sample
 
@@ -97,11 +102,35 @@ def _triton() -> Kernels:
         triton_lora.lora_shrink_expand(y, x, a, b, slices, slice_table, batch.sorted_tokens,
                                        batch.slot_starts)
 
+    def decode_plan(plan, x: torch.Tensor, weight: torch.Tensor, n: int):
+        """The decode GEMM's tiles for x @ weight.T, or None: cuBLAS (large batches,
+        float32, shapes the tiles do not divide)."""
+        if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype \
+                or x.stride(1) != 1 or not weight.is_contiguous():
+            return None
+        return plan(x.shape[0], weight.shape[1], n)
+
+    def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
+        plan = decode_plan(triton_decode_gemm.plan_o_down, x, weight, weight.shape[0])
+        if plan is None or not residual.is_contiguous():
+            return triton_fused.fused_add_rms_norm(F.linear(x, weight), residual, norm_weight, eps)
+        y = triton_decode_gemm.decode_gemm(x, weight, plan)
+        if plan.splits == 1:
+            return triton_fused.fused_add_rms_norm(y, residual, norm_weight, eps)
+        return triton_fused.partials_add_rms_norm(y, residual, norm_weight, eps)
+
+    def linear_silu_and_mul(x, weight):
+        plan = decode_plan(triton_decode_gemm.plan_gate_up, x, weight, weight.shape[0] // 2)
+        if plan is None:
+            return triton_fused.silu_and_mul(F.linear(x, weight))
+        return triton_decode_gemm.decode_gemm(x, weight, plan, gated=True)
+
     return Kernels(name="triton", store_kv_cache=triton_attention.store_kv_cache,
                    paged_attention=paged_attention, rms_norm=rms_norm,
                    fused_add_rms_norm=triton_fused.fused_add_rms_norm,
-                   silu_and_mul=triton_fused.silu_and_mul, lora=lora, rope=rope_, sample=gumbel_sample,
-                   graphs=True)
+                   silu_and_mul=triton_fused.silu_and_mul, lora=lora, rope=rope_,
+                   linear_add_rms_norm=linear_add_rms_norm, linear_silu_and_mul=linear_silu_and_mul,
+                   sample=gumbel_sample, graphs=True)
 
 
 def _check_sampler(kernels: Kernels, device: torch.device) -> Kernels:

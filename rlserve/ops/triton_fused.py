@@ -1,4 +1,5 @@
-"""Small fused Triton kernels: RMSNorm (optionally with the residual add) and SiLU-and-mul.
+"""Small fused Triton kernels: RMSNorm (optionally with the residual add, whose addend may
+arrive as a split-K GEMM's partial sums) and SiLU-and-mul.
 
 Arithmetic and rounding points match rlserve.ops.fused_ref (transformers' Llama/Qwen
 modules), so outputs agree with the torch path up to float32 summation order.
@@ -12,16 +13,24 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    stride_x, stride_r, stride_o, stride_ro, n_rows, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if SPLITS > 0:
+        # x arrives as float32 partial sums [SPLITS, n_rows, n_cols], summed in split order
+        # and rounded once to the activation dtype, as the GEMM's own output would be.
+        acc = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(x_ptr + (s * n_rows + row) * n_cols + cols, mask=mask, other=0.0)
+        x = acc.to(res_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         # The sum is rounded to the activation dtype before the norm reads it, as in torch.
@@ -35,19 +44,20 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _norm_launch(x, residual, weight, eps, out, res_out):
+def _norm_launch(x, residual, weight, eps, out, res_out, splits: int = 0):
+    """splits > 0: x is [splits, rows, cols] float32 partial sums (contiguous)."""
     n_cols = x.shape[-1]
     block = triton.next_power_of_2(n_cols)
     num_warps = min(16, max(1, block // 256))
-    rows = x.shape[0]
+    rows = x.shape[-2]
     if rows == 0:
         return
     _rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out,
         res_out if res_out is not None else out,
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        res_out.stride(0) if res_out is not None else 0, n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        x.stride(-2), residual.stride(0) if residual is not None else 0, out.stride(0),
+        res_out.stride(0) if res_out is not None else 0, rows, n_cols, eps,
+        HAS_RESIDUAL=residual is not None, SPLITS=splits, BLOCK=block, num_warps=num_warps,
     )
 
 
@@ -85,6 +95,20 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         res_out = torch.empty_like(x2)
     _norm_launch(x2, r2, weight.contiguous(), eps, out, res_out)
     return out.view(shape), res_out.view(shape)
+
+
+def partials_add_rms_norm(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm(x, residual) where x = partials.sum(0) rounded to residual's dtype:
+    partials [splits, rows, cols] float32, a split-K GEMM's (triton_decode_gemm)."""
+    assert partials.is_contiguous() and partials.dtype == torch.float32 and residual.is_contiguous()
+    splits, rows, cols = partials.shape
+    assert residual.shape == (rows, cols)
+    out = torch.empty((rows, cols), dtype=torch.promote_types(residual.dtype, weight.dtype),
+                      device=residual.device)
+    res_out = torch.empty_like(residual)
+    _norm_launch(partials, residual, weight.contiguous(), eps, out, res_out, splits)
+    return out, res_out
 
 
 @triton.jit
