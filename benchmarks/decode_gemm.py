@@ -14,6 +14,7 @@ cuBLAS) and the best of a sweep of tiles, so the plans can be checked and retune
 variant is checked against the cuBLAS pair first.
 
 Usage: python benchmarks/decode_gemm.py [--models qwen3-0.6b,llama-3.1-8b] [--rows 1,16,64]
+       [--kinds qkv,o,gate_up,down]
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--kinds", default="qkv,o,gate_up,down")
     args = ap.parse_args()
     print("GemmPlan fields: (bn, bm, bk, splits, stages, warps); us per layer", flush=True)
     for model in args.models.split(","):
@@ -121,7 +123,8 @@ def main() -> None:
         for rows in map(int, args.rows.split(",")):
             for kind, k, n in (("qkv", hidden, q + 2 * kv), ("o", q, hidden),
                                ("gate_up", hidden, inter), ("down", inter, hidden)):
-                print(measure(kind, rows, k, n), flush=True)
+                if kind in args.kinds.split(","):
+                    print(measure(kind, rows, k, n), flush=True)
             torch.cuda.empty_cache()
 
 

@@ -523,7 +523,7 @@ def test_decode_gemm_matches_the_product(rows, splits):
         torch.testing.assert_close(out, exact.to(torch.bfloat16), rtol=2 ** -7, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [3, 64, 300])
+@pytest.mark.parametrize("rows", [3, 64, 260])
 def test_linear_add_rms_norm_matches_linear_then_norm(rows):
     """The kernel set's fused projection + residual add + RMSNorm gives what F.linear and
     fused_add_rms_norm give, through split-K partials at decode sizes (and cuBLAS above)."""
