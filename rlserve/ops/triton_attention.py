@@ -33,8 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
+from rlserve.ops import triton_pdl
 from rlserve.ops.attention import FP8_DTYPES, fp8_max
 from rlserve.ops.attention import MIN_SCALE as MIN_SCALE_F
+from rlserve.ops.triton_pdl import release_next
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32, *FP8_DTYPES)
 
@@ -225,8 +227,9 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, Q_F16: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    ORDERED: tl.constexpr,
+    ORDERED: tl.constexpr, PDL: tl.constexpr,
 ):
+    release_next(PDL)  # o_proj's decode GEMM launches early and waits (triton_pdl)
     if HEADS_FIRST:
         # Neighbouring programs read the neighbouring heads of the same cache rows.
         kvh = tl.program_id(0)
@@ -447,7 +450,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_tables.stride(0), num_heads,
         stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
         stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
-        ORDERED=seq_order is not None, **t.constants,
+        ORDERED=seq_order is not None, PDL=triton_pdl.enabled(query.device), **t.constants,
     )
     if t.splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -6,11 +6,12 @@ once and the arithmetic is small, so what sets the time is how many programs str
 weights at once. cuBLAS tiles the output, and a 1024-wide output (o_proj, down_proj) gives
 it a few dozen tiles for 132 SMs. Here the weight rows fill the MMA's wide side, the
 batch its narrow side, and the reduction dimension is split across programs (split-K)
-until the GPU is full. The partial sums are not reduced by a kernel of their own: the
-RMSNorm that follows (with its residual add) reads and sums them
-(triton_fused.fused_add_rms_norm's `partials`). gate_up_proj computes the gate and up rows
-of one output tile side by side and writes silu(gate) * up, so the activation kernel and
-the [rows, 2 x intermediate] tensor between them go away.
+until there is about a program per SM. The partial sums are not reduced by a kernel of
+their own: the RMSNorm that follows (with its residual add) reads and sums them
+(triton_fused.partials_add_rms_norm). gate_up_proj computes the gate and up rows of one
+output tile side by side and writes silu(gate) * up, so the activation kernel and the
+[rows, 2 x intermediate] tensor between them go away. On sm_90 these GEMMs launch while
+the kernel before them finishes (triton_pdl).
 
 Rounding follows the unfused path: the product is rounded to the activation dtype once
 (as cuBLAS rounds its float32 accumulator), before the residual add or the activation,
@@ -32,6 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rlserve.ops import triton_pdl
+from rlserve.ops.triton_pdl import release_next, wait_for_previous
+
 
 @triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
@@ -44,7 +48,7 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 def _decode_gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-    GATED: tl.constexpr, DOT_F32: tl.constexpr,
+    GATED: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = x @ w.T for an [M, K] x. Program (n, k, m) computes weight rows
     [n * BN, (n + 1) * BN) against rows [m * BM, (m + 1) * BM) of x over the k-th of
@@ -66,6 +70,9 @@ def _decode_gemm_kernel(
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     acc_up = tl.zeros([BN, BM], dtype=tl.float32)
     up_ptrs = w_ptrs + N.to(tl.int64) * stride_wn
+    # Launched early under PDL (triton_pdl): everything below reads activations.
+    wait_for_previous(PDL)
+    release_next(PDL)
     for _ in range(0, k_len, BK):
         xt = tl.trans(tl.load(x_ptrs, mask=m_ok[:, None], other=0.0))
         acc = _dot(tl.load(w_ptrs), xt, acc, DOT_F32)
@@ -158,8 +165,10 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan, gated: bo
     else:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (n // plan.bn, plan.splits, triton.cdiv(m, plan.bm))
+    pdl = triton_pdl.enabled(x.device)
     _decode_gemm_kernel[grid](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(-2),
         BM=plan.bm, BN=plan.bn, BK=plan.bk, SPLIT_K=plan.splits, GATED=gated,
-        DOT_F32=x.device.type == "cpu" or x.dtype == torch.float32, num_stages=plan.stages, num_warps=plan.warps)
+        DOT_F32=x.device.type == "cpu" or x.dtype == torch.float32, PDL=pdl,
+        num_stages=plan.stages, num_warps=plan.warps, launch_pdl=pdl)
     return out

@@ -12,13 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
+from rlserve.ops import triton_pdl
+from rlserve.ops.triton_pdl import release_next, wait_for_previous
+
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, n_rows, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
+    release_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -52,12 +57,14 @@ def _norm_launch(x, residual, weight, eps, out, res_out, splits: int = 0):
     rows = x.shape[-2]
     if rows == 0:
         return
+    pdl = triton_pdl.enabled(x.device)
     _rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out,
         res_out if res_out is not None else out,
         x.stride(-2), residual.stride(0) if residual is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0, rows, n_cols, eps,
-        HAS_RESIDUAL=residual is not None, SPLITS=splits, BLOCK=block, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, SPLITS=splits, BLOCK=block, PDL=pdl, num_warps=num_warps,
+        launch_pdl=pdl,
     )
 
 
@@ -112,7 +119,9 @@ def partials_add_rms_norm(partials: torch.Tensor, residual: torch.Tensor, weight
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    release_next(PDL)  # the down projection after it launches early and waits (triton_pdl)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -133,7 +142,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and n:
         block = min(1024, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block,
+            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, PDL=triton_pdl.enabled(x.device),
             num_warps=4 if block >= 512 else 2,
         )
     return out.view(*x.shape[:-1], n)
