@@ -170,5 +170,5 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan, gated: bo
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(-2),
         BM=plan.bm, BN=plan.bn, BK=plan.bk, SPLIT_K=plan.splits, GATED=gated,
         DOT_F32=x.device.type == "cpu" or x.dtype == torch.float32, PDL=pdl,
-        num_stages=plan.stages, num_warps=plan.warps, launch_pdl=pdl)
+        num_stages=plan.stages, num_warps=plan.warps, **triton_pdl.launch_options(pdl))
     return out

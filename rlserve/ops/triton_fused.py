@@ -64,7 +64,7 @@ def _norm_launch(x, residual, weight, eps, out, res_out, splits: int = 0):
         x.stride(-2), residual.stride(0) if residual is not None else 0, out.stride(0),
         res_out.stride(0) if res_out is not None else 0, rows, n_cols, eps,
         HAS_RESIDUAL=residual is not None, SPLITS=splits, BLOCK=block, PDL=pdl, num_warps=num_warps,
-        launch_pdl=pdl,
+        **triton_pdl.launch_options(pdl),
     )
 
 

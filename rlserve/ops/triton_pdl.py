@@ -46,6 +46,12 @@ def enabled(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def launch_options(pdl: bool) -> dict:
+    """The launch keyword of a kernel that waits (none where PDL is off, so a Triton
+    without the option never sees it)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     if PDL:
