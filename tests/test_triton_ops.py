@@ -792,3 +792,45 @@ def test_no_fusion_without_a_bound_cache():
     attn = PagedAttention(4, 2, 64, 0.125)
     q = torch.zeros(3, 4, 64, device=DEVICE)
     assert not fuse_rope_and_store(q, attn)
+
+
+def test_decoder_layers_on_decode_gemms_match_the_torch_kernels():
+    """Two Qwen3-style layers over a decode batch: with the Triton set, o_proj and
+    down_proj hand split-K partial sums to the norm after them (the next layer's input
+    norm, then the final one) and gate_up applies SiLU in its epilogue; the torch set runs
+    the plain ops. Same hidden states, up to bf16 rounding of the summation order."""
+    from rlserve.model.layers import AttentionMetadata
+    from rlserve.model.llama import LlamaModel
+    from rlserve.ops import triton_decode_gemm as G
+    from rlserve.ops.kernels import TORCH, _triton, bind
+    dtype, rows, block_size = torch.bfloat16, 5, 16
+    config = SimpleNamespace(vocab_size=300, hidden_size=256, num_hidden_layers=2, intermediate_size=1024,
+                             hidden_act="silu", rms_norm_eps=1e-6, num_attention_heads=8, num_key_value_heads=2,
+                             head_dim=64, max_position_embeddings=MAX_POSITION, rope_theta=1e4)
+    assert G.plan_o_down(rows, 512, 256) and G.plan_o_down(rows, 1024, 256) and G.plan_gate_up(rows, 256, 1024)
+    gen = torch.Generator().manual_seed(23)
+    model = LlamaModel(config, qkv_bias=False, o_bias=False, qk_norm=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.05 * torch.randn(p.shape, generator=gen) + (1 if p.ndim == 1 else 0))
+    model = model.to(DEVICE, dtype)
+    # One new token per sequence over an empty cache: sequence i in block i + 1.
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(rows, device=DEVICE) * block_size + block_size,
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.ones(rows, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.arange(1, rows + 1, dtype=torch.int32, device=DEVICE)[:, None],
+        max_query_len=1, max_seq_len=1)
+    ids = torch.randint(0, 300, (rows,), generator=gen).to(DEVICE)
+    positions = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
+    out = {}
+    for name, kernels in (("torch", TORCH), ("triton", _triton())):
+        bind(model, kernels)
+        for layer in model.layers:
+            attn = layer.self_attn.attn
+            attn.k_cache, attn.v_cache = (torch.zeros(rows + 1, block_size, 2, 64, dtype=dtype, device=DEVICE)
+                                          for _ in range(2))
+        with torch.no_grad():
+            out[name] = model(ids, positions, meta)
+    assert out["triton"].shape == (rows, 256)
+    assert _rel_err(out["triton"], out["torch"]) < 2 * TOL[dtype]
