@@ -4,6 +4,7 @@
 10000 from `random.seed(0)`; ignore_eos; dummy weights. Prints output tokens/s.
 
     python benchmarks/throughput.py --model qwen3-0.6b                 # GPU, bf16
+    python benchmarks/throughput.py --model qwen3-0.6b --runs 3        # median of three, one engine
     python benchmarks/throughput.py --model qwen3-0.6b --transformers  # side by side
     python benchmarks/throughput.py --model smollm2 --device cpu --num-seqs 8 --max-len 128
     python benchmarks/throughput.py --model qwen3-0.6b --device-profile /tmp/t.json  # idle per step
@@ -23,6 +24,7 @@ import contextlib
 import gc
 import os
 import random
+import statistics
 import time
 
 import torch
@@ -177,26 +179,32 @@ def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] |
     llm.generate(prompts[:32], SamplingParams(temperature=args.temperature, ignore_eos=True,
                                               max_tokens=16, detokenize=False),
                  lora_request=names[:32] if names else None)
-    llm.reset_prefix_cache()  # the timed run must not find these prompts cached
-    sync()
-    with profiler or contextlib.nullcontext(), triton_variants_met() as met:
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, lora_request=names)
+    rates = []
+    for _ in range(1 if profiler else args.runs):
+        llm.reset_prefix_cache()  # the timed run must not find these prompts cached
         sync()
-        elapsed = time.perf_counter() - t
-    if met:  # each one compiled (or at best loaded from Triton's disk cache) inside the timed run
-        print(f"Triton kernel variants first met in the timed run: {len(met)}: {sorted(set(met))}")
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == sum(out_lens), (produced, sum(out_lens))
-    stats = llm.engine.stats()
-    what = f" with {len(loras)} LoRA adapters mixed" if loras else ""
-    print(f"rlserve{what}: {produced} tokens in {elapsed:.2f}s = {produced / elapsed:,.0f} output tok/s "
-          f"(preemptions {stats.preemptions_total}, KV capacity {stats.kv_cache_capacity_tokens} tokens)")
+        with profiler or contextlib.nullcontext(), triton_variants_met() as met:
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, lora_request=names)
+            sync()
+            elapsed = time.perf_counter() - t
+        if met:  # each one compiled (or at best loaded from Triton's disk cache) inside the timed run
+            print(f"Triton kernel variants first met in the timed run: {len(met)}: {sorted(set(met))}")
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert produced == sum(out_lens), (produced, sum(out_lens))
+        stats = llm.engine.stats()
+        what = f" with {len(loras)} LoRA adapters mixed" if loras else ""
+        print(f"rlserve{what}: {produced} tokens in {elapsed:.2f}s = {produced / elapsed:,.0f} output tok/s "
+              f"(preemptions {stats.preemptions_total}, KV capacity {stats.kv_cache_capacity_tokens} tokens)",
+              flush=True)
+        rates.append(produced / elapsed)
+    if len(rates) > 1:
+        print(f"median of {len(rates)} runs: {statistics.median(rates):,.0f} output tok/s")
     llm.shutdown()  # frees the KV cache and graphs: a second run in this process needs them
     del llm
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return produced / elapsed
+    return statistics.median(rates)
 
 
 @contextlib.contextmanager
@@ -280,6 +288,9 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: the engine's)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8: the engine's option")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--runs", type=int, default=1,
+                   help="timed runs on one engine (each after a prefix-cache reset); the median is "
+                        "what the bounds are compared with")
     p.add_argument("--profile", action="store_true",
                    help="profile the rlserve run with torch.profiler and print the top ops")
     p.add_argument("--trace", default=None, metavar="PATH",
