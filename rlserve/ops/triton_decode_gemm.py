@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from rlserve.ops import triton_pdl
+from rlserve.ops.triton_fused import silu_mul
 from rlserve.ops.triton_pdl import release_next, wait_for_previous
 
 
@@ -83,10 +84,8 @@ def _decode_gemm_kernel(
         x_ptrs += BK
     dtype = x_ptr.dtype.element_ty
     if GATED:
-        # As silu_and_mul over a rounded gate_up output: silu rounded, then the product.
-        g = acc.to(dtype).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        y = act * acc_up.to(dtype).to(tl.float32)
+        # As silu_and_mul over gate_up's output, which would be rounded to dtype first.
+        y = silu_mul(acc.to(dtype), acc_up.to(dtype))
         tl.store(out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None],
                  y.to(out_ptr.dtype.element_ty), mask=m_ok[None, :])
     elif SPLIT_K == 1:

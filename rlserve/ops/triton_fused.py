@@ -119,6 +119,16 @@ def partials_add_rms_norm(partials: torch.Tensor, residual: torch.Tensor, weight
 
 
 @triton.jit
+def silu_mul(g, u):
+    """silu(g) * u in float32 for g, u in the activation dtype; silu is rounded to that
+    dtype before the multiply, as F.silu(a) * b does. Shared by the SiLU-and-mul kernel
+    and the gate_up GEMM that applies it in its epilogue (triton_decode_gemm)."""
+    gf = g.to(tl.float32)
+    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    return a.to(tl.float32) * u.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
     release_next(PDL)  # the down projection after it launches early and waits (triton_pdl)
@@ -127,10 +137,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.c
     mask = cols < n_cols
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    # silu is rounded to the input dtype before the multiply, as F.silu(a) * b does.
-    a = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    y = a.to(tl.float32) * u.to(tl.float32)
+    y = silu_mul(g, u)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
