@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 
 GAP_BINS = [(0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf"))]  # microseconds
@@ -28,7 +29,8 @@ def kernel_intervals(trace: dict) -> list[tuple[float, float, str]]:
 
 def summarize(path: str, top: int = 25) -> list[tuple[float, float, str]]:
     """Prints the summary; returns the trace's device intervals (for idle_per_step)."""
-    with open(path) as f:
+    # torch.profiler gzips the trace when the path ends in .gz.
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         intervals = kernel_intervals(json.load(f))
     if not intervals:
         print("no device events in the trace")
