@@ -73,6 +73,13 @@ def tile_map(sl_ptr, order_ptr, map_ptr, start_ptr, total_ptr, n,
 
 
 @triton.jit
+def _empty_state(BLOCK_M: tl.constexpr):
+    """Running max, normaliser and weighted sum of an online softmax over no keys yet."""
+    return (tl.full([BLOCK_M], -1.0e30, dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32),
+            tl.zeros([BLOCK_M, HD], dtype=tl.float32))
+
+
+@triton.jit
 def attn_stream(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, bt_ptr, map_ptr, total_ptr,
                 stride_bt, scale_log2, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     p = tl.program_id(0)
@@ -83,9 +90,7 @@ def attn_stream(q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, bt_ptr, 
     rows = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HD)
     row_ok = rows < G
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
+    m_i, l_i, acc = _empty_state(BLOCK_M)
     for t in range(t0, t1):
         b = tl.load(map_ptr + t * 4)
         kvh = tl.load(map_ptr + t * 4 + 1)
@@ -139,9 +144,7 @@ def merge_parts(out_ptr, part_o_ptr, part_lse_ptr, sl_ptr, order_ptr, start_ptr,
     rows = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HD)
     row_ok = rows < G
-    m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
+    m, w_sum, acc = _empty_state(BLOCK_M)
     for p in range(p_s, p_e + 1):
         slot = (p * 2 + (p == p_s).to(tl.int32)) * BLOCK_M + rows
         lse = tl.load(part_lse_ptr + slot, mask=row_ok, other=-1.0e30)
