@@ -67,10 +67,7 @@ def _pair(kind: str, rows: int, k: int, n: int, dtype: torch.dtype):
             return triton_fused.fused_add_rms_norm(F.linear(x, w), residual, norm_w, 1e-6)[0]
 
         def fused(w, plan):
-            y = G.decode_gemm(x, w, plan)
-            if plan.splits == 1:
-                return triton_fused.fused_add_rms_norm(y, residual, norm_w, 1e-6)[0]
-            return triton_fused.partials_add_rms_norm(y, residual, norm_w, 1e-6)[0]
+            return G.gemm_add_rms_norm(x, w, plan, residual, norm_w, 1e-6)[0]
     elif gated:
         def base(w):
             return triton_fused.silu_and_mul(F.linear(x, w))

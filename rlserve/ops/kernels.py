@@ -114,10 +114,7 @@ def _triton() -> Kernels:
         plan = decode_plan(triton_decode_gemm.plan_o_down, x, weight, weight.shape[0])
         if plan is None or not residual.is_contiguous():
             return triton_fused.fused_add_rms_norm(F.linear(x, weight), residual, norm_weight, eps)
-        y = triton_decode_gemm.decode_gemm(x, weight, plan)
-        if plan.splits == 1:
-            return triton_fused.fused_add_rms_norm(y, residual, norm_weight, eps)
-        return triton_fused.partials_add_rms_norm(y, residual, norm_weight, eps)
+        return triton_decode_gemm.gemm_add_rms_norm(x, weight, plan, residual, norm_weight, eps)
 
     def linear_silu_and_mul(x, weight):
         plan = decode_plan(triton_decode_gemm.plan_gate_up, x, weight, weight.shape[0] // 2)

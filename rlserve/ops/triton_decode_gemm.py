@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlserve.ops import triton_pdl
+from rlserve.ops import triton_fused, triton_pdl
 from rlserve.ops.triton_fused import silu_mul
 from rlserve.ops.triton_pdl import release_next, wait_for_previous
 
@@ -171,3 +171,13 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan, gated: bo
         DOT_F32=x.device.type == "cpu" or x.dtype == torch.float32, PDL=pdl,
         num_stages=plan.stages, num_warps=plan.warps, **triton_pdl.launch_options(pdl))
     return out
+
+
+def gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, plan: GemmPlan, residual: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm(x @ weight.T, residual) along `plan`: split-K partial sums go
+    straight into the norm, which sums them. Returns (the normed sum, the sum)."""
+    y = decode_gemm(x, weight, plan)
+    if plan.splits == 1:
+        return triton_fused.fused_add_rms_norm(y, residual, norm_weight, eps)
+    return triton_fused.partials_add_rms_norm(y, residual, norm_weight, eps)
