@@ -22,12 +22,21 @@ from rlserve.weight_transfer import WeightSyncClient
 
 # -- the module's server --------------------------------------------------------------------
 
+# The kill test's streams ask for almost all of a long context (~40 s of tokens), so each is
+# still in flight when the server pauses however late the last one started (on a loaded
+# two-core machine one replica's streams of 480 tokens, ~2.5 s, all ended before the other
+# replica's last stream showed its first token); the test closes them itself.
+DP_MAX_MODEL_LEN = 8192
+STREAM_TOKENS = DP_MAX_MODEL_LEN - 64
+
+
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("dp") / "server.log"
     cfg = json.dumps({"backend": "gloo", "timeout_s": 30})
     srv = start_tiny_server(log, "--data-parallel-size", "2", "--weight-transfer-config", cfg,
-                            "--dp-retry-on-failure", "--max-num-seqs", "16")
+                            "--dp-retry-on-failure", "--max-num-seqs", "16",
+                            "--max-model-len", str(DP_MAX_MODEL_LEN))
     yield srv
     stop_server(srv)
 
@@ -94,15 +103,16 @@ def test_one_push_updates_both_replicas(dp_server, sync, trainer, tokenizer):
         assert got[p]["choices"][0]["token_ids"] == hf_greedy(trainer, tokenizer.encode(p)), p
 
 
-# Tokens a request of the kill tests asks for: enough that it is surely still running when
+# Tokens a request of the retry test asks for: enough that it is surely still running when
 # the test pauses the server (the two-layer model makes 64 in well under a second, 480 in
 # about three seconds).
 IN_FLIGHT_TOKENS = 480
 
 
-def _stream(url: str, prompt: str, out: dict, key, started: threading.Event) -> None:
-    events, error = [], None
-    body = dict(model="m", prompt=prompt, max_tokens=IN_FLIGHT_TOKENS, temperature=0, ignore_eos=True,
+def _stream(url: str, prompt: str, record: dict, started: threading.Event, stop: threading.Event) -> None:
+    """A streamed completion into `record` (events as they come, then its error, if any,
+    and done), closed early once `stop` is set."""
+    body = dict(model="m", prompt=prompt, max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True,
                 stream=True)
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
@@ -110,13 +120,15 @@ def _stream(url: str, prompt: str, out: dict, key, started: threading.Event) -> 
                 if line.startswith("data: {"):
                     data = json.loads(line[6:])
                     if "error" in data:
-                        error = data["error"]
+                        record["error"] = data["error"]
                     else:
-                        events.append(data)
+                        record["events"].append(data)
                         started.set()
+                if stop.is_set():
+                    break
     except httpx.HTTPError as e:
-        error = {"message": str(e)}
-    out[key] = (events, error)
+        record["error"] = {"message": str(e)}
+    record["done"] = True
 
 
 def kill_while_paused(url: str, index: int) -> int:
@@ -135,26 +147,32 @@ def kill_while_paused(url: str, index: int) -> int:
 def test_killed_replica_leaves_rotation_and_comes_back_current(dp_server, sync, trainer, tokenizer):
     url = dp_server.url
     # Streams on both replicas, each with tokens out when the replica dies.
-    out: dict = {}
+    records = [dict(events=[], error=None, done=False) for _ in range(6)]
     started = [threading.Event() for _ in range(6)]
-    threads = [threading.Thread(target=_stream, args=(url, f"{PROMPTS[i]} {i}", out, i, started[i]))
+    stop = threading.Event()
+    threads = [threading.Thread(target=_stream, args=(url, f"{PROMPTS[i]} {i}", records[i], started[i], stop))
                for i in range(6)]
     for t in threads:
         t.start()
     for e in started:
-        assert e.wait(120)
+        assert e.wait(120), [r["error"] for r in records]
     victim = kill_while_paused(url, 1)
+    seen = [len(r["events"]) for r in records]
 
     # The endpoint keeps serving; /health says which replica is gone.
     r = health(url)
     assert r.status_code == 200 and r.json()["serving"] == 1
     assert r.json()["replicas"][1]["state"] in ("down", "starting", "stale")
     assert complete(url, PROMPTS[0])["choices"][0]["token_ids"] == hf_greedy(trainer, tokenizer.encode(PROMPTS[0]))
+    # The dead replica's streams end with an error; the others go on streaming.
+    wait_for(lambda: all(r["done"] or len(r["events"]) > n + 8 for r, n in zip(records, seen)),
+             120, "every stream ended or going on after the kill")
+    stop.set()
     for t in threads:
-        t.join(timeout=300)
-    failed = [out[i][1] for i in out if out[i][1] is not None]
-    finished = [out[i] for i in out if out[i][1] is None]
-    assert failed and finished  # the dead replica's streams end with an error, the others finish
+        t.join(timeout=60)
+    failed = [r["error"] for r in records if r["error"] is not None]
+    going = [r for r, n in zip(records, seen) if r["error"] is None and len(r["events"]) > n]
+    assert failed and len(failed) + len(going) == 6, [(len(r["events"]), n, r["error"]) for r, n in zip(records, seen)]
     for error in failed:
         assert error["code"] == 503 and "replica 1 died" in error["message"]
 
