@@ -11,7 +11,9 @@ Attention kernel: one program per (query tile, sequence, kv head[, kv split]). A
 packs BLOCK_Q tokens x all query heads sharing the kv head into the rows of one matrix, so
 each K/V tile is loaded once per kv head (GQA packing) and fed to tensor-core dots. Keys are
 gathered through the block table in tiles of BLOCK_N positions independent of the cache's
-block size. Softmax is online, in fp32, base 2.
+block size. Softmax is online, in fp32, base 2. Keys below a tile's first query position
+need no causal mask and run in an unmasked loop, the rest in a masked one; decode calls
+(one query token a sequence) see every key and run a single loop masked only at the end.
 
 fp8 caches are read as bytes and widened in registers, each key's and value's row scale
 applied to the score's column and to p (ops/attention.py has the format).
