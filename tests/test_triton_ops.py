@@ -206,6 +206,28 @@ def test_decode_tile_for_each_batch_size(num_seqs, block_size, dtype, head_dim):
     assert _rel_err(out, expected) < TOL[dtype]
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_loop_matches_the_general_path(splits):
+    """A decode call (max_query_len=1) runs one key loop masked only at the end; the same
+    batch without the hint runs the general unmasked + causal-masked loops. Same output,
+    contexts ending inside a key tile, on its edge (63 + 1 keys) and with no keys before."""
+    ops = _ops()
+    gen = torch.Generator().manual_seed(5)
+    batch = _make_batch([(63, 1), (0, 1), (200, 1), (31, 1), (95, 1)], 8, 2, 64, 16, torch.float32, gen)
+    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                       batch["slot_mapping"])
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=2, num_stages=2)
+    outs = [ops.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
+                                batch["query_start_loc"], batch["seq_lens"], batch["block_tables"],
+                                0.125, max_query_len=hint, max_seq_len=batch["max_seq_len"],
+                                num_kv_splits=splits, _config=cfg)
+            for hint in (1, None)]
+    assert ops._tiling(batch["query"], batch["k_cache"], 5, 1, 256, splits, cfg).constants["DECODE"]
+    assert not ops._tiling(batch["query"], batch["k_cache"], 5, 5, 256, splits, cfg).constants["DECODE"]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    assert _rel_err(outs[0], _reference(batch, 0.125)) < TOL[torch.float32]
+
+
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
