@@ -291,6 +291,32 @@ def test_fp8_cache_attention(cache_dtype, query_dtype, seqs, max_query_len, spli
     assert _rel_err(out, expected) < TOL[torch.bfloat16]
 
 
+@pytest.mark.skipif(INTERPRET, reason="the asm widening runs on CUDA only")
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("seqs, max_query_len", [(MIXED, None), ([(p, 1) for p in range(0, 700, 9)], 1)],
+                         ids=["mixed", "decode"])
+def test_fp8_values_widened_by_asm_match_the_cast(monkeypatch, cache_dtype, seqs, max_query_len):
+    """Values widened by the conversion instruction (V_ASM) give the output of Triton's own
+    cast: the same float16 values, element for element, reach the PV dot."""
+    ops = _ops()
+    batch = _fp8_batch(seqs, cache_dtype, torch.bfloat16, 3)
+    ref.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                       batch["slot_mapping"], **batch["scales"])
+    args = (batch["query"], batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
+            batch["seq_lens"], batch["block_tables"], 128 ** -0.5)
+    kw = dict(max_query_len=max_query_len or batch["max_query_len"],
+              max_seq_len=batch["max_seq_len"], **batch["scales"])
+    tiling = ops._tiling(batch["query"], batch["k_cache"], len(seqs), kw["max_query_len"], 256, 1, None)
+    if not tiling.constants["V_ASM"]:
+        pytest.skip("no fp8 conversion instruction before sm_89")
+    with_asm = ops.paged_attention(*args, **kw)
+    monkeypatch.setattr(ops, "_fp8_cvt", lambda device: False)
+    with_cast = ops.paged_attention(*args, **kw)
+    # The dots see the same operands; only the order of a tile's products may differ.
+    torch.testing.assert_close(with_asm.float(), with_cast.float(), rtol=2e-3, atol=1e-3)
+    assert _rel_err(with_asm, _reference(batch, 128 ** -0.5)) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("seqs", [[(150, 1), (3, 1), (0, 1), (97, 1)], MIXED],
                          ids=["decode", "mixed"])
 @pytest.mark.parametrize("splits", [2, 3, 5])

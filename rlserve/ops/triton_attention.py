@@ -15,8 +15,9 @@ block size. Softmax is online, in fp32, base 2. Keys below a tile's first query 
 need no causal mask and run in an unmasked loop, the rest in a masked one; decode calls
 (one query token a sequence) see every key and run a single loop masked only at the end.
 
-fp8 caches are read as bytes and widened in registers, each key's and value's row scale
-applied to the score's column and to p (ops/attention.py has the format).
+fp8 caches are read as bytes and widened in registers (values by the conversion instruction
+itself where there is one, see widen_values), each key's and value's row scale applied to
+the score's column and to p (ops/attention.py has the format).
 
 Launch order matters for decode, which is bound by reading the cache: programs of one
 sequence's kv heads are neighbours (they read neighbouring bytes of the same cache rows),
@@ -151,6 +152,27 @@ def _dim_mask(HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def widen_values(v, dtype: tl.constexpr, ASM: tl.constexpr):
+    """An fp8 value tile in the dots' type. The PV dot reduces over keys, which are not
+    the cache's contiguous axis: widened by `.to`, Triton folds the conversion into the
+    dot-operand load and gathers the tile from shared memory a byte at a time (8-bit data
+    has no transposing ldmatrix). ASM widens it with an opaque instruction instead (sm_89+,
+    float16 only), so the tile is widened where it lies and reaches the dot as 16-bit
+    values through a transposing ldmatrix."""
+    if ASM:
+        if v.dtype == tl.float8e5:
+            cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2"
+        else:
+            cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2"
+        # Four bytes in, two f16x2 out; not pure, or the conversion is folded back.
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; " + cvt + " $0, lo; " + cvt + " $1, hi; }",
+            "=r,=r,r", [v], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        return v.to(dtype)
+
+
+@triton.jit
 def _attn_tiles(
     acc, l_i, m_i, q, q_pos, lo, hi, kv_end,
     k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
@@ -158,7 +180,7 @@ def _attn_tiles(
     scale_log2,
     MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, V_ASM: tl.constexpr,
 ):
     d = tl.arange(0, BLOCK_D)
     d_ok = _dim_mask(HEAD_DIM, BLOCK_D)
@@ -202,7 +224,7 @@ def _attn_tiles(
         v = tl.load(v_cache_ptr + phys[:, None] * stride_vb + off[:, None] * stride_vs
                     + kvh * stride_vh + d[None, :], mask=ld_mask, other=0.0)
         if KV_FP8:  # the values' scales weight p; the normaliser l_i sums p unscaled
-            v = v.to(q.dtype)
+            v = widen_values(v, q.dtype, V_ASM)
             pw = p * vs[None, :]
         else:
             pw = p
@@ -231,7 +253,7 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, Q_F16: tl.constexpr, HEADS_FIRST: tl.constexpr,
-    ORDERED: tl.constexpr, DECODE: tl.constexpr, PDL: tl.constexpr,
+    ORDERED: tl.constexpr, DECODE: tl.constexpr, PDL: tl.constexpr, V_ASM: tl.constexpr,
 ):
     release_next(PDL)  # o_proj's decode GEMM launches early and waits (triton_pdl)
     if HEADS_FIRST:
@@ -313,18 +335,18 @@ def _paged_attn_kernel(
             acc, l_i, m_i, q, q_pos, lo, hi, hi,
             k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-            2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32, KV_FP8)
+            2, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32, KV_FP8, V_ASM)
     else:
         acc, l_i, m_i = _attn_tiles(
             acc, l_i, m_i, q, q_pos, unmasked_lo, unmasked_hi, kv_end,
             k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-            0, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32, KV_FP8)
+            0, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32, KV_FP8, V_ASM)
         acc, l_i, m_i = _attn_tiles(
             acc, l_i, m_i, q, q_pos, masked_lo, hi, kv_end,
             k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-            1, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32, KV_FP8)
+            1, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32, KV_FP8, V_ASM)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -368,6 +390,12 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _fp8_cvt(device: torch.device) -> bool:
+    """Whether `device` has the fp8-to-f16x2 conversion instruction (sm_89 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 16  # interpreter runs: any small number
@@ -386,8 +414,8 @@ def _pick_config(max_query_len: int, group_pad: int, head_dim: int, num_seqs: in
     if max_query_len * group_pad > 16:  # prefill and mixed steps
         return dict(BLOCK_M=max(64, group_pad), BLOCK_N=64, num_warps=4, num_stages=2)
     # Decode (and tiny chunks): memory bound, small M.
-    if itemsize == 1:  # fp8: widening the keys in registers, not bytes, sets the pace
-        block_n, warps, stages = 64, 2, 3
+    if itemsize == 1:  # fp8: wide key tiles, the best at every batch size measured
+        block_n, warps, stages = 128, 4, 2
     elif block_size >= 128:  # a key tile inside one block: one block-table read per tile
         block_n, warps, stages = 64, 4, 2
     elif num_seqs > 160:  # many programs: smaller tiles, more of them resident per SM
@@ -528,6 +556,7 @@ def _tiling(query: torch.Tensor, k_cache: torch.Tensor, num_seqs: int, max_query
         # Triton's CPU interpreter mis-evaluates bf16 dots; it gets fp32 operands instead.
         DOT_F32=query.device.type == "cpu" and compute == torch.bfloat16, KV_FP8=kv_fp8,
         Q_F16=kv_fp8 and compute == torch.float16, DECODE=max_query_len == 1,
+        V_ASM=kv_fp8 and compute == torch.float16 and _fp8_cvt(query.device),
         HEADS_FIRST=heads_first, **cfg)
     return _Tiling(grid, splits, block_d, constants)
 
