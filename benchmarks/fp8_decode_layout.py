@@ -1,8 +1,10 @@
 """Where fp8 decode attention spends its time: a minimal decode kernel (one query token per
 sequence, GQA group 2, Qwen3-0.6B's heads) over a bf16 cache and over fp8 caches, with and
 without per-row scales, values stored token-major (the engine's layout) or transposed per
-block ([block, head, dim, token]), computing in bfloat16 or float16. Every variant runs a
-few tiles; the best is printed with its error against the bf16 variant's output.
+block ([block, head, dim, token]), computing in bfloat16 or float16, values widened by
+Triton's cast or by the conversion instruction the engine uses (triton_attention.
+widen_values). Every variant runs a few tiles; the best is printed with its error against
+the bf16 variant's output.
 
 Usage: python benchmarks/fp8_decode_layout.py
 """
@@ -16,13 +18,14 @@ import triton
 import triton.language as tl
 
 from attention_kernels import bench_graph
+from rlserve.ops.triton_attention import widen_values
 
 
 @triton.jit
 def attn(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, bt_ptr, sl_ptr, stride_bt, scale_log2,
          FP8: tl.constexpr, VT: tl.constexpr, SCALES: tl.constexpr, F16: tl.constexpr,
          H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-         GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
     """One program per (kv head, sequence): no masking beyond the sequence's end, no splits."""
     kvh = tl.program_id(0)
     b = tl.program_id(1)
@@ -67,7 +70,7 @@ def attn(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, bt_ptr, sl_ptr, stride_bt
             v = tl.load(v_ptr + phys[:, None] * (BS * H * D) + off[:, None] * (H * D) + kvh * D + d[None, :],
                         mask=ok[:, None], other=0.0)
         if FP8:
-            v = v.to(q.dtype)
+            v = widen_values(v, q.dtype, ASM)
         if SCALES:
             p = p * vs[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
@@ -79,11 +82,13 @@ def attn(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, bt_ptr, sl_ptr, stride_bt
 
 H, D, BS, GROUP = 8, 128, 16, 2  # kv heads, head_dim, block size, query heads per kv head
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
-# name: (fp8 cache, values transposed per block, per-row scales, float16 dots, fp8 type)
-VARIANTS = {"bf16": (0, 0, 0, 0, None), "e4m3": (1, 0, 0, 0, E4), "e4m3+scales": (1, 0, 1, 0, E4),
-            "e4m3 Vt": (1, 1, 0, 0, E4), "e4m3 Vt+scales": (1, 1, 1, 0, E4), "e5m2": (1, 0, 0, 0, E5),
-            "e4m3 f16": (1, 0, 0, 1, E4), "e4m3 Vt f16+scales": (1, 1, 1, 1, E4),
-            "e5m2 Vt f16": (1, 1, 0, 1, E5)}
+# name: (fp8 cache, values transposed per block, per-row scales, float16 dots, fp8 type,
+# values widened by the conversion instruction)
+VARIANTS = {"bf16": (0, 0, 0, 0, None, 0), "e4m3": (1, 0, 0, 0, E4, 0), "e4m3+scales": (1, 0, 1, 0, E4, 0),
+            "e4m3 Vt": (1, 1, 0, 0, E4, 0), "e4m3 Vt+scales": (1, 1, 1, 0, E4, 0), "e5m2": (1, 0, 0, 0, E5, 0),
+            "e4m3 f16": (1, 0, 0, 1, E4, 0), "e4m3 Vt f16+scales": (1, 1, 1, 1, E4, 0),
+            "e5m2 Vt f16": (1, 1, 0, 1, E5, 0), "e4m3 f16+scales": (1, 0, 1, 1, E4, 0),
+            "e4m3 f16+scales, asm": (1, 0, 1, 1, E4, 1), "e5m2 f16+scales, asm": (1, 0, 1, 1, E5, 1)}
 TILES = [(32, 2, 3), (64, 2, 2), (64, 2, 3), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3)]
 
 
@@ -106,7 +111,7 @@ def make_batch(lens: list[int], seed: int = 0) -> dict:
 
 def launcher(batch: dict, variant: tuple, tile: tuple):
     """The variant's kernel launch as a closure, and its output tensor (run once)."""
-    fp8, vt, scales, f16, fp8_type = variant
+    fp8, vt, scales, f16, fp8_type, asm = variant
     q, k, v = batch["q"], batch["k"], batch["v"]
     if fp8:
         k, v = k.float().to(fp8_type), v.float().to(fp8_type)
@@ -121,7 +126,7 @@ def launcher(batch: dict, variant: tuple, tile: tuple):
     def fn():
         attn[(H, q.shape[0])](q, k, v, ks, vs, out, table, batch["seq_lens"], table.stride(0),
                               D ** -0.5 * 1.4426950408889634, FP8=fp8, VT=vt, SCALES=scales,
-                              F16=f16, H=H, D=D, BS=BS, BLOCK_N=block_n, GROUP=GROUP, BLOCK_M=16,
+                              F16=f16, H=H, D=D, BS=BS, BLOCK_N=block_n, GROUP=GROUP, BLOCK_M=16, ASM=asm,
                               num_warps=warps, num_stages=stages)
     fn()
     torch.cuda.synchronize()
