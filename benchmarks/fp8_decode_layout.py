@@ -84,8 +84,9 @@ H, D, BS, GROUP = 8, 128, 16, 2  # kv heads, head_dim, block size, query heads p
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 # name: (fp8 cache, values transposed per block, per-row scales, float16 dots, fp8 type,
 # values widened by the conversion instruction)
-VARIANTS = {"bf16": (0, 0, 0, 0, None, 0), "e4m3": (1, 0, 0, 0, E4, 0), "e4m3+scales": (1, 0, 1, 0, E4, 0),
-            "e4m3 Vt": (1, 1, 0, 0, E4, 0), "e4m3 Vt+scales": (1, 1, 1, 0, E4, 0), "e5m2": (1, 0, 0, 0, E5, 0),
+VARIANTS = {"bf16": (0, 0, 0, 0, None, 0), "e4m3": (1, 0, 0, 0, E4, 0),
+            "e4m3+scales": (1, 0, 1, 0, E4, 0), "e4m3 Vt": (1, 1, 0, 0, E4, 0),
+            "e4m3 Vt+scales": (1, 1, 1, 0, E4, 0), "e5m2": (1, 0, 0, 0, E5, 0),
             "e4m3 f16": (1, 0, 0, 1, E4, 0), "e4m3 Vt f16+scales": (1, 1, 1, 1, E4, 0),
             "e5m2 Vt f16": (1, 1, 0, 1, E5, 0), "e4m3 f16+scales": (1, 0, 1, 1, E4, 0),
             "e4m3 f16+scales, asm": (1, 0, 1, 1, E4, 1), "e5m2 f16+scales, asm": (1, 0, 1, 1, E5, 1)}

@@ -293,8 +293,8 @@ def test_fp8_cache_attention(cache_dtype, query_dtype, seqs, max_query_len, spli
 
 @pytest.mark.skipif(INTERPRET, reason="the asm widening runs on CUDA only")
 @pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("seqs, max_query_len", [(MIXED, None), ([(p, 1) for p in range(0, 700, 9)], 1)],
-                         ids=["mixed", "decode"])
+@pytest.mark.parametrize("seqs, max_query_len",
+                         [(MIXED, None), ([(p, 1) for p in range(0, 700, 9)], 1)], ids=["mixed", "decode"])
 def test_fp8_values_widened_by_asm_match_the_cast(monkeypatch, cache_dtype, seqs, max_query_len):
     """Values widened by the conversion instruction (V_ASM) give the output of Triton's own
     cast: the same float16 values, element for element, reach the PV dot."""
@@ -312,8 +312,9 @@ def test_fp8_values_widened_by_asm_match_the_cast(monkeypatch, cache_dtype, seqs
     with_asm = ops.paged_attention(*args, **kw)
     monkeypatch.setattr(ops, "_fp8_cvt", lambda device: False)
     with_cast = ops.paged_attention(*args, **kw)
-    # The dots see the same operands; only the order of a tile's products may differ.
-    torch.testing.assert_close(with_asm.float(), with_cast.float(), rtol=2e-3, atol=1e-3)
+    # The dots see the same operands; only the order of a tile's products may differ, which
+    # can move a bf16 output by one unit in the last place. Bytes misread are far off.
+    torch.testing.assert_close(with_asm.float(), with_cast.float(), rtol=2 ** -7, atol=1e-3)
     assert _rel_err(with_asm, _reference(batch, 128 ** -0.5)) < TOL[torch.bfloat16]
 
 
