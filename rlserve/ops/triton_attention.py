@@ -391,15 +391,23 @@ def _num_sms(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _has_fp8_cvt(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _fp8_cvt(device: torch.device) -> bool:
     """Whether `device` has the fp8-to-f16x2 conversion instruction (sm_89 and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _has_fp8_cvt(_cuda_index(device))
 
 
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 16  # interpreter runs: any small number
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _num_sms(_cuda_index(device))
 
 
 # Shared memory the decode tile's pipelined K/V stages may take (an H200 SM has 228 KB).
