@@ -281,6 +281,11 @@ class TransferGroup:
         except Exception as e:
             if self._cancelled.is_set():
                 raise self.fail(f"waiting for {what}: {self.broken}") from e
+            if isinstance(e, dist.DistNetworkError):
+                # The store's host closed its group: an end of stream or, with bytes in
+                # flight, a reset; both mean the same to the caller.
+                raise self.fail(f"waiting for {what}: the group's store at {self.master} closed "
+                                f"the connection after {time.monotonic() - started:.1f}s ({e})") from e
             raise self.fail(f"waiting for {what} failed after {time.monotonic() - started:.1f}s: {e}") from e
         if value.startswith(BROKEN):
             raise self.fail(f"waiting for {what}: {value[len(BROKEN):]}")

@@ -47,6 +47,9 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
             k = sock.recv_into(view[got:], min(n - got, _CHUNK))
         except TimeoutError as e:
             raise FrameError(f"no data for {sock.gettimeout():g}s ({got} of {n} bytes arrived)") from e
+        except ConnectionResetError as e:
+            # A peer that closes with bytes still unread sends a reset, not an end of stream.
+            raise FrameError(f"the peer closed the connection (reset) after {got} of {n} bytes") from e
         except OSError as e:
             raise FrameError(f"connection failed after {got} of {n} bytes: {e}") from e
         if k == 0:
@@ -61,6 +64,8 @@ def _send_frame(sock: socket.socket, number: int, payload: memoryview | bytes) -
             sock.sendall(payload)
     except TimeoutError as e:
         raise FrameError(f"the peer took no data for {sock.gettimeout():g}s") from e
+    except (BrokenPipeError, ConnectionResetError) as e:
+        raise FrameError(f"the peer closed the connection: {e}") from e
     except OSError as e:
         raise FrameError(f"sending failed: {e}") from e
 
