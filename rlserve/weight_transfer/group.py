@@ -282,10 +282,8 @@ class TransferGroup:
             if self._cancelled.is_set():
                 raise self.fail(f"waiting for {what}: {self.broken}") from e
             if isinstance(e, dist.DistNetworkError):
-                # The store's host closed its group: an end of stream or, with bytes in
-                # flight, a reset; both mean the same to the caller.
-                raise self.fail(f"waiting for {what}: the group's store at {self.master} closed "
-                                f"the connection after {time.monotonic() - started:.1f}s ({e})") from e
+                raise self.fail(f"waiting for {what} after {time.monotonic() - started:.1f}s: "
+                                f"{self._store_lost(e)}") from e
             raise self.fail(f"waiting for {what} failed after {time.monotonic() - started:.1f}s: {e}") from e
         if value.startswith(BROKEN):
             raise self.fail(f"waiting for {what}: {value[len(BROKEN):]}")
@@ -298,8 +296,15 @@ class TransferGroup:
                 if self._store.check([broken_key(r)]):
                     return self._store.get(broken_key(r)).decode(errors="replace")
         except Exception as e:
-            return f"the group's store at {self.master} is gone: {e}"
+            return self._store_lost(e)
         return None
+
+    def _store_lost(self, e: Exception) -> str:
+        if isinstance(e, dist.DistNetworkError):
+            # The store's host closed its group: an end of stream or, with bytes in flight,
+            # a reset; both mean the same to the caller.
+            return f"the group's store at {self.master} closed the connection ({e})"
+        return f"the group's store at {self.master} is gone: {e}"
 
     def delete(self, key: str) -> None:
         try:
