@@ -111,7 +111,9 @@ def main() -> None:
     cache_dtype = None
     if args.kv_cache_dtype == "fp8":  # half the bytes a key: wider key tiles
         cache_dtype, orders, split_counts = torch.float8_e4m3fn, (True,), (1, 2)
-        configs = CONFIGS + [(128, 4, 4), (256, 4, 2), (256, 4, 3), (256, 8, 2)]
+        # A fourth number caps the registers a thread (maxnreg): more programs a SM.
+        configs = CONFIGS + [(128, 4, 2), (128, 4, 4), (256, 4, 2), (256, 4, 3), (256, 8, 2),
+                             (64, 4, 2), (128, 8, 2), (128, 4, 1), (64, 4, 1), (128, 4, 1, 128)]
     for name, ctx in (tail_shapes() if args.tail else shapes()):
         batch = make_batch(ctx, [1] * len(ctx), cache_dtype=cache_dtype)
         kv_bytes = batch["kv_bytes"]
@@ -120,17 +122,22 @@ def main() -> None:
         print(f"== {name}: {kv_bytes / 1e6:.0f} MB of K+V; current default {base:.1f} us "
               f"({kv_bytes / base / 1e3:.0f} GB/s)", flush=True)
         rows = []
-        for (bn, nw, st), heads_first, splits in itertools.product(configs, orders, split_counts):
+        for tile, heads_first, splits in itertools.product(configs, orders, split_counts):
+            bn, nw, st = tile[:3]
+            cap = tile[3] if len(tile) > 3 else None
             cfg = dict(BLOCK_M=16, BLOCK_N=bn, num_warps=nw, num_stages=st, HEADS_FIRST=heads_first)
+            if cap:
+                cfg["maxnreg"] = cap
             us = checked_time(ta, batch, out, f"{cfg} splits={splits}", _config=cfg, num_kv_splits=splits)
             if us is None:
                 continue
-            rows.append((us, bn, nw, st, heads_first, splits))
-            results.append(dict(shape=name, us=us, block_n=bn, warps=nw, stages=st,
+            rows.append((us, bn, nw, st, cap, heads_first, splits))
+            results.append(dict(shape=name, us=us, block_n=bn, warps=nw, stages=st, maxnreg=cap,
                                 heads_first=heads_first, splits=splits, gbps=kv_bytes / us / 1e3))
-        for us, bn, nw, st, hf, sp in sorted(rows)[:8]:
+        for us, bn, nw, st, cap, hf, sp in sorted(rows, key=lambda r: r[0])[:8]:
             print(f"  {us:8.1f} us {kv_bytes / us / 1e3:6.0f} GB/s  BLOCK_N={bn} warps={nw} "
-                  f"stages={st} heads_first={hf} splits={sp}", flush=True)
+                  f"stages={st}{f' maxnreg={cap}' if cap else ''} heads_first={hf} splits={sp}",
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
