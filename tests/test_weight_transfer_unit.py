@@ -518,6 +518,29 @@ def test_frames_are_read_exactly_or_refused():
             _recv_frame_into(b, 3, view)
 
 
+def test_a_peer_that_resets_the_connection_reads_as_closed():
+    """A peer that closes with bytes still unread sends a reset, not an end of stream; the
+    receiver and the sender both report the peer as having closed the connection."""
+    import struct
+
+    from rlserve.weight_transfer.tcp import FrameError, _recv_exact, _send_frame
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        with client:
+            client.sendall(b"unread")
+            time.sleep(0.1)
+            # Linger on with a zero timeout: close() resets the connection at once.
+            peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            peer.close()
+            time.sleep(0.1)
+            with pytest.raises(FrameError, match="the peer closed the connection"):
+                _recv_exact(client, memoryview(bytearray(16)))
+            with pytest.raises(FrameError, match="the peer closed the connection"):
+                for _ in range(3):  # the first send after a reset may still be accepted
+                    _send_frame(client, 0, b"x" * 65536)
+
+
 def test_a_peer_that_closes_its_group_is_noticed_at_once():
     params = make_params()
     info = update_info(params)
