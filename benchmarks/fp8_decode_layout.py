@@ -62,7 +62,21 @@ def attn(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, bt_ptr, sl_ptr, stride_bt
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if VT:
+        if VT == 2:
+            # Whole blocks: [blocks, dim, token] with the in-block token offset its own
+            # axis, so each dim's BS bytes are one vector load; then [dim, keys].
+            blk = start // BS + tl.arange(0, BLOCK_N // BS)
+            t = tl.arange(0, BS)
+            pb = tl.load(bt_ptr + b * stride_bt + blk, mask=blk * BS < seq_len, other=0).to(tl.int64)
+            # Masked by whole blocks (a per-token mask would split the vector loads); the
+            # last block's unused slots are zeroed after the load, so no stale byte
+            # (NaN in e4m3 too) meets the dot.
+            b_ok = (blk * BS < seq_len)[:, None, None]
+            vt3 = tl.load(v_ptr + pb[:, None, None] * (H * D * BS) + kvh * (D * BS)
+                          + d[None, :, None] * BS + t[None, None, :], mask=b_ok, other=0.0)
+            vt3 = tl.where((blk[:, None, None] * BS + t[None, None, :]) < seq_len, vt3, 0.0)
+            v = tl.trans(tl.reshape(tl.permute(vt3, (1, 0, 2)), (D, BLOCK_N)))
+        elif VT:
             vt = tl.load(v_ptr + phys[None, :] * (H * D * BS) + kvh * (D * BS) + d[:, None] * BS + off[None, :],
                          mask=ok[None, :], other=0.0)
             v = tl.trans(vt)
@@ -82,14 +96,15 @@ def attn(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, bt_ptr, sl_ptr, stride_bt
 
 H, D, BS, GROUP = 8, 128, 16, 2  # kv heads, head_dim, block size, query heads per kv head
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
-# name: (fp8 cache, values transposed per block, per-row scales, float16 dots, fp8 type,
-# values widened by the conversion instruction)
+# name: (fp8 cache, values transposed per block (2: and read a whole block a load), per-row
+# scales, float16 dots, fp8 type, values widened by the conversion instruction)
 VARIANTS = {"bf16": (0, 0, 0, 0, None, 0), "e4m3": (1, 0, 0, 0, E4, 0),
             "e4m3+scales": (1, 0, 1, 0, E4, 0), "e4m3 Vt": (1, 1, 0, 0, E4, 0),
             "e4m3 Vt+scales": (1, 1, 1, 0, E4, 0), "e5m2": (1, 0, 0, 0, E5, 0),
             "e4m3 f16": (1, 0, 0, 1, E4, 0), "e4m3 Vt f16+scales": (1, 1, 1, 1, E4, 0),
             "e5m2 Vt f16": (1, 1, 0, 1, E5, 0), "e4m3 f16+scales": (1, 0, 1, 1, E4, 0),
-            "e4m3 f16+scales, asm": (1, 0, 1, 1, E4, 1), "e5m2 f16+scales, asm": (1, 0, 1, 1, E5, 1)}
+            "e4m3 f16+scales, asm": (1, 0, 1, 1, E4, 1), "e5m2 f16+scales, asm": (1, 0, 1, 1, E5, 1),
+            "e4m3 Vt blocks f16+scales": (1, 2, 1, 1, E4, 0)}
 TILES = [(32, 2, 3), (64, 2, 2), (64, 2, 3), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3)]
 
 
