@@ -67,13 +67,14 @@ def attn(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, bt_ptr, sl_ptr, stride_bt
             # axis, so each dim's BS bytes are one vector load; then [dim, keys].
             blk = start // BS + tl.arange(0, BLOCK_N // BS)
             t = tl.arange(0, BS)
-            pb = tl.load(bt_ptr + b * stride_bt + blk, mask=blk * BS < seq_len, other=0).to(tl.int64)
+            b_ok = blk * BS < seq_len
+            pb = tl.load(bt_ptr + b * stride_bt + blk, mask=b_ok, other=0).to(tl.int64)
             # Masked by whole blocks (a per-token mask would split the vector loads); the
             # last block's unused slots are zeroed after the load, so no stale byte
             # (NaN in e4m3 too) meets the dot.
-            b_ok = (blk * BS < seq_len)[:, None, None]
             vt3 = tl.load(v_ptr + pb[:, None, None] * (H * D * BS) + kvh * (D * BS)
-                          + d[None, :, None] * BS + t[None, None, :], mask=b_ok, other=0.0)
+                          + d[None, :, None] * BS + t[None, None, :], mask=b_ok[:, None, None],
+                          other=0.0)
             vt3 = tl.where((blk[:, None, None] * BS + t[None, None, :]) < seq_len, vt3, 0.0)
             v = tl.trans(tl.reshape(tl.permute(vt3, (1, 0, 2)), (D, BLOCK_N)))
         elif VT:
