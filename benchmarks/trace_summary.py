@@ -3,9 +3,9 @@
 Prints the device's busy share of the run, the idle time between kernels by gap length
 (short gaps are launch latency inside a stream or graph; long ones mean the device waited
 for the host), and the kernels that took the most time; with --steps, the idle time per
-engine step over the run.
+engine step over the run; with --gaps N, the N longest idle stretches and what surrounds them.
 
-    python benchmarks/trace_summary.py TRACE.json [--top 25] [--steps]
+    python benchmarks/trace_summary.py TRACE.json [--top 25] [--steps] [--gaps N]
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def summarize(path: str, top: int = 25) -> list[tuple[float, float, str]]:
     for lo, hi in GAP_BINS:
         label = f"gaps {lo}-{hi} us" if hi != float("inf") else f"gaps >= {lo} us"
         print(f"  {label:18s} {gap_counts[(lo, hi)]:8d} x, {gaps[(lo, hi)] / 1e6:.3f} s")
-    print(f"top {top} device ops by total time:")
+    # A kernel launched early under programmatic dependent launch counts its wait too.
+    print(f"top {top} device ops by total time (their durations, waits included):")
     for name, (n, t) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"  {t / 1e6:8.3f} s {t / busy:6.1%} {n:8d} x {t / n:8.1f} us  {name}")
     return intervals
@@ -99,18 +100,54 @@ def idle_per_step(intervals: list[tuple[float, float, str]], marker: str = "_spl
     print(f"  idle between markers: {(sum(spans) - sum(busy)) / 1e6:.3f} s of {sum(spans) / 1e6:.3f} s")
 
 
+def _busy(spans: list[tuple[float, float]]) -> float:
+    """Microseconds covered by at least one of `spans` (start-sorted)."""
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    return busy
+
+
 def kernel_time_per_step(intervals: list[tuple[float, float, str]], kernel: str,
                          marker: str = "_stage_kernel") -> list[tuple[float, float]]:
     """Per CUDA-graph decode step (from one `marker` kernel, which writes a step's graph
-    inputs, to the next): microseconds in kernels whose name starts with `kernel`, and in
-    every other kernel and copy. Steps before the first marker (the prefill) are not counted."""
-    steps: list[list[float]] = []
+    inputs, to the next): microseconds in kernels whose name starts with `kernel`, and the
+    rest of the step's busy time. The rest is the step's busy time less those kernels', not
+    the sum of the other kernels' durations: a kernel launched early under programmatic
+    dependent launch (the decode GEMMs, triton_pdl) starts while `kernel` still runs and
+    waits, and its duration counts that wait. Steps before the first marker (the prefill)
+    are not counted."""
+    steps: list[list] = []
     for s, e, name in intervals:
         if name.startswith(marker):
-            steps.append([0.0, 0.0])
+            steps.append([0.0, []])
         elif steps:
-            steps[-1][0 if name.startswith(kernel) else 1] += e - s
-    return [(a, b) for a, b in steps]
+            if name.startswith(kernel):
+                steps[-1][0] += e - s
+            steps[-1][1].append((s, e))
+    return [(a, max(0.0, _busy(spans) - a)) for a, spans in steps]
+
+
+def longest_gaps(intervals: list[tuple[float, float, str]], n: int = 20,
+                 marker: str = "_split_logsumexp_kernel") -> None:
+    """The `n` longest stretches with nothing running on the device: when (ms into the
+    trace, and after how many `marker` kernels: sampled steps), how long, and the kernels
+    on either side, which say which part of a step the device waited in."""
+    if not intervals:
+        return
+    t0 = intervals[0][0]
+    gaps, end, last, steps = [], intervals[0][1], intervals[0][2], 0
+    for s, e, name in intervals[1:]:
+        if s > end:
+            gaps.append((s - end, end, steps, last, name))
+        if e >= end:
+            end, last = e, name
+        steps += name.startswith(marker)
+    print(f"longest {n} idle gaps (ms into the trace, sampled steps before it):")
+    for gap, at, k, before, after in sorted(gaps, reverse=True)[:n]:
+        print(f"  {gap:8.1f} us at {(at - t0) / 1e3:8.2f} ms, step {k:5d}: "
+              f"after {before[:50]} / before {after[:50]}")
 
 
 def main() -> None:
@@ -118,10 +155,13 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--steps", action="store_true", help="also the idle time per step")
+    ap.add_argument("--gaps", type=int, default=0, metavar="N", help="also the N longest idle gaps")
     args = ap.parse_args()
     intervals = summarize(args.trace, args.top)
     if args.steps:
         idle_per_step(intervals)
+    if args.gaps:
+        longest_gaps(intervals, args.gaps)
 
 
 if __name__ == "__main__":
