@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import itertools
 import json
 
 GAP_BINS = [(0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf"))]  # microseconds
@@ -27,6 +28,26 @@ def kernel_intervals(trace: dict) -> list[tuple[float, float, str]]:
     return out
 
 
+def _busy(spans: list[tuple[float, float]]) -> float:
+    """Microseconds covered by at least one of `spans` (start-sorted)."""
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    return busy
+
+
+def idle_gaps(intervals: list[tuple[float, float, str]]):
+    """Each stretch with nothing running, in order: (its start, its length, the name of
+    the kernel that ended last before it, the index of the interval after it)."""
+    end, last = intervals[0][1], intervals[0][2]
+    for i, (s, e, name) in enumerate(intervals[1:], 1):
+        if s > end:
+            yield end, s - end, last, i
+        if e >= end:
+            end, last = e, name
+
+
 def summarize(path: str, top: int = 25) -> list[tuple[float, float, str]]:
     """Prints the summary; returns the trace's device intervals (for idle_per_step)."""
     # torch.profiler gzips the trace when the path ends in .gz.
@@ -36,20 +57,16 @@ def summarize(path: str, top: int = 25) -> list[tuple[float, float, str]]:
         print("no device events in the trace")
         return intervals
     span = intervals[-1][1] - intervals[0][0]
-    busy = 0.0
     gaps = collections.Counter()
     gap_counts = collections.Counter()
-    end = intervals[0][0]
+    for _, gap, _, _ in idle_gaps(intervals):
+        for lo, hi in GAP_BINS:
+            if lo <= gap < hi:
+                gaps[(lo, hi)] += gap
+                gap_counts[(lo, hi)] += 1
+    busy = _busy([(s, e) for s, e, _ in intervals])
     per_name = collections.defaultdict(lambda: [0, 0.0])
     for s, e, name in intervals:
-        if s > end:
-            gap = s - end
-            for lo, hi in GAP_BINS:
-                if lo <= gap < hi:
-                    gaps[(lo, hi)] += gap
-                    gap_counts[(lo, hi)] += 1
-        busy += max(0.0, e - max(s, end))
-        end = max(end, e)
         entry = per_name[name[:90]]
         entry[0] += 1
         entry[1] += e - s
@@ -80,14 +97,11 @@ def idle_per_step(intervals: list[tuple[float, float, str]], marker: str = "_spl
     for s0, s1 in zip(marks, marks[1:]):
         while intervals[j][0] < s0:
             j += 1
-        b, end, i = 0.0, s0, j
+        i = j
         while i < len(intervals) and intervals[i][0] < s1:
-            s, e = intervals[i][0], min(intervals[i][1], s1)
-            b += max(0.0, e - max(s, end))
-            end = max(end, e)
             i += 1
         spans.append(s1 - s0)
-        busy.append(b)
+        busy.append(_busy([(s, min(e, s1)) for s, e, _ in intervals[j:i]]))
     n = len(spans)
     print(f"{n} steps (from one {marker} to the next):")
     for k in range(parts):
@@ -98,15 +112,6 @@ def idle_per_step(intervals: list[tuple[float, float, str]], marker: str = "_spl
         idle = sorted(sp - b for sp, b in zip(spans[lo:hi], busy[lo:hi]))[(hi - lo) // 2]
         print(f"  steps {lo:5d}-{hi:5d}: median step {span:8.1f} us, of it idle {idle:7.1f} us")
     print(f"  idle between markers: {(sum(spans) - sum(busy)) / 1e6:.3f} s of {sum(spans) / 1e6:.3f} s")
-
-
-def _busy(spans: list[tuple[float, float]]) -> float:
-    """Microseconds covered by at least one of `spans` (start-sorted)."""
-    busy, end = 0.0, float("-inf")
-    for s, e in spans:
-        busy += max(0.0, e - max(s, end))
-        end = max(end, e)
-    return busy
 
 
 def kernel_time_per_step(intervals: list[tuple[float, float, str]], kernel: str,
@@ -137,13 +142,10 @@ def longest_gaps(intervals: list[tuple[float, float, str]], n: int = 20,
     if not intervals:
         return
     t0 = intervals[0][0]
-    gaps, end, last, steps = [], intervals[0][1], intervals[0][2], 0
-    for s, e, name in intervals[1:]:
-        if s > end:
-            gaps.append((s - end, end, steps, last, name))
-        if e >= end:
-            end, last = e, name
-        steps += name.startswith(marker)
+    # Sampled steps before each interval: markers among the intervals ahead of it.
+    steps = list(itertools.accumulate((name.startswith(marker) for _, _, name in intervals), initial=0))
+    gaps = [(gap, at, steps[i], before, intervals[i][2])
+            for at, gap, before, i in idle_gaps(intervals)]
     print(f"longest {n} idle gaps (ms into the trace, sampled steps before it):")
     for gap, at, k, before, after in sorted(gaps, reverse=True)[:n]:
         print(f"  {gap:8.1f} us at {(at - t0) / 1e3:8.2f} ms, step {k:5d}: "
