@@ -1,5 +1,7 @@
 """The seed's RLHF-over-HTTP flow against rlserve, with NCCL: the server on GPU 0..N-1, the
-trainer on GPU N. Only the imports differ from the original script.
+trainer on GPU N. Only the imports differ from the original script, and the group's address:
+the local address on the route to the server (loopback for a local one), where the seed
+calls get_ip() (which rlserve keeps, honouring $VLLM_HOST_IP as vLLM does).
 
     rlserve serve facebook/opt-125m --enforce-eager --load-format dummy \
         --weight-transfer-config '{"backend": "nccl"}'
@@ -18,7 +20,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
-from rlserve.weight_transfer import NCCLWeightTransferEngine, get_ip, get_open_port
+from rlserve.weight_transfer import NCCLWeightTransferEngine, get_open_port, rendezvous_address
 
 BASE_URL = os.environ.get("BASE_URL", "http://localhost:8000")
 MODEL_NAME = os.environ.get("MODEL", "facebook/opt-125m")
@@ -75,7 +77,9 @@ def main():
     for prompt, text in zip(prompts, generate_completions(client, MODEL_NAME, prompts)):
         print(f"Prompt: {prompt!r}\nGenerated text: {text!r}\n" + "-" * 50)
 
-    master_address, master_port, rank_offset = get_ip(), get_open_port(), 1
+    # The seed calls get_ip(); the local address on the route to the server keeps a
+    # group with a server on this host on loopback.
+    master_address, master_port, rank_offset = rendezvous_address(BASE_URL), get_open_port(), 1
     print(f"Initializing weight transfer: master={master_address}:{master_port}")
     init_thread = threading.Thread(target=init_weight_transfer_engine,
                                    args=(BASE_URL, master_address, master_port, rank_offset, world_size))

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlserve.model.demo_model import demo_model_path
 from rlserve.server.launcher import ServerProcess
-from rlserve.weight_transfer import GlooWeightTransferEngine, get_ip, get_open_port
+from rlserve.weight_transfer import GlooWeightTransferEngine, get_open_port, rendezvous_address
 
 PROMPTS = [
     "Hello, my name is",
@@ -93,7 +93,9 @@ def main() -> int:
         for prompt, text in zip(PROMPTS, before):
             print(f"Prompt: {prompt!r}\nGenerated text: {text!r}\n" + "-" * 50)
 
-        master_address, master_port, rank_offset = get_ip(), get_open_port(), 1
+        # The seed calls get_ip(); the local address on the route to the server keeps a
+        # group with a server on this host on loopback.
+        master_address, master_port, rank_offset = rendezvous_address(base_url), get_open_port(), 1
         print(f"Initializing weight transfer: master={master_address}:{master_port}")
         init_thread = threading.Thread(target=init_weight_transfer_engine,
                                        args=(base_url, master_address, master_port, rank_offset, world_size))

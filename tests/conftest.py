@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from rlserve.server.launcher import ServerProcess
+from rlserve.weight_transfer.address import is_loopback
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
@@ -105,6 +107,18 @@ class RunningServer(ServerProcess):
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        super().stop(timeout_s)
+        masters = groups_joined(self.log.read_text(errors="replace")) if self.log and self.log.exists() else []
+        outside = [m for m in masters if not is_loopback(m.rpartition(":")[0])]
+        # Tests talk over loopback only: a trainer's group at a host interface would not.
+        assert not outside, f"the server joined weight-transfer groups off loopback: {outside}"
+
+
+def groups_joined(log: str) -> list[str]:
+    """HOST:PORT of every trainer group a server's log says it joined."""
+    return re.findall(r"weight-transfer group at (\S+) as rank", log)
 
 
 def start_server(model: str, log: Path, *extra: str, api_key: str | None = None,

@@ -92,3 +92,14 @@ def test_the_readme_layout_names_every_module():
     named = _readme_layout()
     assert sorted(modules - named) == [], "modules the README's layout does not name"
     assert sorted(named - modules) == [], "modules the README's layout names that do not exist"
+
+
+def test_no_test_example_or_benchmark_rendezvous_at_the_outbound_interface():
+    """get_ip() is the host's outbound interface: kept for vLLM scripts, but what this
+    repository runs forms its groups at rendezvous_address (loopback for a local server)."""
+    calls = [f"{path.relative_to(ROOT)}:{node.lineno}"
+             for folder in ("tests", "examples", "benchmarks") for path in sorted((ROOT / folder).rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "get_ip"
+             and path.name != "test_weight_transfer_unit.py"]
+    assert calls == []

@@ -33,7 +33,9 @@ from rlserve.weight_transfer import (
     plan_digest,
     receive_weights,
     receiver_init,
+    rendezvous_address,
 )
+from rlserve.weight_transfer.address import is_loopback, local_ip_towards
 from rlserve.weight_transfer.packing import ALIGN_BYTES
 
 TIMEOUT_S = 8.0  # per blocking call; a hang fails the test within this
@@ -232,6 +234,17 @@ def test_init_info_parse_errors():
         with pytest.raises(InvalidUpdateError, match=fragment):
             InitInfo.parse({**good, **change}, num_workers=2)
     assert get_ip() and 0 < get_open_port() < 65536
+
+
+def test_rendezvous_address_is_loopback_for_local_servers(monkeypatch):
+    for urls in ("http://127.0.0.1:8000", "http://localhost:8000/", ["http://[::1]:9"],
+                 ["http://127.0.0.2:1", "http://localhost:2"], "127.0.0.1:8000"):
+        assert rendezvous_address(urls) == "127.0.0.1", urls
+    # A server elsewhere: the local end of the route to it (whatever this host has).
+    assert rendezvous_address(["http://127.0.0.1:1", "http://192.0.2.7:8000"]) == local_ip_towards("192.0.2.7")
+    assert is_loopback("127.0.0.5") and is_loopback("localhost") and not is_loopback("192.0.2.7")
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")  # vLLM's override, which get_ip honours
+    assert get_ip() == "127.0.0.1"
 
 
 # --- transfers between processes -------------------------------------------------

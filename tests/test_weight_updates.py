@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import greedy_reference, start_server, start_tiny_server, stop_server, stream_completion
+from conftest import greedy_reference, groups_joined, start_server, start_tiny_server, stop_server, stream_completion
 from rlserve.weight_transfer import GlooWeightTransferEngine, WeightSyncClient, WeightTransferError, get_open_port
 
 ADMIN_KEY = "admin-secret"
@@ -122,6 +122,13 @@ def sync(dummy_server):
     client = WeightSyncClient(dummy_server.url, backend="gloo", admin_key=ADMIN_KEY)
     client.init()
     return client
+
+
+def test_the_client_forms_its_group_on_loopback_for_a_local_server(sync, dummy_server):
+    """With no master_address, the group forms where the route to the server starts:
+    loopback here, not the host's outbound interface (which get_ip() would give)."""
+    joined = groups_joined(dummy_server.log.read_text())
+    assert joined and joined[-1].startswith("127.0.0.1:"), joined
 
 
 def _stream(url: str, prompt: str, results: list, progress: list, i: int, max_tokens: int = 48) -> None:

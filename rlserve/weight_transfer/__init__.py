@@ -17,7 +17,7 @@ plane), packing (the bucket plan), checksum, address (master_address), client.
 
 from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
 from .gloo import GlooWeightTransferEngine
-from .address import get_ip, get_open_port
+from .address import get_ip, get_open_port, rendezvous_address
 from .group import DEFAULT_TIMEOUT_S, TransferGroup
 from .ipc import IPCHandles, IPCReceiver, IPCSender, IPCWeightTransferEngine
 from .nccl import NCCLWeightTransferEngine
@@ -39,6 +39,6 @@ __all__ = [
     "Bucket", "ExpectedParam", "GlooWeightTransferEngine", "IPCHandles", "IPCReceiver", "IPCSender",
     "IPCWeightTransferEngine", "InitInfo", "InvalidUpdateError",
     "NCCLWeightTransferEngine", "Slot", "TensorMeta", "TransferGroup", "UpdateInfo",
-    "UpdateRefusedError", "WeightTransferError", "get_ip", "get_open_port", "plan_buckets",
+    "UpdateRefusedError", "WeightTransferError", "get_ip", "get_open_port", "rendezvous_address", "plan_buckets",
     "plan_digest", "receive_weights", "receiver_init", "refuse", "PushResult", "WeightSyncClient",
 ]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import re
 import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 from .errors import InvalidUpdateError, WeightTransferError
 
@@ -18,8 +20,10 @@ _NO_ROUTE = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL, errno.E
 
 
 def get_ip() -> str:
-    """This host's outbound IP address (no packet is sent), else 127.0.0.1."""
-    return local_ip_towards("8.8.8.8")
+    """This host's outbound IP address (no packet is sent), else 127.0.0.1; $VLLM_HOST_IP
+    when set, as vLLM's get_ip reads it. Kept for scripts written for vLLM: a trainer
+    that knows its servers' URLs should rendezvous at `rendezvous_address(urls)`."""
+    return os.environ.get("VLLM_HOST_IP") or local_ip_towards("8.8.8.8")
 
 
 def get_open_port() -> int:
@@ -36,6 +40,25 @@ def local_ip_towards(address: str) -> str:
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
+
+
+def rendezvous_address(server_urls: str | list[str]) -> str:
+    """Where a trainer should host its group for these servers: the local address on the
+    route to them, so a group with servers on this host stays on loopback and a
+    multi-homed host picks the interface that reaches the servers, not its default route.
+    Servers on loopback and elsewhere at once: the route to the first one elsewhere."""
+    urls = [server_urls] if isinstance(server_urls, str) else list(server_urls)
+    hosts = [urlsplit(u if "//" in u else f"//{u}").hostname or "127.0.0.1" for u in urls]
+    remote = [h for h in hosts if not is_loopback(h)]
+    return local_ip_towards(remote[0]) if remote else "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP address or a name) names this host's loopback interface."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost" or host.endswith(".localhost")
 
 
 def address_problem(address: object) -> str | None:

@@ -25,7 +25,7 @@ from typing import Iterable
 import requests
 import torch
 
-from rlserve.weight_transfer.address import get_ip, get_open_port
+from rlserve.weight_transfer.address import get_open_port, rendezvous_address
 from rlserve.weight_transfer.errors import UpdateRefusedError, WeightTransferError
 from rlserve.weight_transfer.ipc import is_reference
 from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
@@ -153,7 +153,7 @@ class WeightSyncClient:
             self.group = None
         sizes = self._sizes
         world_size = 1 + sum(sizes)
-        address = self.master_address or get_ip()
+        address = self.master_address or rendezvous_address(self.urls)
         port = self.master_port or get_open_port()
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         calls = [_Call(self._post, u, "/init_weight_transfer_engine",

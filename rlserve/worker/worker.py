@@ -179,6 +179,9 @@ class Worker:
             group.close()
             group.check_usable()
         self.transfer_group = group
+        # Read by the test suite, which checks that every group it forms stays on loopback.
+        logger.info("joined the trainer's %s weight-transfer group at %s as rank %d of %d",
+                    backend, group.master, group.rank, group.world_size)
 
     def abort_weight_transfer(self, reason: str = "aborted") -> None:
         """Thread-safe: stop a pending init, and fail a receive in progress (the group is
