@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from rlserve.ops import attention as attention_ref
 from rlserve.ops import fused_ref
+from rlserve.ops import moe as moe_ref
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class Kernels:
     silu_and_mul: Callable[..., torch.Tensor]  # (x)
     # y += LoRA deltas in place: (y, x, a, b, slices, slice_table, LoRABatch); see ops/lora.py
     lora: Callable[..., None]
+    # Routed experts: (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights, topk_ids) -> [T, H]
+    fused_moe: Callable[..., torch.Tensor]
     # Fused rotary embedding (with the q/k norms and the KV store folded in); None: torch rotary.
     rope: Callable[..., None] | None = None
     # Decode-sized projections with the op after them fused (ops/triton_decode_gemm.py);
@@ -77,6 +80,7 @@ TORCH = Kernels(
     fused_add_rms_norm=fused_ref.fused_add_rms_norm,
     silu_and_mul=fused_ref.silu_and_mul,
     lora=_torch_lora,
+    fused_moe=moe_ref.fused_moe,
 )
 
 
@@ -126,6 +130,7 @@ def _triton() -> Kernels:
                    paged_attention=paged_attention, rms_norm=rms_norm,
                    fused_add_rms_norm=triton_fused.fused_add_rms_norm,
                    silu_and_mul=triton_fused.silu_and_mul, lora=lora, rope=rope_,
+                   fused_moe=moe_ref.fused_moe,
                    linear_add_rms_norm=linear_add_rms_norm, linear_silu_and_mul=linear_silu_and_mul,
                    sample=gumbel_sample, graphs=True)
 
