@@ -16,6 +16,7 @@ from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.core import EngineCore
 from rlserve.engine.output_processor import OutputProcessor, RequestState
 from rlserve.engine.request import RequestOutput, check_cache_salt
+from rlserve.model.base import missing_weights
 from rlserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -223,9 +224,7 @@ class LLM:
         weights = list(weights)
         scheduler = self.engine.scheduler
         if scheduler.no_weights:  # dropped by sleep(level=2): a partial update would leave garbage
-            sent = {name for name, _ in weights}
-            expected = self.engine.executor.driver.expected
-            missing = sorted(n for n, e in expected.items() if e.required and n not in sent)
+            missing = sorted(missing_weights(self.engine.executor.driver.expected, (n for n, _ in weights)))
             if missing:
                 raise ValueError(f"update_weights: the weights were dropped by sleep(level=2), so every "
                                  f"weight must be sent; missing {missing[:5]}"

@@ -5,31 +5,46 @@ Fused parameters (qkv_proj, gate_up_proj) hold several HF tensors stacked along 
 A model lists them in `packed_modules`: fused module name -> HF module names, in stacking
 order. Under tensor parallelism a parameter holds only its rank's slice of each HF tensor
 (see parallel.py); the mapping still takes full HF tensors and copies the slice.
+
+A name may also stand for others (`WeightSlot.covers`): a stacked expert tensor for the
+per-expert tensors it holds, a second spelling of a checkpoint name. Such names are never
+required themselves; the names they cover count as sent (`missing_weights`).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator, Mapping, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
-from rlserve.model.parallel import Shard, ShardedModule
+from rlserve.model.parallel import ShardedModule
+
+
+class Piece(NamedTuple):
+    """source.narrow(dim, start, size) lands at target.narrow(dim, offset, size)."""
+
+    dim: int
+    start: int
+    size: int
+    offset: int
 
 
 class WeightSlot(NamedTuple):
-    """Where one HF tensor goes: into `param`, whole, or (with `shard`) its slice
-    shard.start..+shard.size along shard.dim lands at `offset` along the same dim."""
+    """Where one HF tensor goes: into `param` (its row `expert` along dim 0, for a
+    per-expert tensor), whole, or as `pieces` (a rank's slices of it)."""
 
     param: str
     full_shape: tuple[int, ...]  # the tensor as a checkpoint or a trainer holds it
-    shard: Shard | None = None
-    offset: int = 0
+    pieces: tuple[Piece, ...] = ()
+    expert: int | None = None
+    covers: tuple[str, ...] = ()  # the names this one stands for (see the module docstring)
 
 
 class ExpectedWeight(NamedTuple):
     shape: tuple[int, ...]
     required: bool
+    covers: tuple[str, ...] = ()
 
 
 class FullParameter(NamedTuple):
@@ -42,47 +57,86 @@ class FullParameter(NamedTuple):
     pieces: list[tuple[str, int, int]]
 
 
+class OwnSlots(Protocol):
+    """A module that maps HF names onto its parameters itself (the stacked experts)."""
+
+    def weight_slots(self, module_name: str) -> Iterator[tuple[str, list[tuple[str, WeightSlot]]]]:
+        """(parameter leaf, [(HF name, slot), ...]) for each of its parameters."""
+        ...
+
+
+def missing_weights(expected: Mapping[str, ExpectedWeight], sent: Iterable[str]) -> list[str]:
+    """The required names neither sent nor covered by a name sent."""
+    covered = set(sent)
+    for name in list(covered):
+        e = expected.get(name)
+        if e is not None and e.covers:
+            covered.update(e.covers)
+    return [n for n, e in expected.items() if e.required and n not in covered]
+
+
 class CausalLM(nn.Module):
     packed_modules: dict[str, list[str]] = {}
     # HF names that may appear in checkpoints but carry nothing we use.
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
     tie_word_embeddings: bool = False
 
+    # (our infix, the checkpoint's): names that a checkpoint spells differently from the
+    # trainer's named_parameters (Mixtral's block_sparse_moe); the checkpoint's is required.
+    checkpoint_spellings: tuple[tuple[str, str], ...] = ()
+
     def _parameter_slots(self) -> Iterator[tuple[str, nn.Parameter, list[tuple[str, WeightSlot]]]]:
         """Every parameter once (a tied one under its first name), with the HF names it holds."""
         seen: set[int] = set()
         for mname, module in self.named_modules():
-            prefix, _, last = mname.rpartition(".")
-            hf_modules = self.packed_modules.get(last)
+            own = dict(module.weight_slots(mname)) if hasattr(module, "weight_slots") else None
             for leaf, param in module.named_parameters(recurse=False):
                 if id(param) in seen:
                     continue
                 seen.add(id(param))
                 pname = f"{mname}.{leaf}" if mname else leaf
-                shards = module.weight_shards(leaf) if isinstance(module, ShardedModule) else [None]
-                names = [f"{prefix}.{h}.{leaf}" for h in hf_modules] if hf_modules else [pname]
-                if len(names) != len(shards):
-                    raise TypeError(f"{pname}: {len(names)} packed HF tensors but {len(shards)} shards")
-                slots, offset = [], 0
-                for name, shard in zip(names, shards):
-                    if shard is None:
-                        slots.append((name, WeightSlot(pname, tuple(param.shape))))
-                        continue
-                    full = list(param.shape)
-                    full[shard.dim] = shard.full
-                    slots.append((name, WeightSlot(pname, tuple(full), shard, offset)))
-                    offset += shard.size
-                yield pname, param, slots
+                slots = own[leaf] if own is not None else self._packed_slots(mname, module, leaf, param)
+                yield pname, param, [(n, s._replace(param=pname)) for n, s in slots]
+
+    def _packed_slots(self, mname: str, module: nn.Module, leaf: str, param: nn.Parameter
+                      ) -> list[tuple[str, WeightSlot]]:
+        """A (possibly fused, possibly sharded) parameter's HF tensors, stacked along its split dim."""
+        prefix, _, last = mname.rpartition(".")
+        hf_modules = self.packed_modules.get(last)
+        pname = f"{mname}.{leaf}" if mname else leaf
+        shards = module.weight_shards(leaf) if isinstance(module, ShardedModule) else [None]
+        names = [f"{prefix}.{h}.{leaf}" for h in hf_modules] if hf_modules else [pname]
+        if len(names) != len(shards):
+            raise TypeError(f"{pname}: {len(names)} packed HF tensors but {len(shards)} shards")
+        slots, offset = [], 0
+        for name, shard in zip(names, shards):
+            if shard is None:
+                slots.append((name, WeightSlot(pname, tuple(param.shape))))
+                continue
+            full = list(param.shape)
+            full[shard.dim] = shard.full
+            slots.append((name, WeightSlot(pname, tuple(full), (Piece(shard.dim, shard.start, shard.size, offset),))))
+            offset += shard.size
+        return slots
 
     def _fused_lookup(self) -> dict[str, WeightSlot]:
-        """hf name -> slot, for every name a checkpoint of this model may contain."""
+        """hf name -> slot, for every name a checkpoint or a trainer of this model may send;
+        built once, so a name resolves in O(1) however many experts the model has."""
         if getattr(self, "_slots", None) is None:
-            self._slots = {name: slot for _, _, slots in self._parameter_slots() for name, slot in slots}
+            lookup = {name: slot for _, _, slots in self._parameter_slots() for name, slot in slots}
+            for ours, theirs in self.checkpoint_spellings:
+                for name, slot in list(lookup.items()):
+                    if ours in name and not slot.covers:
+                        lookup[name.replace(ours, theirs)] = slot
+                        lookup[name] = slot._replace(covers=(name.replace(ours, theirs),))
+            self._slots = lookup
         return self._slots
 
     def expected_weights(self) -> dict[str, ExpectedWeight]:
-        """Every HF tensor this model takes, at its full shape; lm_head is optional when tied."""
-        out = {name: ExpectedWeight(slot.full_shape, True) for name, slot in self._fused_lookup().items()}
+        """Every HF tensor this model takes, at its full shape; lm_head is optional when tied.
+        Names that stand for others (`covers`) are optional; the ones they cover required."""
+        out = {name: ExpectedWeight(slot.full_shape, not slot.covers, slot.covers)
+               for name, slot in self._fused_lookup().items()}
         if self.tie_word_embeddings and "lm_head.weight" not in out:
             embed = next(n for n in out if n.endswith("embed_tokens.weight"))
             out["lm_head.weight"] = ExpectedWeight(out[embed].shape, False)
@@ -90,11 +144,13 @@ class CausalLM(nn.Module):
 
     def full_parameters(self) -> list[FullParameter]:
         """The parameters as one unsharded rank holds them, in `named_parameters` order;
-        lets every tensor-parallel size draw the same dummy weights."""
+        lets every tensor-parallel size draw the same dummy weights. Each is tiled by the
+        names that fill it whole (a stacked expert tensor, not its per-expert names)."""
         order = {name: i for i, (name, _) in enumerate(self.named_parameters())}
         result = []
         for pname, param, slots in self._parameter_slots():
-            dim = next((s.shard.dim for _, s in slots if s.shard is not None), 0)
+            slots = [(n, s) for n, s in slots if s.expert is None]
+            dim = next((s.pieces[0].dim for _, s in slots if s.pieces), 0)
             pieces, start = [], 0
             for name, slot in slots:
                 pieces.append((name, start, slot.full_shape[dim]))
@@ -113,7 +169,8 @@ class CausalLM(nn.Module):
         """Copy full HF-named tensors into the existing parameter storage, in place; a
         tensor-parallel rank copies only its shard.
 
-        Returns the names loaded. Unknown names and wrong shapes raise, naming the tensor.
+        Returns the names loaded. Unknown names and wrong shapes raise, naming the tensor;
+        `missing_weights(self.expected_weights(), loaded)` says what a load left out.
         """
         loaded: set[str] = set()
         for name, target, source in self.weight_copies(weights):
@@ -125,25 +182,46 @@ class CausalLM(nn.Module):
                       ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """(name, target, source) for each tensor: the copies `load_weights` makes, lazily,
         so a checkpoint streams. Targets are views of the current parameter storage."""
-        params = dict(self.named_parameters())
-        slots = self._fused_lookup()
+        slots, views = self._fused_lookup(), self._target_views()
         for name, tensor in weights:
             if name not in slots and f"model.{name}" in slots:
                 name = f"model.{name}"  # some checkpoints drop the base-model prefix
-            if name not in slots:
+            targets = views.get(name)
+            if targets is None:
                 if self.is_ignored_weight(name):
                     continue
                 raise KeyError(f"weight {name!r} is not a parameter of {type(self).__name__}")
-            slot = slots[name]
-            if tuple(tensor.shape) != slot.full_shape:
+            if tensor.shape != slots[name].full_shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match "
-                                 f"the model's {slot.full_shape}")
+                                 f"the model's {slots[name].full_shape}")
+            for target, p in targets:
+                yield name, target, tensor if p is None else tensor.narrow(p.dim, p.start, p.size)
+
+    def _target_views(self) -> dict[str, tuple[tuple[torch.Tensor, Piece | None], ...]]:
+        """name -> (target view, the piece of the source it takes, None: all of it), made
+        once for the current parameter storage (sleep and wake replace it): resolving a
+        name is then a dict lookup, however many thousand expert tensors an update has."""
+        params = dict(self.named_parameters())
+        key = tuple(p.data_ptr() for p in params.values())
+        cached = getattr(self, "_views", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        views = {}
+        for name, slot in self._fused_lookup().items():
             target = params[slot.param].data
-            if slot.shard is not None:
-                s = slot.shard
-                tensor = tensor.narrow(s.dim, s.start, s.size)
-                target = target.narrow(s.dim, slot.offset, s.size)
-            yield name, target, tensor
+            if slot.expert is not None:
+                target = target[slot.expert]
+            views[name] = ((target, None),) if not slot.pieces else tuple(
+                (target.narrow(p.dim, p.offset, p.size),
+                 None if p.start == 0 and p.size == slot.full_shape[p.dim] else p) for p in slot.pieces)
+        self._views = (key, views)
+        return views
+
+    def activation_width(self) -> int:
+        """Elements per token of the widest activations a step holds (the KV cache is
+        sized to leave room for them)."""
+        hf = self.config
+        return max(hf.hidden_size * 4, getattr(hf, "intermediate_size", 0) * 2)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from rlserve.model.base import CausalLM
+from rlserve.model.base import CausalLM, missing_weights
 from rlserve.model.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def build_model(hf_config, dtype: torch.dtype, device: str, load_format: str, pa
         init_dummy_weights(model, seed)
         return model
     loaded = model.load_weights(iterate_checkpoint(path))
-    missing = sorted(n for n, e in model.expected_weights().items() if e.required and n not in loaded)
+    missing = sorted(missing_weights(model.expected_weights(), loaded))
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} weights: {missing[:10]}")
     return model

@@ -279,7 +279,9 @@ class WeightSyncClient:
             except WeightTransferError as e:
                 errors.append(str(e))
         if errors or send_error is not None:
-            raise WeightTransferError("; ".join(errors) or str(send_error)) from send_error
+            # Refused before any byte moved (every server said so to the sender): nothing changed.
+            error = UpdateRefusedError if isinstance(send_error, UpdateRefusedError) else WeightTransferError
+            raise error("; ".join(errors) or str(send_error)) from send_error
         return results, send_seconds
 
     def _send_ipc(self, tensors, version: int | None, extra: dict) -> list[dict]:

@@ -12,6 +12,8 @@ bool tensors are refused, since a model's weights are floating point.
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +93,12 @@ class ExpectedParam:
     shape: tuple[int, ...]
     required: bool = True  # a required name missing from an update refuses it
     dtype: torch.dtype | None = None  # staging dtype for this name; None: receive_weights' target_dtype
+    # Required names this one carries too (a stacked expert tensor's per-expert names): sent
+    # with it, they are not missing, and sent beside it, they are sent twice.
+    covers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))  # compared with metas' tuples
 
 
 @dataclass(frozen=True)
@@ -131,22 +139,7 @@ class UpdateInfo:
         if not len(names) == len(dtypes) == len(shapes):
             raise InvalidUpdateError(f"update_info: names, dtype_names and shapes must have the same length, "
                                      f"got {len(names)}, {len(dtypes)} and {len(shapes)}")
-        bad_names = [f"[{i}] {n!r}" for i, n in enumerate(names) if not (isinstance(n, str) and n)]
-        if bad_names:
-            problems.append(f"names must be non-empty strings: {_listing(bad_names)}")
-        label = [n if isinstance(n, str) else f"[{i}]" for i, n in enumerate(names)]
-        bad_dtypes = [f"{label[i]} ({d!r})" for i, d in enumerate(dtypes) if d not in DTYPES]
-        if bad_dtypes:
-            problems.append(f"dtype_names: unknown dtype for {_listing(bad_dtypes)} "
-                            f"(known: {', '.join(DTYPES)})")
-        bad_shapes = [f"{label[i]} ({s!r})" for i, s in enumerate(shapes)
-                      if not (isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s))]
-        if bad_shapes:
-            problems.append(f"shapes must be lists of non-negative integers: {_listing(bad_shapes)}")
-        seen: set[str] = set()
-        dups = sorted({n for n in label if n in seen or seen.add(n)})
-        if dups:
-            problems.append(f"names: duplicates {_listing(dups)}")
+        problems += _tensor_list_problems(names, dtypes, shapes)
 
         packed = data.get("packed", False)
         size = data.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
@@ -167,21 +160,63 @@ class UpdateInfo:
             problems.append("lora_config must be an object (PEFT's adapter_config), and comes with lora_name")
         if problems:
             raise InvalidUpdateError("update_info: " + "; ".join(problems))
-        return cls(tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes), packed, size, nbuf, version,
+        return cls(tuple(names), tuple(dtypes), tuple(map(tuple, shapes)), packed, size, nbuf, version,
                    data.get("ipc_handles"), lora_name, lora_config)
 
     def metas(self) -> list[TensorMeta]:
-        return [TensorMeta(n, d, s) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
+        return list(map(TensorMeta._make, zip(self.names, self.dtype_names, self.shapes)))
+
+
+def _tensor_list_problems(names: list, dtypes: list, shapes: list) -> list[str]:
+    """What is wrong with update_info's three parallel lists. A model with many experts
+    sends tens of thousands of names every step, so the common case (nothing wrong) is
+    checked in bulk, and only a failure is examined item by item."""
+    names_ok = all(type(n) is str and n for n in names)
+    dtypes_ok = all(type(d) is str for d in dtypes) and set(dtypes) <= DTYPES.keys()
+    dims = itertools.chain.from_iterable(s for s in shapes if type(s) is list)
+    shapes_ok = (all(type(s) is list for s in shapes) and set(map(type, dims)) <= {int}
+                 and min(itertools.chain.from_iterable(shapes), default=0) >= 0)
+    if names_ok and dtypes_ok and shapes_ok and len(set(names)) == len(names):
+        return []
+    problems = []
+    bad_names = [f"[{i}] {n!r}" for i, n in enumerate(names) if not (isinstance(n, str) and n)]
+    if bad_names:
+        problems.append(f"names must be non-empty strings: {_listing(bad_names)}")
+    label = [n if isinstance(n, str) else f"[{i}]" for i, n in enumerate(names)]
+    bad_dtypes = [f"{label[i]} ({d!r})" for i, d in enumerate(dtypes) if not (type(d) is str and d in DTYPES)]
+    if bad_dtypes:
+        problems.append(f"dtype_names: unknown dtype for {_listing(bad_dtypes)} "
+                        f"(known: {', '.join(DTYPES)})")
+    bad_shapes = [f"{label[i]} ({s!r})" for i, s in enumerate(shapes)
+                  if not (isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s))]
+    if bad_shapes:
+        problems.append(f"shapes must be lists of non-negative integers: {_listing(bad_shapes)}")
+    seen: set = set()
+    dups = sorted({n for n in label if isinstance(n, str) and (n in seen or seen.add(n))})
+    if dups:
+        problems.append(f"names: duplicates {_listing(dups)}")
+    return problems
 
 
 def check_against_model(metas: Sequence[TensorMeta], expected: Mapping[str, ExpectedParam]) -> None:
-    """Refuse names, shapes or dtypes the model cannot take, listing the offenders."""
-    unknown = [m.name for m in metas if m.name not in expected]
-    wrong_shape = [f"{m.name} (got {list(m.shape)}, expected {list(expected[m.name].shape)})"
-                   for m in metas if m.name in expected and tuple(expected[m.name].shape) != m.shape]
-    not_float = [f"{m.name} ({m.dtype_name})" for m in metas if not m.dtype.is_floating_point]
+    """Refuse names, shapes or dtypes the model cannot take, listing the offenders. One
+    pass over the names (an MoE model sends tens of thousands)."""
+    unknown, wrong_shape, twice = [], [], []
     sent = {m.name for m in metas}
-    missing = [n for n, p in expected.items() if p.required and n not in sent]
+    covered = set(sent)
+    for name, _, shape in metas:
+        e = expected.get(name)
+        if e is None:
+            unknown.append(_unknown(name, expected))
+            continue
+        if e.shape != shape:
+            wrong_shape.append(f"{name} (got {list(shape)}, expected {list(e.shape)})")
+        if e.covers:
+            twice += [f"{c} (also in {name})" for c in e.covers if c in sent]
+            covered.update(e.covers)
+    floats = {d for d in {m.dtype_name for m in metas} if DTYPES[d].is_floating_point}
+    not_float = [f"{m.name} ({m.dtype_name})" for m in metas if m.dtype_name not in floats]
+    missing = [n for n, p in expected.items() if p.required and n not in covered]
     problems = []
     if unknown:
         problems.append(f"unknown parameter names: {_listing(unknown)}")
@@ -189,10 +224,30 @@ def check_against_model(metas: Sequence[TensorMeta], expected: Mapping[str, Expe
         problems.append(f"wrong shapes: {_listing(wrong_shape)}")
     if not_float:
         problems.append(f"non-floating dtypes (weights must be floating point): {_listing(not_float)}")
+    if twice:
+        problems.append(f"sent twice: {_listing(twice)}")
     if missing:
-        problems.append(f"missing required parameters: {_listing(missing)}")
+        problems.append(f"missing required parameters: {_listing(missing)}{_stacked_hint(missing, expected)}")
     if problems:
         raise InvalidUpdateError("update_info refused: " + "; ".join(problems))
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _unknown(name: str, expected: Mapping[str, ExpectedParam]) -> str:
+    """An unknown name, with why when it is an expert index past the layer's last expert."""
+    match = _EXPERT.search(name)
+    if match is None or _EXPERT.sub(".experts.0.", name, count=1) not in expected:
+        return name
+    return f"{name} (this layer has no expert {match.group(1)})"
+
+
+def _stacked_hint(missing: Sequence[str], expected: Mapping[str, ExpectedParam]) -> str:
+    """Say which stacked tensors could carry missing per-expert names, when any could."""
+    want = set(missing)
+    stacked = [n for n, p in expected.items() if p.covers and not want.isdisjoint(p.covers)]
+    return f" (or stacked: {_listing(stacked)})" if stacked else ""
 
 
 def _plan_problem(info: UpdateInfo, metas: Sequence[TensorMeta], trainer: TrainerPlan) -> str | None:
@@ -207,11 +262,12 @@ def _plan_problem(info: UpdateInfo, metas: Sequence[TensorMeta], trainer: Traine
                f"{theirs.get('bucket_size_bytes')}, update_info says packed={mine['packed']} with "
                f"buffer size {mine['bucket_size_bytes']}")
     else:
-        a, b = theirs.get("tensors"), mine["tensors"]
-        a = a if isinstance(a, list) else []
-        diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        lists = [theirs.get(k) for k in ("names", "dtype_names", "shapes")]
+        a = list(zip(*lists)) if all(isinstance(x, list) for x in lists) else []
+        b = [[name, dtype, list(shape)] for name, dtype, shape in metas]
+        diff = next((i for i, (x, y) in enumerate(zip(a, b)) if list(x) != y), None)
         if diff is not None:
-            why = f"tensor #{diff}: the trainer sends {str(a[diff])[:200]}, update_info says {b[diff]}"
+            why = f"tensor #{diff}: the trainer sends {str(list(a[diff]))[:200]}, update_info says {b[diff]}"
         elif len(a) != len(b):
             why = f"the trainer sends {len(a)} tensors, update_info lists {len(b)}"
     return f"update_info does not match what the trainer sends: {why}"

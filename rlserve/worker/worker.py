@@ -90,8 +90,7 @@ class Worker:
             ours = torch.cuda.memory_reserved(self.device)
             # Room for activations of the largest step; the rest of the share is KV cache.
             hf = self.model.config
-            width = max(hf.hidden_size * 4, getattr(hf, "intermediate_size", 0) * 2)
-            activations = cfg.max_num_batched_tokens * width * self.dtype.itemsize * 4
+            activations = cfg.max_num_batched_tokens * self.model.activation_width() * self.dtype.itemsize * 4
             logits = cfg.max_num_seqs * hf.vocab_size * 4 * 4
             reserve = activations + logits + (1 << 30)
             budget = min(int(total * cfg.gpu_memory_utilization) - ours, free) - reserve
@@ -237,7 +236,7 @@ class Worker:
                 config, expected, validate = self._lora_expected(lora_config)
             else:
                 if self._update_expected is None:  # one object: the IPC receiver skips re-checks against it
-                    self._update_expected = {name: ExpectedParam(e.shape, e.required)
+                    self._update_expected = {name: ExpectedParam(e.shape, e.required, covers=e.covers)
                                              for name, e in self.expected.items()}
                 expected = self._update_expected
             if self.ipc_receiver is not None:
@@ -274,7 +273,7 @@ class Worker:
         def validate(metas) -> None:
             try:
                 pair_tensors(((m.name, torch.empty(m.shape, device="meta")) for m in metas), config,
-                             "update_info")
+                             "update_info", self.lora.exempt)
             except ValueError as e:
                 raise InvalidUpdateError(str(e)) from None
 
