@@ -107,7 +107,8 @@ class LoRAManager:
             raise InvalidRequestError(f"lora_name: an adapter named {name!r} is already loaded "
                                       "(unload it first, or pass load_inplace)", "lora_name")
         config, tensors = read_adapter(path, self.registry.max_rank)
-        pair_tensors(tensors, config, "adapter_model")  # names and pairs, before any rank is called
+        # Names and pairs, before any rank is called (rank 0's model says what takes none).
+        pair_tensors(tensors, config, "adapter_model", self.executor.driver.lora.exempt)
         slot = self.registry.free_slot(name)
         try:
             self.executor.collective_rpc("load_lora", tensors, slot, config.to_wire())

@@ -79,8 +79,10 @@ class LoRATarget(NamedTuple):
 class LoRAModel:
     """The adapter slots of one model (one tensor-parallel rank)."""
 
-    def __init__(self, targets: dict[str, LoRATarget], context: LoRAContext, max_loras: int, max_rank: int):
+    def __init__(self, targets: dict[str, LoRATarget], context: LoRAContext, max_loras: int, max_rank: int,
+                 exempt: tuple[str, ...] = ()):
         self.targets = targets
+        self.exempt = exempt  # module name prefixes whose weights take no adapter (MoE blocks)
         self.context = context
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -203,8 +205,10 @@ def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> LoRAMo
     context = LoRAContext()
     targets: dict[str, LoRATarget] = {}
     packed = getattr(model, "packed_modules", {})
+    # Modules marked lora_exempt (an MoE block: router, experts, shared expert) take none.
+    exempt = tuple(f"{name}." for name, m in model.named_modules() if getattr(m, "lora_exempt", False))
     for name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or name.startswith(exempt):
             continue
         layer = LoRALayer(module, context, max_loras, max_rank)
         # A plain attribute, not a submodule: the adapter weights are not model parameters
@@ -222,4 +226,4 @@ def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int) -> LoRAMo
                                      s if s.size != s.full else None)
     if not targets:
         raise ValueError(f"{type(model).__name__} has no layers LoRA can adapt")
-    return LoRAModel(targets, context, max_loras, max_rank)
+    return LoRAModel(targets, context, max_loras, max_rank, exempt)

@@ -160,10 +160,11 @@ class LoRAConfig:
                 "rank_pattern": self.rank_pattern, "alpha_pattern": self.alpha_pattern}
 
 
-def pair_tensors(named: Iterable[tuple[str, torch.Tensor]], config: LoRAConfig, where: str
-                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def pair_tensors(named: Iterable[tuple[str, torch.Tensor]], config: LoRAConfig, where: str,
+                 exempt: tuple[str, ...] = ()) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """PEFT-named tensors -> {HF module: (A, B)}. Refuses names that are not LoRA weights,
-    a module with A but no B (or the reverse), and ranks other than the config's."""
+    modules under an `exempt` prefix (a mixture-of-experts block: LoRAModel.exempt), a
+    module with A but no B (or the reverse), and ranks other than the config's."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     bad = []
     for name, tensor in named:
@@ -173,6 +174,11 @@ def pair_tensors(named: Iterable[tuple[str, torch.Tensor]], config: LoRAConfig, 
             continue
         halves.setdefault(parsed[0], {})[parsed[1]] = tensor
     problems = []
+    refused = [m for m in halves if m.startswith(exempt)] if exempt else []
+    if refused:
+        problems.append(f"expert and router weights take no adapters (the attention projections and "
+                        f"dense MLP layers do): {', '.join(refused[:10])}")
+        halves = {m: h for m, h in halves.items() if m not in refused}
     if bad:
         problems.append(f"not LoRA weights (expected {PEFT_PREFIX}<module>.lora_A.weight / "
                         f".lora_B.weight): {', '.join(bad[:10])}")
