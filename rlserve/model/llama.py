@@ -84,6 +84,11 @@ class LlamaMLP(nn.Module):
     def forward(self, x):
         return self.down_proj(self.activate(x))
 
+    def forward_add_norm(self, x, residual, norm: RMSNorm):
+        """norm(mlp(x) + residual), with down_proj's product handed to the norm where the
+        kernel set fuses them (see linear_add_norm)."""
+        return linear_add_norm(self.down_proj, self.activate(x), residual, norm)
+
     def activate(self, x):
         """act(gate) * up: the input of down_proj."""
         gate_up, fused = self.gate_up_proj, self.kernels.linear_silu_and_mul
@@ -93,10 +98,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, attention: LlamaAttention, mlp: nn.Module, config):
+        """`mlp`: a LlamaMLP, or a sparse MoE block (model/moe.py); both end in the next norm."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = attention
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -107,15 +113,15 @@ class LlamaDecoderLayer(nn.Module):
         a decode GEMM can hand its partial sums to that norm (Kernels.linear_add_rms_norm)."""
         attn = self.self_attn.attend(positions, hidden, meta)
         hidden, residual = linear_add_norm(self.self_attn.o_proj, attn, residual, self.post_attention_layernorm)
-        return linear_add_norm(self.mlp.down_proj, self.mlp.activate(hidden), residual, next_norm)
+        return self.mlp.forward_add_norm(hidden, residual, next_norm)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, make_layer):
+        """`make_layer(i)`: decoder layer i."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -136,16 +142,24 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
-        o_bias = attention_bias if self.o_bias is None else self.o_bias
-        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
+        self.model = LlamaModel(config, lambda i: LlamaDecoderLayer(self.attention(config), self.mlp(config, i),
+                                                                  config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.packed_modules = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
                                "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def attention(self, config) -> LlamaAttention:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = attention_bias if self.o_bias is None else self.o_bias
+        return LlamaAttention(config, qkv_bias, o_bias, self.qk_norm)
+
+    def mlp(self, config, layer: int) -> nn.Module:
+        """Decoder layer `layer`'s MLP (the MoE architectures make some of them sparse)."""
+        return LlamaMLP(config)
 
     def forward(self, input_ids, positions, meta):
         return self.model(input_ids, positions, meta)

@@ -66,18 +66,23 @@ class ColumnParallelLinear(ShardedModule):
 class RowParallelLinear(ShardedModule):
     """y = x W^T + b with the input features split across ranks: each rank multiplies its
     slice of x, an all-reduce sums the partial products, then the (replicated) bias is
-    added once."""
+    added once. `reduce_results=False` leaves the partial products to a caller that sums
+    several of them in one all-reduce (an MoE layer's shared expert)."""
 
-    def __init__(self, inputs: Shard, out_features: int, bias: bool, tp: TPGroup | None = None):
+    def __init__(self, inputs: Shard, out_features: int, bias: bool, tp: TPGroup | None = None,
+                 reduce_results: bool = True):
         super().__init__()
         self.tp = tp or current_tp_group()
+        if bias and not reduce_results:
+            raise ValueError("RowParallelLinear: a bias needs reduce_results (it is added once, after the sum)")
+        self.reduce_results = reduce_results
         self.inputs = Shard(1, inputs.start, inputs.size, inputs.full)
         self.weight = nn.Parameter(torch.empty(out_features, inputs.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.lora = None  # a LoRALayer once rlserve.model.lora.attach_lora ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.world_size == 1:
+        if self.tp.world_size == 1 or not self.reduce_results:
             y = F.linear(x, self.weight, self.bias)
             if self.lora is not None:
                 self.lora(y, x)

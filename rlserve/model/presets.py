@@ -32,6 +32,15 @@ PRESETS = {
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, hidden_act="silu",
         attention_bias=False, mlp_bias=False, torch_dtype="float32", eos_token_id=2,
         bos_token_id=1),
+    # Qwen3's mixture of experts: 128 experts, 8 a token, 3.3B of its 30.5B parameters active.
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16",
+        eos_token_id=151645, bos_token_id=151643),
     "qwen3-8b": dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
         intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -39,6 +48,12 @@ PRESETS = {
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
         attention_bias=False, torch_dtype="bfloat16", eos_token_id=151645, bos_token_id=151643),
 }
+
+# "tiny" as a mixture of experts (8 experts, top-2; layer 1 dense), for CPU tests.
+PRESETS["moe-tiny"] = dict(
+    PRESETS["tiny"], architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+    moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3, rms_norm_eps=1e-6)
 
 
 def model_dir(name: str) -> str:
