@@ -9,7 +9,9 @@
     python benchmarks/throughput.py --model smollm2 --device cpu --num-seqs 8 --max-len 128
     python benchmarks/throughput.py --model qwen3-0.6b --device-profile /tmp/t.json  # idle per step
 
---model takes a preset (qwen3-0.6b, llama-3.1-8b, qwen3-8b, tiny, smollm2) or an HF directory.
+--model takes a preset (qwen3-0.6b, llama-3.1-8b, qwen3-8b, qwen3-30b-a3b, tiny, moe-tiny,
+smollm2) or an HF directory. For a mixture of experts the bound counts the experts each decode
+step touches, from the routing the model gives the warm-up's prompt tokens.
 
 --loras N: the same workload on the base model, then with N random rank-`--lora-rank` adapters
 on every projection, request i on adapter i mod N (all N in every batch), and the ratio:
@@ -29,6 +31,7 @@ import time
 
 import torch
 
+from bounds import bound_tokens_per_s, roofline_tokens_per_s, shape
 from rlserve.model.presets import PRESETS, model_dir  # noqa: F401  (the benchmarks' presets)
 
 
@@ -39,52 +42,6 @@ def workload(num_seqs: int, min_len: int, max_len: int, max_out: int, seed: int 
                for _ in range(num_seqs)]
     out_lens = [random.randint(min_len, max_out) for _ in range(num_seqs)]
     return prompts, out_lens
-
-
-def _shape(cfg: dict, kv_fp8: bool = False, dtype_bytes: int = 2):
-    """(params, per-layer GEMM params, KV bytes a token, query heads x head_dim x layers)."""
-    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or h // heads
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    gemm = layers * (h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h + 3 * h * cfg["intermediate_size"])
-    params = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2) + gemm
-    kv_per_token = 2 * layers * kv_heads * (head_dim + 4 if kv_fp8 else head_dim * dtype_bytes)
-    return params, gemm, kv_per_token, heads * head_dim * layers
-
-
-def bound_tokens_per_s(cfg: dict, prompts, out_lens, dtype_bytes: int = 2,
-                       hbm_bytes_per_s: float = 4.8e12, kv_fp8: bool = False) -> float:
-    """Bytes-moved bound: weights once per decode step, each token's KV once per step
-    (kv_fp8: a byte per element and a float32 scale per head row)."""
-    params, _, kv_per_token, _ = _shape(cfg, kv_fp8, dtype_bytes)
-    # All sequences decode together; a sequence's context grows from its prompt.
-    steps = max(out_lens)
-    weight_bytes = params * dtype_bytes * steps
-    kv_bytes = sum(kv_per_token * (p * o + o * (o - 1) / 2) for p, o in zip(map(len, prompts), out_lens))
-    return sum(out_lens) / ((weight_bytes + kv_bytes) / hbm_bytes_per_s)
-
-
-def roofline_tokens_per_s(cfg: dict, prompts, out_lens, hbm_bytes_per_s: float = 4.8e12,
-                          flops_per_s: float = 989e12, dtype_bytes: int = 2) -> float:
-    """The byte bound with arithmetic counted too: the prefill's FLOPs (every prompt token
-    through the layers, causal attention, one LM-head row per prompt) at `flops_per_s`,
-    and each decode step at the slower of its bytes and its FLOPs. The H200's dense bf16
-    peak is 989 TFLOP/s. A larger model's prefill is compute-bound and costs seconds the
-    byte bound leaves out."""
-    params, gemm, kv_per_token, attn_width = _shape(cfg, dtype_bytes=dtype_bytes)
-    vocab_h = cfg["vocab_size"] * cfg["hidden_size"]
-    lens = list(map(len, prompts))
-    # QK^T and PV: 2 FLOPs a multiply-add, over the causal half of each prompt.
-    prefill = sum(2 * gemm * n + 2 * vocab_h + 2 * 2 * attn_width * n * (n + 1) / 2 for n in lens)
-    seconds = prefill / flops_per_s
-    for step in range(max(out_lens)):
-        contexts = [p + step for p, o in zip(lens, out_lens) if o > step]
-        tokens = sum(contexts)
-        bytes_ = params * dtype_bytes + kv_per_token * tokens
-        flops = 2 * (gemm + vocab_h) * len(contexts) + 2 * 2 * attn_width * tokens
-        seconds += max(bytes_ / hbm_bytes_per_s, flops / flops_per_s)
-    return sum(out_lens) / seconds
 
 
 def attention_by_batch(intervals, cfg: dict, prompts, out_lens) -> None:
@@ -99,7 +56,7 @@ def attention_by_batch(intervals, cfg: dict, prompts, out_lens) -> None:
         print(f"attention by batch size: {len(steps)} graph steps where the workload has "
               f"{max(out_lens) - 1} decode steps; the steps do not map onto it")
         return
-    kv_per_token = _shape(cfg)[2]
+    kv_per_token = shape(cfg).kv_per_token
     lens = list(map(len, prompts))
     buckets = [(192, 256), (128, 191), (96, 127), (64, 95), (32, 63), (16, 31), (1, 15)]
     sums = {b: [0, 0.0, 0.0, 0.0] for b in buckets}  # steps, attention us, KV bytes, rest us
@@ -117,6 +74,44 @@ def attention_by_batch(intervals, cfg: dict, prompts, out_lens) -> None:
         if n:
             print(f"  {lo:3d}-{hi:3d}: {n:4d} steps, attention {attn / 1e6:.3f} s at {kv / attn / 1e6:.2f} TB/s, "
                   f"the rest {other / 1e6:.3f} s ({other / n:.0f} us a step)")
+
+
+class RoutingSample:
+    """Which experts the model's routers pick for the warm-up's prompt tokens: from each
+    expert's share of them, the experts a decode step of B sequences touches, on average
+    over the layers (sum over experts of 1 - (1 - share)^B, tokens routed independently)."""
+
+    def __init__(self, llm) -> None:
+        from rlserve.model.moe import SparseMoeBlock
+        blocks = [m for m in llm.engine.executor.driver.model.modules() if isinstance(m, SparseMoeBlock)]
+        self.counts = [None] * len(blocks)
+        self.tokens = 0
+        self.num_experts = blocks[0].gate.out_features if blocks else 0
+        self.top_k = blocks[0].top_k if blocks else 0
+        self.hooks = [b.gate.register_forward_hook(self._hook(i, b.top_k)) for i, b in enumerate(blocks)]
+
+    def _hook(self, layer: int, k: int):
+        def record(module, inputs, logits) -> None:
+            ids = torch.topk(logits, k, dim=-1).indices.flatten()
+            counts = torch.bincount(ids, minlength=logits.shape[-1]).cpu()
+            self.counts[layer] = counts if self.counts[layer] is None else self.counts[layer] + counts
+            if layer == 0:
+                self.tokens += logits.shape[0]
+        return record
+
+    def stop(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+    def touched(self, batch: int) -> float:
+        layers = [c.double() / self.tokens for c in self.counts if c is not None]
+        return sum(float((1 - (1 - share) ** batch).sum()) for share in layers) / len(layers)
+
+    def report(self) -> None:
+        e, k = self.num_experts, self.top_k
+        sizes = [1, 8, 32, 64, 128, 256]
+        print(f"routing of {self.tokens} warm-up tokens: experts a decode step touches per layer, of {e}: " +
+              ", ".join(f"{b} seqs {self.touched(b):.1f} (uniform {e * (1 - (1 - k / e) ** b):.1f})" for b in sizes))
 
 
 def write_random_adapters(path: str, num: int, rank: int, root: str) -> list[str]:
@@ -172,6 +167,7 @@ def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] |
               kv_cache_dtype=args.kv_cache_dtype,
               **({"block_size": args.block_size} if args.block_size else {}), **lora_kw)
     names = [f"lora{i % len(loras)}" for i in range(len(prompts))] if loras else None
+    routing = RoutingSample(llm)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n,
                              detokenize=False) for n in out_lens]
     # Warm-up on a slice of the workload's shapes: Triton compiles a kernel variant the first
@@ -179,6 +175,10 @@ def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] |
     llm.generate(prompts[:32], SamplingParams(temperature=args.temperature, ignore_eos=True,
                                               max_tokens=16, detokenize=False),
                  lora_request=names[:32] if names else None)
+    routing.stop()
+    if routing.hooks:
+        routing.report()
+        args.touched = routing.touched
     rates = []
     for _ in range(1 if profiler else args.runs):
         llm.reset_prefix_cache()  # the timed run must not find these prompts cached
@@ -350,13 +350,14 @@ def main() -> None:
     else:
         ours = run_rlserve(args, path, prompts, out_lens)
     if args.model in PRESETS and args.device.startswith("cuda"):
-        bound = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens)
+        touched = getattr(args, "touched", None)  # an MoE model: the experts a step reads
+        bound = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens, touched=touched)
         print(f"byte-counting bound (H200, 4.8 TB/s): {bound:,.0f} tok/s; rlserve at {ours / bound:.0%}")
-        roof = roofline_tokens_per_s(PRESETS[args.model], prompts, out_lens)
+        roof = roofline_tokens_per_s(PRESETS[args.model], prompts, out_lens, touched=touched)
         print(f"roofline with the prefill's FLOPs (4.8 TB/s, 989 TFLOP/s): {roof:,.0f} tok/s; "
               f"rlserve at {ours / roof:.0%}")
         if args.kv_cache_dtype.startswith("fp8"):
-            fp8 = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens, kv_fp8=True)
+            fp8 = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens, kv_fp8=True, touched=touched)
             print(f"the same bound for an fp8 cache: {fp8:,.0f} tok/s; rlserve at {ours / fp8:.0%}")
     if args.loras:
         import tempfile

@@ -14,6 +14,13 @@ reports each push against it; --checksum-cost also pushes without bucket checksu
     python benchmarks/weight_sync.py --model qwen3-8b --backend nccl --device cuda:1 --server-device cuda:0 \
         --lora --repeats 20
     python benchmarks/weight_sync.py --model smollm2 --backend gloo --lora --repeats 10   # CPU
+    python benchmarks/weight_sync.py --model qwen3-30b-a3b --backend ipc     # an MoE model, colocated
+    python benchmarks/weight_sync.py --model qwen3-30b-a3b --plan-only       # host planning alone (CPU)
+
+For a mixture-of-experts model it first times, on the host, what the server does with an
+update's names before any byte moves (parse update_info, check the names against the model,
+plan the buckets, resolve each name to its parameter slices), for the trainer's stacked
+expert names and for the checkpoint's per-expert names.
 
 --lora: the trainer holds a PEFT LoRA adapter (--lora-rank, 16 by default) on every projection
 (q/k/v/o, gate/up/down) and pushes only it with WeightSyncClient.push_lora to a server started
@@ -40,6 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from throughput import model_dir  # noqa: E402
 
+from rlserve.model.moe import unstack_experts  # noqa: E402
 from rlserve.server.launcher import ServerProcess  # noqa: E402
 from rlserve.weight_transfer import TransferGroup, WeightSyncClient, get_open_port, receiver_init  # noqa: E402
 
@@ -140,6 +148,7 @@ def main() -> None:
     p.add_argument("--no-baseline", action="store_true", help="skip the plain broadcast")
     p.add_argument("--lora", action="store_true", help="push a LoRA adapter on every projection instead")
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--plan-only", action="store_true", help="only time the host's name resolution and planning")
     p.add_argument("--peer", type=int, help=argparse.SUPPRESS)  # the baseline's receiving process
     p.add_argument("--peer-bytes", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -151,6 +160,9 @@ def main() -> None:
         return
     path = model_dir(args.model)
     args.skip_tokenizer = not os.path.exists(os.path.join(path, "tokenizer_config.json"))
+    if host_planning(path, args.repeats) or args.plan_only:
+        if args.plan_only:
+            return
 
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = getattr(torch, args.dtype)
@@ -207,6 +219,41 @@ def main() -> None:
         server.stop()
 
 
+def host_planning(path: str, repeats: int) -> bool:
+    """An MoE model's host-side cost of an update's names, per layout (False: not MoE)."""
+    import statistics
+    from transformers import AutoConfig
+    from rlserve.model.loader import load_hf_config
+    from rlserve.model.registry import model_class
+    from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, plan_buckets, plan_digest
+    from rlserve.weight_transfer.receiver import ExpectedParam, UpdateInfo, check_against_model
+    config = load_hf_config(path)
+    with torch.device("meta"):
+        model = model_class(config)(config)
+        trainer = __import__("transformers").AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    if not any(n.endswith("experts.gate_up_proj") for n, _ in trainer.named_parameters()):
+        return False
+    expected = {n: ExpectedParam(e.shape, e.required, covers=e.covers) for n, e in model.expected_weights().items()}
+    stacked = [(n, p.detach()) for n, p in trainer.named_parameters()]
+    layouts = {"stacked (named_parameters)": stacked, "per expert (checkpoint)": list(unstack_experts(stacked))}
+    for label, tensors in layouts.items():
+        info = dict(names=[n for n, _ in tensors], dtype_names=["bfloat16"] * len(tensors),
+                    shapes=[list(t.shape) for _, t in tensors], packed=True)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            parsed = UpdateInfo.parse(info)
+            metas = parsed.metas()
+            check_against_model(metas, expected)
+            plan_buckets(metas, True, DEFAULT_PACKED_BUFFER_SIZE_BYTES)
+            plan_digest(metas, True, DEFAULT_PACKED_BUFFER_SIZE_BYTES)
+            copies = sum(1 for _ in model.weight_copies(tensors))
+            times.append(time.perf_counter() - t0)
+        print(f"{label:>34}: {len(tensors)} names -> {copies} copies; parse + check + plan + resolve "
+              f"{statistics.median(times) * 1e3:.1f} ms on the host (median of {repeats})")
+    return True
+
+
 def bench_lora(client: WeightSyncClient, peft_model, size: int, repeats: int) -> None:
     """The first push creates the adapter (ipc: exports and opens every handle); warm pushes
     replace it: the update call as the trainer sees it, and the whole pause-push-resume."""
@@ -255,8 +302,11 @@ def bench_ipc(client: WeightSyncClient, tensors, size: int, repeats: int) -> Non
         build.append(time.perf_counter() - t0)
         return post_update(url, info, session=client.session)
 
-    # A plain device-to-device copy of the same bytes: the floor for a push.
-    dst = [torch.empty_like(t) for _, t in tensors]
+    # A plain device-to-device copy of the same bytes: the floor for a push. Into one
+    # buffer the size of the largest tensor (the same traffic; a 30B model has no room for
+    # a third copy of itself beside the trainer's and the server's).
+    buf = torch.empty(max(t.numel() * t.element_size() for _, t in tensors), dtype=torch.uint8, device="cuda")
+    dst = [buf[:t.numel() * t.element_size()].view(t.dtype).view(t.shape) for _, t in tensors]
     copies = []
     for _ in range(5):
         torch.cuda.synchronize()
@@ -265,7 +315,7 @@ def bench_ipc(client: WeightSyncClient, tensors, size: int, repeats: int) -> Non
             d.copy_(t)
         torch.cuda.synchronize()
         copies.append(time.perf_counter() - t0)
-    del dst
+    del dst, buf
     print(f"{'device copy of the same tensors':>34}: {min(copies) * 1e3:.2f} ms "
           f"({size / min(copies) / 1e9:.0f} GB/s)")
 
