@@ -30,6 +30,15 @@ class Piece(NamedTuple):
     offset: int
 
 
+def _pieces_are_whole(slot: "WeightSlot", target: torch.Tensor) -> bool:
+    """Whether the pieces tile the whole source onto the whole target at the same offsets
+    (a stacked gate_up_proj without tensor parallelism)."""
+    dims = {p.dim for p in slot.pieces}
+    return (tuple(target.shape) == tuple(slot.full_shape) and len(dims) == 1
+            and all(p.start == p.offset for p in slot.pieces)
+            and sum(p.size for p in slot.pieces) == slot.full_shape[dims.pop()])
+
+
 class WeightSlot(NamedTuple):
     """Where one HF tensor goes: into `param` (its row `expert` along dim 0, for a
     per-expert tensor), whole, or as `pieces` (a rank's slices of it)."""
@@ -211,7 +220,10 @@ class CausalLM(nn.Module):
             target = params[slot.param].data
             if slot.expert is not None:
                 target = target[slot.expert]
-            views[name] = ((target, None),) if not slot.pieces else tuple(
+            if not slot.pieces or _pieces_are_whole(slot, target):
+                views[name] = ((target, None),)  # one contiguous copy, not a strided one per piece
+                continue
+            views[name] = tuple(
                 (target.narrow(p.dim, p.offset, p.size),
                  None if p.start == 0 and p.size == slot.full_shape[p.dim] else p) for p in slot.pieces)
         self._views = (key, views)
