@@ -16,12 +16,28 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A small random Qwen3 checkpoint (GQA, q/k norm, untied head) and its HF model."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-    path = tmp_path_factory.mktemp("qwen3")
+    from transformers import Qwen3Config
     cfg = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                       max_position_embeddings=2048, tie_word_embeddings=False,
                       architectures=["Qwen3ForCausalLM"])
+    return _random_checkpoint(tmp_path_factory.mktemp("qwen3"), cfg)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """A random Qwen3-MoE checkpoint (32 experts, top-4, one dense layer) and its HF model."""
+    from transformers import Qwen3MoeConfig
+    cfg = Qwen3MoeConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                         num_experts=32, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
+                         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=2048, tie_word_embeddings=False,
+                         architectures=["Qwen3MoeForCausalLM"])
+    return _random_checkpoint(tmp_path_factory.mktemp("qwen3-moe"), cfg)
+
+def _random_checkpoint(path, cfg):
+    """transformers' model for `cfg` (float32, seed 0, weights N(0, 0.05)) saved at `path`."""
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -60,9 +76,15 @@ def _prompt_logprob_gap(llm, hf) -> torch.Tensor:
     return (ours - theirs).abs()
 
 
-def test_float32_greedy_matches_transformers_with_cuda_graphs(checkpoint):
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def dense_or_moe(request):
+    """Each of the two checkpoints (the MoE one runs the Triton fused MoE in the graphs)."""
+    return request.getfixturevalue("checkpoint" if request.param == "dense" else "moe_checkpoint")
+
+
+def test_float32_greedy_matches_transformers_with_cuda_graphs(dense_or_moe):
     from rlserve import SamplingParams
-    path, hf = checkpoint
+    path, hf = dense_or_moe
     llm = _llm(path, "float32")
     assert llm.engine.executor.driver.runner.graphs is not None
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, detokenize=False)
@@ -71,8 +93,8 @@ def test_float32_greedy_matches_transformers_with_cuda_graphs(checkpoint):
         assert out.outputs[0].token_ids == _hf_greedy(hf, ids, 24)
 
 
-def test_bf16_logprobs_agree_with_transformers(checkpoint):
-    path, hf = checkpoint
+def test_bf16_logprobs_agree_with_transformers(dense_or_moe):
+    path, hf = dense_or_moe
     gap = _prompt_logprob_gap(_llm(path, "bfloat16"), hf)
     assert gap.mean() < 0.05
     assert gap.max() < 0.5

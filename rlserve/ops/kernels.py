@@ -85,7 +85,7 @@ TORCH = Kernels(
 
 
 def _triton() -> Kernels:
-    from rlserve.ops import triton_attention, triton_decode_gemm, triton_fused, triton_lora
+    from rlserve.ops import triton_attention, triton_decode_gemm, triton_fused, triton_lora, triton_moe
     from rlserve.ops.triton_rotary import rope_
     from rlserve.ops.triton_sampling import gumbel_sample
 
@@ -130,7 +130,7 @@ def _triton() -> Kernels:
                    paged_attention=paged_attention, rms_norm=rms_norm,
                    fused_add_rms_norm=triton_fused.fused_add_rms_norm,
                    silu_and_mul=triton_fused.silu_and_mul, lora=lora, rope=rope_,
-                   fused_moe=moe_ref.fused_moe,
+                   fused_moe=triton_moe.fused_moe,
                    linear_add_rms_norm=linear_add_rms_norm, linear_silu_and_mul=linear_silu_and_mul,
                    sample=gumbel_sample, graphs=True)
 
