@@ -91,7 +91,7 @@ def _scan_kernel(counts_ptr, runs_ptr, E, NUM_CHUNKS,
     tl.store(runs_ptr + 2 * BLOCK_E + experts, tl.where(experts < E, block_ends, 1 << 30))
 
 
-@triton.jit(do_not_specialize=["M", "NUM_CHUNKS", "NUM_BLOCKS"])
+@triton.jit(do_not_specialize=["M", "NUM_CHUNKS", "NUM_BLOCKS", "stride_t"])
 def _scatter_kernel(ids_ptr, rank_ptr, offsets_ptr, runs_ptr, order_ptr, table_ptr,
                     M, E, NUM_CHUNKS, NUM_BLOCKS, stride_t,
                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
@@ -156,7 +156,8 @@ def _block_rows(order_ptr, table_ptr, stride_t, BLOCK_M: tl.constexpr):
     return start < end, tl.load(table_ptr + blk).to(tl.int64), rows.to(tl.int64), mask_m, pair
 
 
-@triton.jit
+# The block table's row stride follows the token count: not a reason to compile again.
+@triton.jit(do_not_specialize=["stride_t"])
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, table_ptr, H, I, TOP_K,
                     stride_t, stride_xm, stride_we, stride_wn, stride_hm,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -186,7 +187,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, table_ptr, H, I, TOP_K,
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_t"])
 def _down_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, order_ptr, table_ptr, H, I,
                  stride_t, stride_hm, stride_we, stride_wn, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
