@@ -36,6 +36,7 @@ trainer sees it (the server has received, verified and loaded the weights).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -236,6 +237,10 @@ def host_planning(path: str, repeats: int) -> bool:
     expected = {n: ExpectedParam(e.shape, e.required, covers=e.covers) for n, e in model.expected_weights().items()}
     stacked = [(n, p.detach()) for n, p in trainer.named_parameters()]
     layouts = {"stacked (named_parameters)": stacked, "per expert (checkpoint)": list(unstack_experts(stacked))}
+    # As in the engine after start-up (engine/core.py): the objects built so far frozen, so
+    # the young-generation collections an update's many small tuples trigger stay cheap.
+    gc.collect()
+    gc.freeze()
     for label, tensors in layouts.items():
         info = dict(names=[n for n, _ in tensors], dtype_names=["bfloat16"] * len(tensors),
                     shapes=[list(t.shape) for _, t in tensors], packed=True)

@@ -86,24 +86,26 @@ def plan_buckets(metas: Sequence[TensorMeta], packed: bool, bucket_size_bytes: i
         raise ValueError(f"bucket_size_bytes must be > 0, got {bucket_size_bytes}")
     buckets: list[Bucket] = []
     cur: list[Slot] = []
-
-    def flush() -> None:
-        if cur:
-            buckets.append(Bucket(tuple(cur), cur[-1].offset + cur[-1].nbytes, False))
-            cur.clear()
-
+    end = 0  # the end of the last slot in `cur`
+    # The loop runs once per name (tens of thousands for an MoE model sent per expert):
+    # locals only, no calls beyond the size itself.
+    prod, itemsize, pad = math.prod, _ITEMSIZE, ALIGN_BYTES - 1
     for i, (_, dtype, shape) in enumerate(metas):
-        n = math.prod(shape) * _ITEMSIZE[dtype]  # meta.nbytes, inlined: tens of thousands of names
+        n = prod(shape) * itemsize[dtype]
         if not packed or n > bucket_size_bytes:
-            flush()
+            if cur:
+                buckets.append(Bucket(tuple(cur), end, False))
+                cur = []
             buckets.append(Bucket((Slot(i, 0, n),), n, True))
             continue
-        offset = align_up(cur[-1].offset + cur[-1].nbytes) if cur else 0
+        offset = (end + pad) // ALIGN_BYTES * ALIGN_BYTES if cur else 0
         if cur and offset + n > bucket_size_bytes:
-            flush()
-            offset = 0
+            buckets.append(Bucket(tuple(cur), end, False))
+            cur, offset = [], 0
         cur.append(Slot(i, offset, n))
-    flush()
+        end = offset + n
+    if cur:
+        buckets.append(Bucket(tuple(cur), end, False))
     return buckets
 
 
