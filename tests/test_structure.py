@@ -68,10 +68,9 @@ def test_no_function_is_longer_than_a_screen():
 
 
 def _readme_layout() -> set[str]:
-    """The modules README.md's "Layout" section names: under each `rlserve/...` heading,
-    the `name.py` entries (several may share a line, separated by commas)."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    """The modules docs/layout.md names: under each `rlserve/...` heading, the `name.py`
+    entries (several may share a line, separated by commas)."""
+    section = (ROOT / "docs" / "layout.md").read_text()
     named, package = set(), None
     for line in section.splitlines():
         words = line.split()
@@ -90,8 +89,21 @@ def _readme_layout() -> set[str]:
 def test_the_readme_layout_names_every_module():
     modules = {str(p.relative_to(ROOT)) for p in _modules()}
     named = _readme_layout()
-    assert sorted(modules - named) == [], "modules the README's layout does not name"
-    assert sorted(named - modules) == [], "modules the README's layout names that do not exist"
+    assert sorted(modules - named) == [], "modules docs/layout.md does not name"
+    assert sorted(named - modules) == [], "modules docs/layout.md names that do not exist"
+
+
+def test_the_readme_is_short_and_its_links_stay_inside_the_repository():
+    """The README opens with the two commands and fits in 200 lines; reference material
+    lives in docs/, and every path either points to lies in this repository."""
+    text = (ROOT / "README.md").read_text()
+    assert text.splitlines()[2].split()[:2] == ["make", "demo"] and len(text.splitlines()) < 200
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        body = page.read_text()
+        assert "../" not in body, f"{page.relative_to(ROOT)} points outside the repository"
+        for link in re.findall(r"\]\(([^)#]+)\)", body):
+            if "://" not in link:
+                assert (page.parent / link).exists(), f"{page.relative_to(ROOT)}: {link} does not exist"
 
 
 def test_no_test_example_or_benchmark_rendezvous_at_the_outbound_interface():
