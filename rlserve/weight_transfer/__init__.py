@@ -10,16 +10,22 @@ Server side: `receiver_init` per worker, then `receive_weights` per update (or `
 for an update the server turns down before looking at it).
 Same GPU (colocated): `IPCWeightTransferEngine` shares CUDA IPC handles instead (ipc.py).
 
-Modules: group (store + data plane, bounded and abortable), handshake (pairing each push
+Modules, by side (imports run from the sides to the shared layer, never back, never across):
+trainer side: trainer, gloo, nccl, ipc_sender, http_client, client;
+server side: receiver, ipc_receiver, peer;
+shared: group (store + data plane, bounded and abortable), handshake (pairing each push
 with each rank's request), pipeline (packing, overlap, checksums), tcp (the CPU data
-plane), packing (the bucket plan), checksum, address (master_address), client.
+plane), packing (the bucket plan), checksum, ipc (the CUDA IPC wire format), address
+(master_address), errors.
 """
 
 from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
 from .gloo import GlooWeightTransferEngine
 from .address import get_ip, get_open_port, rendezvous_address
 from .group import DEFAULT_TIMEOUT_S, TransferGroup
-from .ipc import IPCHandles, IPCReceiver, IPCSender, IPCWeightTransferEngine
+from .ipc import IPCHandles
+from .ipc_receiver import IPCReceiver
+from .ipc_sender import IPCSender, IPCWeightTransferEngine
 from .nccl import NCCLWeightTransferEngine
 from .packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,

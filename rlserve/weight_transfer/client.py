@@ -27,6 +27,7 @@ import torch
 
 from rlserve.weight_transfer.address import get_open_port, rendezvous_address
 from rlserve.weight_transfer.errors import UpdateRefusedError, WeightTransferError
+from rlserve.weight_transfer.http_client import answer, post_update
 from rlserve.weight_transfer.ipc import is_reference
 from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 
@@ -46,8 +47,9 @@ class PushResult:
 
 
 def _engine_for(backend: str):
-    from rlserve.weight_transfer import (GlooWeightTransferEngine, IPCWeightTransferEngine,
-                                         NCCLWeightTransferEngine)
+    from rlserve.weight_transfer.gloo import GlooWeightTransferEngine
+    from rlserve.weight_transfer.ipc_sender import IPCWeightTransferEngine
+    from rlserve.weight_transfer.nccl import NCCLWeightTransferEngine
     engines = {"nccl": NCCLWeightTransferEngine, "gloo": GlooWeightTransferEngine,
                "ipc": IPCWeightTransferEngine}
     if backend not in engines:
@@ -76,33 +78,6 @@ class _Call(threading.Thread):
         if self.error is not None:
             raise WeightTransferError(f"request failed: {self.error}") from self.error
         return answer(self.response)
-
-
-def answer(r: requests.Response, refused: type[WeightTransferError] = WeightTransferError) -> dict:
-    """A control endpoint's JSON, or its error message raised: a 400 as `refused` (the
-    server changed nothing), any other failure as WeightTransferError."""
-    if r.status_code < 400:
-        return r.json()
-    try:
-        message = r.json()["error"]["message"]
-    except Exception:
-        message = r.text
-    error = refused if r.status_code == 400 else WeightTransferError
-    raise error(f"{r.request.url} answered {r.status_code}: {message}")
-
-
-def post_update(url: str, update_info: dict, admin_key: str | None = None,
-                timeout_s: float = 300.0, session: requests.Session | None = None) -> dict:
-    """POST /update_weights and return its JSON; a 400 raises UpdateRefusedError (nothing
-    changed on the server), anything else WeightTransferError."""
-    http = session or requests
-    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
-    try:
-        r = http.post(f"{url.rstrip('/')}/update_weights", json={"update_info": update_info},
-                      headers=headers, timeout=timeout_s)
-    except Exception as e:
-        raise WeightTransferError(f"{url}/update_weights: {e}") from e
-    return answer(r, refused=UpdateRefusedError)
 
 
 class WeightSyncClient:
