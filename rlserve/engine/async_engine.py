@@ -203,9 +203,12 @@ class AsyncEngine:
         return await self.call(AbortAll())
 
     def abort_requests(self, request_ids: list[str]) -> int:
-        """End these requests now (their responses finish with reason abort); ids that
-        are not running here are ignored. Returns how many were."""
-        found = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
+        """End these requests now (their responses finish with reason abort): a response's
+        id names its prompt, or all of its prompts (`id-0`, `id-1`, ... here). Ids that are
+        not running here are ignored. Returns how many requests were ended."""
+        wanted = set(request_ids)
+        found = [state for rid, state in self.requests.items()
+                 if rid in wanted or (rid.rpartition("-")[2].isdigit() and rid.rpartition("-")[0] in wanted)]
         samples = [sid for state in found for sid in sample_ids(state.request_id, state.params.n)]
         self.client.abort(samples)
         return len(found)

@@ -13,6 +13,7 @@ import torch
 from .http_client import post_update
 from .ipc import SharedStorage, SharedTensor, device_uuid
 from .packing import dtype_name
+from .trainer import trainer_args_dict
 
 
 class IPCSender:
@@ -124,6 +125,18 @@ _IGNORED_ARGS = frozenset({"mode", "send_mode", "packed", "packed_buffer_size_by
                            "checksum"})
 
 
+@dataclass
+class IPCTrainerSendWeightsArgs:
+    """IPC's trainer_send_weights keywords as one value (vLLM's `trainer_args=`)."""
+
+    group: IPCSender | None = None
+    url: str | None = None
+    admin_key: str | None = None
+    weight_version: int | None = None
+    send: Callable[[dict[str, Any]], Any] | None = None
+    timeout_s: float = 300.0
+
+
 class IPCWeightTransferEngine:
     """Seed-style trainer entry points for the ipc backend.
 
@@ -145,7 +158,7 @@ class IPCWeightTransferEngine:
     def trainer_send_weights(
         cls,
         iterator: Iterable[tuple[str, torch.Tensor]],
-        trainer_args: Mapping[str, Any] | None = None,
+        trainer_args: Mapping[str, Any] | IPCTrainerSendWeightsArgs | None = None,
         *,
         group: IPCSender | None = None,
         url: str | None = None,
@@ -163,7 +176,7 @@ class IPCWeightTransferEngine:
         """
         args = dict(group=group, url=url, admin_key=admin_key, weight_version=weight_version,
                     send=send, timeout_s=timeout_s)
-        given = {**ignored, **(trainer_args or {})}
+        given = {**ignored, **trainer_args_dict(trainer_args)}
         unknown = set(given) - set(args) - _IGNORED_ARGS
         if unknown:
             raise TypeError(f"trainer_send_weights: unknown arguments {sorted(unknown)}")
