@@ -294,3 +294,23 @@ def test_abort_requests_by_id_and_all(server):
 def test_get_world_size_with_and_without_data_parallel(server):
     assert httpx.get(f"{server.url}/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 1}
     assert httpx.get(f"{server.url}/get_world_size").json() == {"world_size": 1}
+
+
+def test_an_open_transaction_is_abandoned_at_its_timeout_and_at_shutdown(tmp_path):
+    """A trainer that opened a transaction and vanished: after the transfer timeout the
+    server abandons it (nothing staged is served), and a shutdown abandons it too."""
+    import time
+
+    from conftest import start_tiny_server
+    srv = start_tiny_server(tmp_path / "server.log", "--weight-transfer-config",
+                            json.dumps({"backend": "gloo", "timeout_s": 1}))
+    try:
+        assert post(srv.url, "start_weight_update").status_code == 200
+        time.sleep(2.5)
+        r = post(srv.url, "finish_weight_update")
+        assert r.status_code == 400 and "no weight update is open" in r.text, r.text
+        assert post(srv.url, "start_weight_update").status_code == 200  # left open for the shutdown
+    finally:
+        stop_server(srv)
+    log = (tmp_path / "server.log").read_text()
+    assert "no call for 1s (its timeout)" in log and "the server is shutting down" in log

@@ -511,6 +511,7 @@ class DPEngineClient:
         return {"weight_version": first["weight_version"], "num_bytes": first["num_bytes"],
                 "receive_seconds": max(v["receive_seconds"] for v in ok.values()),
                 "apply_seconds": max(v["apply_seconds"] for v in ok.values()),
+                "staged": bool(first.get("staged")),  # inside a transaction (every replica's is open)
                 "replicas": [{"replica": i, **v} for i, v in sorted(ok.items())]}
 
     # -- what /health and /metrics show ------------------------------------------------------
