@@ -161,3 +161,22 @@ def test_no_import_circle_in_the_package():
     included: every layer can be read (and loaded) before the ones that use it."""
     circle = _import_circle()
     assert not circle, "import circle: " + " -> ".join(circle)
+
+
+def test_weight_transfer_sides_import_only_the_shared_layer():
+    """What a training process imports (trainer side) and what the server runs (server
+    side) meet only in the shared layer: neither side imports the other, and the shared
+    layer imports neither."""
+    wt = "rlserve.weight_transfer."
+    trainer = {wt + m for m in ("trainer", "gloo", "nccl", "ipc_sender", "http_client", "client", "trainer_factory")}
+    server = {wt + m for m in ("receiver", "ipc_receiver", "peer")}
+    known = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (PACKAGE / "weight_transfer").glob("*.py")}
+    crossing = []
+    for path in sorted((PACKAGE / "weight_transfer").glob("*.py")):
+        me = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if path.name == "__init__.py":
+            continue
+        imported = _imported_modules(path, known)
+        forbidden = server if me in trainer else trainer if me in server else trainer | server
+        crossing += [f"{me} -> {m}" for m in sorted(imported & forbidden)]
+    assert crossing == []
