@@ -27,7 +27,7 @@ def reference(hf_demo, offline_llm):
 def server(demo_model, tmp_path_factory):
     """No admin key: vLLM's examples call the control routes bare (loopback only here)."""
     log = tmp_path_factory.mktemp("txn") / "server.log"
-    cfg = json.dumps({"backend": "gloo", "timeout_s": 15})
+    cfg = json.dumps({"backend": "gloo", "timeout_s": 60})  # also an idle transaction's timeout
     srv = start_server(demo_model, log, "--load-format", "dummy", "--weight-transfer-config", cfg,
                        "--served-model-name", "m")
     yield srv
@@ -309,6 +309,7 @@ def test_an_open_transaction_is_abandoned_at_its_timeout_and_at_shutdown(tmp_pat
         time.sleep(2.5)
         r = post(srv.url, "finish_weight_update")
         assert r.status_code == 400 and "no weight update is open" in r.text, r.text
+        assert "was abandoned after 1s without a call (its timeout)" in r.text
         assert post(srv.url, "start_weight_update").status_code == 200  # left open for the shutdown
     finally:
         stop_server(srv)

@@ -90,6 +90,7 @@ class WeightUpdates:
         self.received: queue.SimpleQueue[_Received] = queue.SimpleQueue()
         self.transfer: Call | None = None  # the init or receive under way, if any
         self.transaction: Transaction | None = None
+        self.expired: str | None = None  # why the last transaction timed out, until the next start
         self._numbers = 0
         self.handlers = {  # the loop runs them; LATER: answered through `answer`
             InitWeightTransfer: self._init, UpdateWeights: self._update, StartWeightUpdate: self._start,
@@ -117,6 +118,7 @@ class WeightUpdates:
         if self.transfer is not None and self.core.world_size == 1:
             self.core.executor.driver.receiver.abort("replaced by a newer /init_weight_transfer_engine")
         self.abandon("a new /init_weight_transfer_engine")
+        self.expired = None  # the trainer started over
         self.transfer = call
 
         def join() -> None:
@@ -141,10 +143,7 @@ class WeightUpdates:
         refusal, lora, version = None, None, None
         try:
             version = parse_version(body.weight_version)
-            refusal = asleep_refusal(self.core)
-            if refusal is None and txn is not None and txn.failure is not None:
-                refusal = InvalidRequestError(f"update_info: {txn.describe()} already failed ({txn.failure}): "
-                                              "it commits nothing; /start_weight_update again", "update_info")
+            refusal = asleep_refusal(self.core) or self._transaction_refusal(txn)
             if refusal is None and isinstance(update_info, dict) and update_info.get("lora_name") is not None:
                 if txn is not None:
                     raise InvalidRequestError("update_info.lora_name: an adapter is updated in one "
@@ -169,6 +168,16 @@ class WeightUpdates:
         else:
             self._beside("receive-update", lambda: self._receive(call, update_info, version, lora))
         return LATER
+
+    def _transaction_refusal(self, txn: Transaction | None) -> InvalidRequestError | None:
+        """A part of a transaction that failed, or of one abandoned at its timeout (the trainer
+        does not know yet: taken alone, its part would be applied as a whole update)."""
+        if txn is not None and txn.failure is not None:
+            return InvalidRequestError(f"update_info: {txn.describe()} already failed ({txn.failure}): "
+                                       "it commits nothing; /start_weight_update again", "update_info")
+        if txn is None and self.expired is not None:
+            return InvalidRequestError(f"update_info: {self.expired}; /start_weight_update again", "update_info")
+        return None
 
     def _refuse(self, call: Call, update_info: Any, refusal: InvalidRequestError) -> None:
         """Refused before any byte moved: a trainer sending it hears so at once, and the
@@ -214,6 +223,8 @@ class WeightUpdates:
         txn = self.transaction
         if txn is not None and self.transfer is None and time.monotonic() - txn.touched > self.timeout_s:
             self.abandon(f"no call for {self.timeout_s:.0f}s (its timeout)")
+            self.expired = (f"weight update transaction {txn.number} was abandoned after {self.timeout_s:.0f}s "
+                            "without a call (its timeout); nothing of it is served")
 
     def _record_failure(self, call: Call, error: BaseException) -> None:
         txn = self.transaction
@@ -269,6 +280,7 @@ class WeightUpdates:
             raise ConflictError(f"start_weight_update: {what} was still open; it is abandoned now (nothing "
                                 "of it is served): call /start_weight_update again")
         self._numbers += 1
+        self.expired = None
         now = time.monotonic()
         self.transaction = Transaction(self._numbers, now, now)
         return {"message": "Weight update started", "transaction": self._numbers}
@@ -277,7 +289,8 @@ class WeightUpdates:
         version = parse_version(body.weight_version)
         txn = self.transaction
         if txn is None:
-            raise InvalidRequestError("finish_weight_update: no weight update is open (POST "
+            why, self.expired = (f": {self.expired}" if self.expired else ""), None
+            raise InvalidRequestError(f"finish_weight_update: no weight update is open{why} (POST "
                                       "/start_weight_update first)", "weight_version")
         if self.transfer is not None:
             raise ConflictError(f"finish_weight_update: a part of {txn.describe()} is still being "
