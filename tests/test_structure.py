@@ -115,3 +115,80 @@ def test_no_test_example_or_benchmark_rendezvous_at_the_outbound_interface():
              if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "get_ip"
              and path.name != "test_weight_transfer_unit.py"]
     assert calls == []
+
+
+def _imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The rlserve modules a file imports, function-local imports included (`from a import b`
+    names module a.b when that is one, else a)."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    me = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return {m for m in found if m in known and m != me}
+
+
+def _import_circle() -> list[str]:
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
+    graph = {m: _imported_modules(p, set(modules)) for m, p in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n]
+            if n not in state:
+                circle = visit(n)
+                if circle:
+                    return circle
+        path.pop()
+        state[m] = 2
+        return []
+
+    for m in sorted(graph):
+        if m not in state:
+            circle = visit(m)
+            if circle:
+                return circle
+    return []
+
+
+def test_no_import_circle_in_the_package():
+    """No module of rlserve reaches itself through its imports, function-local ones
+    included: every layer can be read (and loaded) before the ones that use it."""
+    circle = _import_circle()
+    assert not circle, "import circle: " + " -> ".join(circle)
+
+
+def test_weight_transfer_sides_import_only_the_shared_layer():
+    """What a training process imports (trainer side) and what the server runs (server
+    side) meet only in the shared layer: neither side imports the other, and the shared
+    layer imports neither."""
+    wt = "rlserve.weight_transfer."
+    trainer = {wt + m for m in ("trainer", "gloo", "nccl", "ipc_sender", "http_client", "client", "trainer_factory")}
+    server = {wt + m for m in ("receiver", "ipc_receiver", "peer")}
+    known = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (PACKAGE / "weight_transfer").glob("*.py")}
+    crossing = []
+    for path in sorted((PACKAGE / "weight_transfer").glob("*.py")):
+        me = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if path.name == "__init__.py":
+            continue
+        imported = _imported_modules(path, known)
+        forbidden = server if me in trainer else trainer if me in server else trainer | server
+        crossing += [f"{me} -> {m}" for m in sorted(imported & forbidden)]
+    assert crossing == []

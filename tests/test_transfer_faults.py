@@ -259,12 +259,12 @@ def worker(demo_model):
     cfg = EngineConfig(model=demo_model, device="cpu", dtype="float32", load_format="dummy")
     w = Worker(cfg, load_hf_config(demo_model), demo_model)
     yield w
-    w.close_weight_transfer()
+    w.receiver.close()
 
 
 def worker_init(worker, agent: Agent, port: int | None = None) -> None:
     port = port or get_open_port()
-    t, box = in_thread(lambda: worker.init_weight_transfer("gloo", dict(
+    t, box = in_thread(lambda: worker.receiver.join("gloo", dict(
         master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2), TIMEOUT_S))
     agent.send(op="init", port=port, timeout_s=TIMEOUT_S)
     assert agent.answer()["ok"]
@@ -273,12 +273,12 @@ def worker_init(worker, agent: Agent, port: int | None = None) -> None:
 
 
 def worker_push(worker, agent: Agent, info: dict) -> None:
-    t, box = in_thread(lambda: worker.receive_weights(info))
+    t, box = in_thread(lambda: worker.receiver.receive(info))
     agent.send(op="push", packed=True, bucket_bytes=BUCKET)
     assert agent.answer()["ok"]
     t.join(30)
     assert box.get("value") == sum(4 * math.prod(s) for s in info["shapes"]), box
-    worker.drop_staged_weights()
+    worker.receiver.drop()
 
 
 def test_worker_refusal_before_the_handshake_tells_the_trainer_at_once(worker, agent, checkpoint):
@@ -287,7 +287,7 @@ def test_worker_refusal_before_the_handshake_tells_the_trainer_at_once(worker, a
     info = update_info(checkpoint)
     message = "the server is asleep: POST /wake_up before updating weights"
     # The engine refuses while the trainer sends: the trainer raises that message at once.
-    t, _ = in_thread(lambda: worker.refuse_update(info, message))
+    t, _ = in_thread(lambda: worker.receiver.refuse(info, message))
     agent.send(op="push", packed=True, bucket_bytes=BUCKET)
     trainer = agent.answer()
     t.join(10)
@@ -295,7 +295,7 @@ def test_worker_refusal_before_the_handshake_tells_the_trainer_at_once(worker, a
     assert trainer["seconds"] < TIMEOUT_S / 2
     # With no trainer, the refusal gives up after the grace; neither leaves the group out of step.
     started = time.monotonic()
-    worker.refuse_update(info, "update_info.weight_version: must be an integer")
+    worker.receiver.refuse(info, "update_info.weight_version: must be an integer")
     assert time.monotonic() - started < REFUSAL_GRACE_S + 1
     worker_push(worker, agent, info)
 
@@ -304,21 +304,21 @@ def test_one_receive_at_a_time(worker, agent, checkpoint):
     from rlserve.weight_transfer import InvalidUpdateError
     worker_init(worker, agent)
     info = update_info(checkpoint)
-    t, box = in_thread(lambda: worker.receive_weights(info))
+    t, box = in_thread(lambda: worker.receiver.receive(info))
     time.sleep(0.5)  # waiting for the trainer's plan
     with pytest.raises(InvalidUpdateError, match="another weight update is in progress"):
-        worker.receive_weights(info)
+        worker.receiver.receive(info)
     agent.send(op="push", packed=True, bucket_bytes=BUCKET)
     assert agent.answer()["ok"]
     t.join(30)
     assert box.get("value"), box  # the first one got the push
-    worker.drop_staged_weights()
+    worker.receiver.drop()
 
 
 def test_a_new_init_stops_a_stuck_one(worker, agent, checkpoint):
     from rlserve.weight_transfer import WeightTransferError
     silent = _silent_master()
-    t, box = in_thread(lambda: worker.init_weight_transfer("gloo", dict(
+    t, box = in_thread(lambda: worker.receiver.join("gloo", dict(
         master_address="127.0.0.1", master_port=silent.getsockname()[1], rank_offset=1, world_size=2), 120.0))
     time.sleep(1.0)  # stuck in the store's handshake with a master that never answers
     assert t.is_alive()

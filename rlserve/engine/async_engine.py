@@ -17,11 +17,15 @@ import msgspec
 
 from rlserve.config import EngineConfig
 from rlserve.engine.core_client import EngineAddresses, EngineCoreClient
-from rlserve.engine.messages import (EngineDeadError, EngineReady, LoadLoRAAdapter, LoRAAdapterInfo,
-                                     ModelNotFoundError, UnloadLoRAAdapter)
+from rlserve.engine.messages import (AbortAll, ControlCall, EngineDeadError, EngineReady, FinishWeightUpdate,
+                                     GetStats, InitWeightTransfer, ListLoRAAdapters, LoadLoRAAdapter,
+                                     LoRAAdapterInfo, ModelNotFoundError, Pause, ResetPrefixCache, Resume,
+                                     SetWeightVersion, ShutdownWeightTransfer, Sleep, StartWeightUpdate,
+                                     UnloadLoRAAdapter, UpdateWeights, WakeUp, WeightChecksums)
 from rlserve.engine.output_processor import LatencyObserver, OutputProcessor, RequestState
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
-from rlserve.engine.request import EngineUnavailableError, RequestOutput, check_cache_salt, validate_prompt
+from rlserve.engine.request import (EngineUnavailableError, RequestOutput, check_cache_salt, sample_ids,
+                                    validate_prompt)
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,6 +40,7 @@ class WeightUpdateResult:
     receive_seconds: float
     apply_seconds: float
     replicas: list[dict] | None = None  # data parallel: each replica's own answer
+    staged: bool = False  # inside a transaction: kept until /finish_weight_update
 
 
 def _front_end_tokenizer(config: EngineConfig):
@@ -171,45 +176,54 @@ class AsyncEngine:
         if self.on_dead is not None:
             self.on_dead(reason)
 
-    # -- control plane -----------------------------------------------------------------
-    async def call(self, method: str, *args: Any) -> Any:
-        return await self.client.call(method, *args)
+    # -- control plane (one typed call each: messages.py) ----------------------------------
+    async def call(self, body: ControlCall) -> Any:
+        return await self.client.call(body)
 
     async def stats(self) -> EngineStats:
-        return msgspec.convert(await self.call("stats"), EngineStats)
+        return msgspec.convert(await self.call(GetStats()), EngineStats)
 
     async def pause(self, mode: str = "abort", clear_cache: bool = False) -> dict:
         """Stop producing tokens; for `wait`, answers once the requests in flight finished."""
-        return await self.call("pause", mode, clear_cache)
+        return await self.call(Pause(mode, clear_cache))
 
     async def resume(self) -> None:
-        await self.call("resume")
+        await self.call(Resume())
 
     async def sleep(self, level: int = 1) -> None:
-        await self.call("sleep", level)
+        await self.call(Sleep(level))
 
     async def wake_up(self) -> None:
-        await self.call("wake_up")
+        await self.call(WakeUp())
 
     async def reset_prefix_cache(self) -> None:
-        await self.call("reset_prefix_cache")
+        await self.call(ResetPrefixCache())
 
     async def abort_all(self) -> int:
-        return await self.call("abort_all")
+        return await self.call(AbortAll())
+
+    def abort_requests(self, request_ids: list[str]) -> int:
+        """End these requests now (their responses finish with reason abort): a response's
+        id names its prompt, or all of its prompts (`id-0`, `id-1`, ... here). Ids that are
+        not running here are ignored. Returns how many requests were ended."""
+        wanted = set(request_ids)
+        found = [state for rid, state in self.requests.items()
+                 if rid in wanted or (rid.rpartition("-")[2].isdigit() and rid.rpartition("-")[0] in wanted)]
+        samples = [sid for state in found for sid in sample_ids(state.request_id, state.params.n)]
+        self.client.abort(samples)
+        return len(found)
 
     # -- LoRA adapters (rlserve/engine/lora.py) ------------------------------------------
     async def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> LoRAAdapterInfo:
-        client = self.client
-        info = await client.send_call(lambda i: LoadLoRAAdapter(i, name, path, load_inplace, client.client_index))
-        return msgspec.convert(info, LoRAAdapterInfo)
+        return msgspec.convert(await self.call(LoadLoRAAdapter(name, path, load_inplace)), LoRAAdapterInfo)
 
     async def unload_lora_adapter(self, name: str) -> None:
-        client = self.client
-        await client.send_call(lambda i: UnloadLoRAAdapter(i, name, client.client_index))
+        await self.call(UnloadLoRAAdapter(name))
 
     async def list_lora_adapters(self) -> list[LoRAAdapterInfo]:
-        return msgspec.convert(await self.call("list_loras"), list[LoRAAdapterInfo])
+        return msgspec.convert(await self.call(ListLoRAAdapters()), list[LoRAAdapterInfo])
 
+    # -- weight updates (rlserve/engine/weight_updates.py) ----------------------------------
     async def init_weight_transfer(self, init_info: dict) -> None:
         """Join the trainer's group; answers once the group has formed."""
         from rlserve.weight_transfer import InitInfo
@@ -221,21 +235,41 @@ class AsyncEngine:
             parse_ipc_init_info(init_info)
         else:
             InitInfo.parse(init_info, num_workers=self.world_size)  # a 400 before anything blocks
-        await self.call("init_weight_transfer", cfg.backend, init_info, cfg.timeout_s)
+        await self.call(InitWeightTransfer(cfg.backend, init_info, cfg.timeout_s))
 
     async def update_weights(self, update_info: dict) -> WeightUpdateResult:
-        """Receive a whole update into staging, then swap it in between two steps.
+        """Receive a whole update into staging, then swap it in between two steps (inside a
+        transaction: stage it until /finish_weight_update).
 
         Generation goes on while the bytes arrive (unless paused); a failed or refused
         transfer leaves the previous weights serving.
         """
         version = update_info.get("weight_version") if isinstance(update_info, dict) else None
-        result = await self.call("update_weights", update_info, version)
-        result = WeightUpdateResult(**result)
-        logger.info("weights updated to version %d: %.1f MB received in %.3fs, applied in %.3fs",
-                    result.weight_version, result.num_bytes / 1e6, result.receive_seconds,
-                    result.apply_seconds)
+        answer = await self.call(UpdateWeights(update_info, version))
+        result = WeightUpdateResult(**{k: answer[k] for k in WeightUpdateResult.__dataclass_fields__ if k in answer})
+        result.staged = bool(answer.get("staged"))
+        logger.info("weights %s version %d: %.1f MB received in %.3fs, applied in %.3fs",
+                    "staged at" if result.staged else "updated to", result.weight_version,
+                    result.num_bytes / 1e6, result.receive_seconds, result.apply_seconds)
         return result
+
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> dict:
+        return await self.call(StartWeightUpdate(is_checkpoint_format))
+
+    async def finish_weight_update(self, weight_version: Any = None) -> dict:
+        return await self.call(FinishWeightUpdate(weight_version))
+
+    async def update_weight_version(self, new_version: Any) -> dict:
+        answer = await self.call(SetWeightVersion(new_version))
+        self.weight_version = int(answer["new_version"])
+        return answer
+
+    async def weight_checksums(self) -> list[dict[str, str]]:
+        """Every rank's digest of each of its parameters (replicas after one another)."""
+        return await self.call(WeightChecksums())
+
+    async def shutdown_weight_transfer(self) -> dict:
+        return await self.call(ShutdownWeightTransfer())
 
     async def shutdown(self) -> None:
         await self.client.shutdown()

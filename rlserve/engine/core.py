@@ -1,5 +1,5 @@
 """The engine core: the step loop (schedule -> execute -> update), request admission,
-pause modes, and applying new weights between steps.
+pause modes, sleep, and the weight version (live updates: weight_updates.py).
 
 It speaks token ids only: each step returns an EngineCoreOutputs (outputs.py), and the
 front end (the offline LLM in process, the API server over ZeroMQ) detokenizes and
@@ -23,9 +23,11 @@ from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, FinalTokens, 
 from rlserve.engine.request import (EngineUnavailableError, FinishReason, Request, RequestStatus, sample_ids,
                                     validate_prompt, version_spans)
 from rlserve.engine.scheduler import Scheduler
+from rlserve.errors import ConflictError, ModelNotFoundError
 from rlserve.model.loader import load_hf_config, load_tokenizer, resolve_model_path
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
 from rlserve.sequence import PLACEHOLDER
+from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
 from rlserve.worker.model_runner import StepHandle
 
@@ -106,11 +108,11 @@ class EngineCore:
         self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, self.model_path)
 
         self.executor = Executor(config, hf_config, self.model_path)
-        num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
-        self.executor.collective_rpc("init_kv_cache", num_blocks)
+        num_blocks = min(self.executor.collective_rpc(rank.DetermineNumBlocks()))
+        self.executor.collective_rpc(rank.InitKVCache(num_blocks))
         if not config.enforce_eager:
             t1 = time.perf_counter()
-            self.executor.collective_rpc("capture_cuda_graphs", config.max_num_seqs, self.max_model_len)
+            self.executor.collective_rpc(rank.CaptureCudaGraphs(config.max_num_seqs, self.max_model_len))
             logger.info("captured CUDA graphs in %.1fs", time.perf_counter() - t1)
         self.lora = None  # rlserve.engine.lora.LoRAManager, with enable_lora
         if config.enable_lora:
@@ -163,7 +165,6 @@ class EngineCore:
         slot = -1
         if lora_name is not None:
             if self.lora is None:
-                from rlserve.engine.messages import ModelNotFoundError
                 raise ModelNotFoundError(f"model: {lora_name!r} is not served (LoRA adapters need "
                                          "--enable-lora)")
             adapter = self.lora.resolve(lora_name)
@@ -478,7 +479,7 @@ class EngineCore:
             raise InvalidRequestError(f"level: must be 1 or 2, got {level!r}", "level")
         if self.sleeping:
             if level == 2 and not self.scheduler.no_weights:
-                self.executor.collective_rpc("sleep", 2)  # deepen: drop the host copy too
+                self.executor.collective_rpc(rank.Sleep(2))  # deepen: drop the host copy too
                 self.scheduler.no_weights = True
             return None
         outputs = self._process(self.inflight) if self.inflight is not None else None
@@ -486,39 +487,21 @@ class EngineCore:
         for req in reversed(list(self.scheduler.running)):  # keeps their order in the queue
             self.scheduler.drop_kv(req)
         self.kv.reset_prefix_cache()
-        self.executor.collective_rpc("sleep", level)
+        self.executor.collective_rpc(rank.Sleep(level))
         self.scheduler.sleeping = True
         self.scheduler.no_weights = level == 2
         return outputs
 
     def wake_up(self) -> None:
         if self.sleeping:
-            self.executor.collective_rpc("wake_up")
+            self.executor.collective_rpc(rank.WakeUp())
             self.scheduler.sleeping = False
 
     # -- weights -----------------------------------------------------------------------
     def apply_weights(self, weights: list[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         """Copy tensors into the model now (offline use; the caller owns the engine thread)."""
-        self.executor.collective_rpc("load_weights", weights)
-        return self._new_version(version)
-
-    def apply_staged_weights(self, version: int | None = None,
-                             lora: tuple[str, dict] | None = None) -> int:
-        """Copy the workers' received, validated tensors into the model, between steps.
-        `lora`: the update was an adapter's, (name, its config for the workers).
-
-        Runs in the engine thread, so no step ever sees a half-updated model.
-        """
-        if self.sleeping:
-            self.executor.collective_rpc("drop_staged_weights")
-            raise InvalidRequestError("the server is asleep: POST /wake_up before updating weights",
-                                      "update_info")
-        if lora is not None:
-            self.lora.apply_update(*lora)
-            return self._new_version(version)
-        self.executor.collective_rpc("apply_staged_weights")
-        self.scheduler.no_weights = False  # an update carries every required weight
-        return self._new_version(version)
+        self.executor.load_tensors(rank.LoadWeights(), weights)
+        return self.new_weight_version(version)
 
     # -- LoRA adapters (rlserve/engine/lora.py) ------------------------------------------
     def require_lora(self):
@@ -532,12 +515,11 @@ class EngineCore:
         running with it continue on the new weights, which is a new weight version."""
         adapter, replaced = self.require_lora().load(name, path, load_inplace)
         if replaced:
-            self._new_version(None)
+            self.new_weight_version(None)
         return adapter.info()
 
     def unload_lora_adapter(self, name: str) -> None:
         """Refused (ConflictError) while requests use the adapter: its slot may be reused."""
-        from rlserve.engine.messages import ConflictError
         lora = self.require_lora()
         lora.resolve(name, "lora_name")
         users = sum(r.lora_name == name for r in (*self.scheduler.requests.values(), *self.held))
@@ -549,10 +531,11 @@ class EngineCore:
     def list_lora_adapters(self) -> list[dict]:
         return [] if self.lora is None else self.lora.list()
 
-    def _new_version(self, version: int | None) -> int:
+    def new_weight_version(self, version: int | None, reset_prefix_cache: bool = True) -> int:
+        """The weights changed (between two steps): number them (`version`, or the next)."""
         self.weight_version = self.weight_version + 1 if version is None else int(version)
-        # KV computed under the old weights must not be reused by new requests.
-        self.kv.reset_prefix_cache()
+        if reset_prefix_cache:  # KV computed under the old weights must not be reused
+            self.kv.reset_prefix_cache()
         return self.weight_version
 
     def reset_prefix_cache(self) -> None:

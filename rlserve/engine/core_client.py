@@ -27,8 +27,8 @@ import zmq
 import zmq.asyncio
 
 from rlserve.config import EngineConfig
-from rlserve.engine.messages import (AbortRequests, AddRequest, CallResult, EngineDead, EngineDeadError,
-                                     EngineOutput, EngineReady, UtilityCall, error_from_result)
+from rlserve.engine.messages import (AbortRequests, AddRequest, Call, CallResult, ControlCall, EngineDead,
+                                     EngineDeadError, EngineOutput, EngineReady, Shutdown, error_from_result)
 from rlserve.engine.outputs import EngineCoreOutputs
 from rlserve.process import die_with_parent
 from rlserve.sampling_params import SamplingParams
@@ -190,19 +190,14 @@ class EngineCoreClient:
         if request_ids and self.dead is None:
             self._input.send(self._encode(AbortRequests(request_ids)), copy=False)
 
-    async def call(self, method: str, *args: Any) -> Any:
-        """Run a control call in the engine (between two steps, or beside them for the
-        calls that wait on a trainer) and return its result."""
-        return await self.send_call(lambda call_id: UtilityCall(call_id, method, list(args), self.client_index))
-
-    async def send_call(self, make: Callable[[int], Any]) -> Any:
-        """Send the call message `make(call_id)` (a UtilityCall or a typed call such as
-        LoadLoRAAdapter) and return the engine's answer."""
+    async def call(self, body: ControlCall) -> Any:
+        """Run a control call (messages.py: one struct per call) in the engine, between two
+        steps or beside them for the calls that wait on a trainer; return its answer."""
         self._check_alive()
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._input.send(self._encode(make(call_id)), copy=False)
+        self._input.send(self._encode(Call(call_id, body, self.client_index)), copy=False)
         return await fut
 
     # -- stop --------------------------------------------------------------------------
@@ -211,7 +206,7 @@ class EngineCoreClient:
         self.closing = True
         if self.proc is not None and self.proc.poll() is None:
             try:
-                await asyncio.wait_for(self.call("shutdown"), 5)
+                await asyncio.wait_for(self.call(Shutdown()), 5)
             except (Exception, asyncio.TimeoutError):
                 self.proc.terminate()
             try:

@@ -9,10 +9,10 @@ feeds the device. The loop (`EngineCoreProc.run`) reads whatever messages have a
 takes one engine step, and hands the step's outputs to a sender thread, which encodes
 them and sends one message per step to each API server.
 
-Control calls run between two steps, so none ever sees a half-applied change. The parts
-that wait on a trainer (joining its group, receiving an update) run on a thread of their
-own while steps go on; the received update is then applied between two steps (the thread
-hands it back to the loop as a message on the loop's own input), and only then answered.
+Control calls run between two steps, so none ever sees a half-applied change; each is one
+typed message (messages.py), answered through `_answer`. Weight updates belong to
+WeightUpdates (weight_updates.py): the parts that wait on a trainer run on its threads,
+and the loop calls its `apply_received` between two steps. This module is transport.
 
 Lifecycle: the process takes its orders from the API server that started it. SIGINT and
 SIGTERM are ignored (Ctrl-C or `kill -TERM -PGID` reach the whole process group; the API
@@ -31,7 +31,6 @@ import queue
 import signal
 import sys
 import threading
-import time
 import traceback
 from typing import Any, Callable
 
@@ -39,9 +38,12 @@ import msgspec
 import zmq
 
 from rlserve.engine.core import EngineCore
-from rlserve.engine.messages import (AbortRequests, AddRequest, CallResult, ConflictError, EngineDead,
-                                     EngineInput, EngineReady, ModelNotFoundError, UtilityCall,
-                                     error_result)
+from rlserve.engine.messages import (AbortAll, AbortRequests, AddRequest, Call, CallResult,
+                                     EngineDead, EngineInput, EngineReady, GetStats, ListLoRAAdapters,
+                                     LoadLoRAAdapter, Pause, ResetPrefixCache, Resume, Shutdown, Sleep,
+                                     UnloadLoRAAdapter, WakeUp, error_result)
+from rlserve.engine.weight_updates import LATER, WeightUpdates
+from rlserve.errors import ConflictError, ModelNotFoundError
 from rlserve.engine.outputs import EngineCoreOutputs, Rejected
 from rlserve.engine.request import EngineUnavailableError
 from rlserve.process import profiled, watch_parent
@@ -51,7 +53,7 @@ from rlserve.weight_transfer.address import get_ip
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100  # an idle loop still looks at its workers' health this often
-_GRAMMAR_POLL_MS = 2  # how soon a compiled grammar's request starts
+_SOON_POLL_MS = 2  # how soon a compiled grammar's request starts, or a received update applies
 
 
 class EngineCoreProc:
@@ -67,9 +69,9 @@ class EngineCoreProc:
         self.sender.start()
         self.core: EngineCore | None = None
         self.owners: dict[str, int] = {}  # sample id -> API server, with several of them
-        self.waits: list[UtilityCall] = []  # pause(wait) calls, answered once they hold
-        self.input_address = input_address
-        self.transfer: UtilityCall | None = None  # the weight-transfer call under way, if any
+        self.waits: list[Call] = []  # pause(wait) calls, answered once they hold
+        self.updates: WeightUpdates | None = None  # live weight updates (weight_updates.py)
+        self._handlers: dict[type, Callable[[Call, Any], Any]] = {}
         self.stopping = False
 
     # -- output ------------------------------------------------------------------------
@@ -130,16 +132,18 @@ class EngineCoreProc:
             owners.pop(f.request_id, None)
         return parts
 
-    def _reply(self, call: UtilityCall, value: Any = None) -> None:
-        self._send(call.client, CallResult(call.call_id, True, value))
-
-    def _fail_call(self, call: UtilityCall, e: BaseException) -> None:
-        self._send(call.client, error_result(call.call_id, e))
+    def _answer(self, call: Call, value: Any = None, error: BaseException | None = None) -> None:
+        """Answer a control call (thread-safe: the sender thread sends it)."""
+        result = CallResult(call.call_id, True, value) if error is None else error_result(call.call_id, error)
+        self._send(call.client, result)
 
     # -- the loop ----------------------------------------------------------------------
     def start(self, core_factory: Callable[[], EngineCore]) -> None:
         """Build the engine and tell every API server it is ready."""
         core = self.core = core_factory()
+        transfer = core.config.weight_transfer
+        self.updates = WeightUpdates(core, self._answer, transfer.timeout_s if transfer is not None else 120.0)
+        self._handlers = self._handler_table()
         self._send(None, EngineReady(
             max_model_len=core.max_model_len, vocab_size=core.vocab_size,
             world_size=core.world_size, eos_token_ids=sorted(core.eos_token_ids),
@@ -151,9 +155,11 @@ class EngineCoreProc:
     def run(self) -> None:
         core = self.core
         assert core is not None
+        updates = self.updates
         while not self.stopping:
-            self._read_inputs(block=not core.has_work(),
-                              timeout_ms=_GRAMMAR_POLL_MS if core.compiling else _IDLE_POLL_MS)
+            soon = core.compiling or updates.busy or updates.transaction is not None
+            self._read_inputs(block=not core.has_work(), timeout_ms=_SOON_POLL_MS if soon else _IDLE_POLL_MS)
+            updates.apply_received()  # between two steps
             if core.has_work() or core.compiling:
                 out = core.step()
                 if out is not None:
@@ -177,10 +183,8 @@ class EngineCoreProc:
                 self._add(message)
             elif isinstance(message, AbortRequests):
                 self._abort(message.request_ids)
-            elif isinstance(message, UtilityCall):
+            else:
                 self._call(message)
-            else:  # the typed adapter calls
-                self._call(message.as_call())
 
     def _add(self, m: AddRequest) -> None:
         core = self.core
@@ -205,130 +209,24 @@ class EngineCoreProc:
             self._emit(EngineCoreOutputs(self.core.weight_version, finished=finished))
 
     # -- control calls ------------------------------------------------------------------
-    def _call(self, call: UtilityCall) -> None:
-        handler = getattr(self, f"_call_{call.method}", None)
+    def _call(self, call: Call) -> None:
         try:
-            if handler is None:
-                raise InvalidRequestError(f"method: the engine has no call {call.method!r}", "method")
-            value = handler(call, *call.args)
+            value = self._handlers[type(call.body)](call, call.body)
         except Exception as e:
-            self._fail_call(call, e)
+            self._answer(call, error=e)
             return
-        if value is not _DEFERRED:
-            self._reply(call, value)
+        if value is not LATER:
+            self._answer(call, value)
 
-    # Joining a trainer's group and receiving an update wait on the trainer: a thread of
-    # their own does that while the loop steps on. A new init replaces whatever transfer is
-    # under way (the trainer started over: the pending init or receive fails at once); an
-    # update while another transfer is under way is a 409.
-    def _call_init_weight_transfer(self, call: UtilityCall, backend: str, init_info: dict,
-                                   timeout_s: float):
-        if self.transfer is not None and self.core.world_size == 1:
-            self.core.executor.driver.abort_weight_transfer(
-                "replaced by a newer /init_weight_transfer_engine")
-        self.transfer = call
-
-        def run() -> None:
-            try:
-                self.core.executor.collective_rpc("init_weight_transfer", backend, init_info, timeout_s)
-            except Exception as e:
-                self._fail_call(call, e)
-            else:
-                self._reply(call)
-            finally:
-                if self.transfer is call:
-                    self.transfer = None
-
-        threading.Thread(target=run, name="rlserve-init-transfer", daemon=True).start()
-        return _DEFERRED
-
-    def _call_update_weights(self, call: UtilityCall, update_info: dict, version):
-        if self.transfer is not None:
-            raise ConflictError(f"update_weights: {self.transfer.method} is still under way; "
-                                "send /update_weights once it has answered")
-        refusal = None
-        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
-            refusal = InvalidRequestError(
-                f"update_info.weight_version: must be an integer, got {version!r}", "weight_version")
-        elif self.core.sleeping:
-            refusal = InvalidRequestError(
-                "the server is asleep: POST /wake_up before updating weights", "update_info")
-        lora = None  # an adapter's update: (name, its config for the workers)
-        if refusal is None and isinstance(update_info, dict) and update_info.get("lora_name") is not None:
-            try:
-                lora = [update_info["lora_name"], self.core.require_lora().update_config(update_info)]
-            except InvalidRequestError as e:
-                refusal = e
-        self.transfer = call
-        transfer = self.core.config.weight_transfer
-        if refusal is None and transfer is not None and transfer.backend == "ipc":
-            # An IPC receive opens handles to the trainer's memory and waits on nobody: done
-            # here, between two steps, it saves a thread and a message on every push.
-            self._receive(call, update_info, version, lora, inline=True)
-            return _DEFERRED
-        threading.Thread(target=self._receive if refusal is None else self._refuse,
-                         args=(call, update_info, version, lora) if refusal is None else
-                         (call, update_info, refusal),
-                         name="rlserve-receive-update", daemon=True).start()
-        return _DEFERRED
-
-    def _refuse(self, call: UtilityCall, update_info: dict, refusal: InvalidRequestError) -> None:
-        """Refused before any byte moved: a trainer sending it hears so at once (its
-        trainer_send_weights raises the same message), and the group stays in step."""
-        try:
-            self.core.executor.collective_rpc("refuse_update", update_info, str(refusal))
-        finally:
-            if self.transfer is call:
-                self.transfer = None
-            self._fail_call(call, refusal)
-
-    def _receive(self, call: UtilityCall, update_info: dict, version: int | None,
-                 lora: list | None = None, inline: bool = False) -> None:
-        """Receive into staging, then apply between two steps: at once when `inline` (this
-        is the loop's thread), else through the loop's input like any other message."""
-        t0 = time.perf_counter()
-        try:
-            extra = () if lora is None else (lora[1],)
-            sizes = self.core.executor.collective_rpc("receive_weights", update_info, *extra)
-        except Exception as e:
-            if self.transfer is call:
-                self.transfer = None
-            try:
-                self.core.executor.collective_rpc("drop_staged_weights")
-            finally:
-                self._fail_call(call, e)
-            return
-        apply = UtilityCall(call.call_id, "apply_update",
-                            [version, sizes[0], time.perf_counter() - t0, lora], call.client)
-        if inline:
-            self._call(apply)
-            return
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.connect(self.input_address)
-        sock.send(msgspec.msgpack.encode(apply))
-        sock.close(linger=-1)
-
-    def _call_apply_update(self, call: UtilityCall, version: int | None, num_bytes: int,
-                           receive_seconds: float, lora: list | None = None) -> dict:
-        t0 = time.perf_counter()
-        try:
-            new_version = self.core.apply_staged_weights(version, None if lora is None else tuple(lora))
-        finally:
-            t = self.transfer  # this update's (a newer init may have taken over meanwhile)
-            if t is not None and (t.call_id, t.client, t.method) == (call.call_id, call.client, "update_weights"):
-                self.transfer = None
-        return {"weight_version": new_version, "num_bytes": num_bytes,
-                "receive_seconds": receive_seconds, "apply_seconds": time.perf_counter() - t0}
-
-    def _call_pause(self, call: UtilityCall, mode: str = "abort", clear_cache: bool = False):
-        finished = self.core.pause(mode, clear_cache)
+    def _pause(self, call: Call, body: Pause):
+        finished = self.core.pause(body.mode, body.clear_cache)
         if finished:
             self._emit(EngineCoreOutputs(self.core.weight_version, finished=finished))
-        if mode != "wait":
-            return {"mode": mode}
+        if body.mode != "wait":
+            return {"mode": body.mode}
         self.waits.append(call)
         self._check_waits()
-        return _DEFERRED
+        return LATER
 
     def _check_waits(self) -> None:
         """Answer pause(wait) calls whose condition holds: the requests in flight have
@@ -337,83 +235,43 @@ class EngineCoreProc:
         core = self.core
         for call in list(self.waits):
             if not core.paused:
-                self._fail_call(call, ConflictError(
+                self._answer(call, error=ConflictError(
                     "mode: generation was resumed before the requests in flight finished"))
             elif core.drained:
-                self._reply(call, {"mode": "wait"})
+                self._answer(call, {"mode": "wait"})
             elif core.pause_mode == "keep" or core.sleeping:
-                self._reply(call, {"mode": "keep", "kept": core.scheduler.num_unfinished})
+                self._answer(call, {"mode": "keep", "kept": core.scheduler.num_unfinished})
             else:
                 continue
             self.waits.remove(call)
 
-    def _call_resume(self, call: UtilityCall) -> None:
-        self.core.resume()
-
-    def _call_sleep(self, call: UtilityCall, level: int = 1) -> None:
-        out = self.core.sleep(level)
+    def _sleep(self, call: Call, body: Sleep) -> None:
+        out = self.core.sleep(body.level)
         if out is not None:
             self._emit(out)
 
-    def _call_wake_up(self, call: UtilityCall) -> None:
-        self.core.wake_up()
-
-    def _call_reset_prefix_cache(self, call: UtilityCall) -> None:
-        self.core.reset_prefix_cache()
-
-    # A data-parallel replica that (re)joins copies a healthy replica's weights (and then
-    # takes its version): the source sends between two of its steps, so the copy is one
-    # version, never half of an update (updates are applied between steps too).
-    def _call_weights_layout(self, call: UtilityCall) -> list[str]:
-        return self.core.executor.collective_rpc("weights_layout")
-
-    def _call_copy_weights_to_peer(self, call: UtilityCall, address: str, ports: list[int],
-                                   digests: list[str], timeout_s: float) -> dict:
-        if self.core.sleeping:
-            raise ConflictError("copy_weights_to_peer: this replica is asleep")
-        self._check_layouts(digests)
-        version = self.core.weight_version
-        sizes = self._per_rank("copy_weights_to_peer", address, ports, digests, timeout_s)
-        return {"weight_version": version, "num_bytes": sum(sizes)}
-
-    def _call_copy_weights_from_peer(self, call: UtilityCall, address: str, ports: list[int],
-                                     digests: list[str], timeout_s: float, version: int) -> dict:
-        self._check_layouts(digests)
-        sizes = self._per_rank("copy_weights_from_peer", address, ports, digests, timeout_s)
-        self.core.scheduler.no_weights = False
-        self.core._new_version(version)
-        return {"weight_version": version, "num_bytes": sum(sizes)}
-
-    def _check_layouts(self, digests: list[str]) -> None:
-        mine = self.core.executor.collective_rpc("weights_layout")
-        if mine != list(digests):
-            raise InvalidRequestError(f"peer weight copy: parameter layouts differ ({mine} here, "
-                                      f"{list(digests)} at the source)", "replica")
-
-    def _per_rank(self, method: str, address: str, ports: list[int], digests: list[str],
-                  timeout_s: float) -> list[int]:
-        # The layouts were compared above, rank by rank; every rank pair then copies at once.
-        return [int(x) for x in self.core.executor.collective_rpc(method, address, ports, None, timeout_s)]
-
-    def _call_load_lora(self, call: UtilityCall, name: str, path: str, load_inplace: bool = False) -> dict:
-        return self.core.load_lora_adapter(name, path, load_inplace)
-
-    def _call_unload_lora(self, call: UtilityCall, name: str) -> None:
-        self.core.unload_lora_adapter(name)
-
-    def _call_list_loras(self, call: UtilityCall) -> list:
-        return self.core.list_lora_adapters()
-
-    def _call_stats(self, call: UtilityCall):
-        return self.core.stats()
-
-    def _call_abort_all(self, call: UtilityCall) -> int:
+    def _abort_all(self, call: Call, body: AbortAll) -> int:
         ids = self.core.unfinished_ids()
         self._abort(ids)
         return len(ids)
 
-    def _call_shutdown(self, call: UtilityCall) -> None:
+    def _shutdown(self, call: Call, body: Shutdown) -> None:
+        self.updates.abandon("the server is shutting down")
         self.stopping = True
+
+    def _handler_table(self) -> dict[type, Callable[[Call, Any], Any]]:
+        core = self.core
+        return {
+            **self.updates.handlers,  # weight updates: weight_updates.py
+            Pause: self._pause, Sleep: self._sleep, AbortAll: self._abort_all, Shutdown: self._shutdown,
+            Resume: lambda call, body: core.resume(),
+            WakeUp: lambda call, body: core.wake_up(),
+            ResetPrefixCache: lambda call, body: core.reset_prefix_cache(),
+            GetStats: lambda call, body: core.stats(),
+            ListLoRAAdapters: lambda call, body: core.list_lora_adapters(),
+            LoadLoRAAdapter: lambda call, b: core.load_lora_adapter(b.lora_name, b.lora_path, b.load_inplace),
+            UnloadLoRAAdapter: lambda call, body: core.unload_lora_adapter(body.lora_name),
+        }
 
     # -- end ---------------------------------------------------------------------------
     def die(self, reason: str) -> None:
@@ -424,9 +282,6 @@ class EngineCoreProc:
         self.sender.join(timeout=5)
         self.input.close(linger=0)
         self.ctx.term()
-
-
-_DEFERRED = object()  # a call answered later (pause with mode wait)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,8 +35,10 @@ import msgspec
 from rlserve.config import EngineConfig
 from rlserve.engine.core_client import EngineAddresses, EngineCoreClient
 from rlserve.engine.dp_router import Router
-from rlserve.engine.messages import (CallResult, ConflictError, EngineDeadError, EngineReady,
-                                     error_from_result)
+from rlserve.engine.messages import (AbortAll, CallResult, ConflictError, ControlCall, CopyWeightsFromPeer,
+                                     CopyWeightsToPeer, EngineDeadError, EngineReady, GetStats,
+                                     InitWeightTransfer, Pause, Resume, Sleep, UpdateWeights, WakeUp,
+                                     WeightChecksums, WeightsLayout, error_from_result)
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
 from rlserve.engine.request import EngineUnavailableError, sample_ids
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
@@ -106,6 +108,7 @@ class DPEngineClient:
         self._paused: tuple[str, bool] | None = None
         self._sleeping = False
         self._tasks: set[asyncio.Task] = set()
+        self._handlers = self._handler_table()
         self.info: EngineReady | None = None
         for r in self.replicas:  # every replica loads at once
             r.client = self._connect(r.index)
@@ -328,7 +331,7 @@ class DPEngineClient:
             try:
                 await self._copy_weights(source, r)
                 if self._paused is not None:
-                    await r.client.call("pause", *self._paused)
+                    await r.client.call(Pause(*self._paused))
             except Exception as e:
                 r.state, r.reason = STALE, f"copying weights from replica {source.index} failed: {e}"
                 logger.error("replica %d: %s", r.index, r.reason)
@@ -338,13 +341,13 @@ class DPEngineClient:
 
     async def _copy_weights(self, source: Replica, target: Replica) -> None:
         timeout_s = self.config.weight_transfer.timeout_s if self.config.weight_transfer else 120.0
-        digests = await source.client.call("weights_layout")
+        digests = await source.client.call(WeightsLayout())
         version = (await self._stats(source)).weight_version
         host = source.info.host if self.config.dp_engines is not None else "127.0.0.1"
         ports = [get_open_port() for _ in range(self.tp)]
         sent, got = await asyncio.gather(
-            source.client.call("copy_weights_to_peer", host, ports, digests, timeout_s),
-            target.client.call("copy_weights_from_peer", host, ports, digests, timeout_s, version),
+            source.client.call(CopyWeightsToPeer(host, ports, digests, timeout_s)),
+            target.client.call(CopyWeightsFromPeer(host, ports, digests, timeout_s, version)),
             return_exceptions=True)
         for what in (sent, got):
             if isinstance(what, BaseException):
@@ -354,52 +357,69 @@ class DPEngineClient:
                     target.index, got["num_bytes"] / 1e6, version, source.index)
 
     # -- control calls -------------------------------------------------------------------
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, body: ControlCall) -> Any:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is down: {self.dead}")
-        if method == "init_weight_transfer":
-            return await self._init_transfer(*args)
-        if method == "update_weights":
-            return await self._update(*args)
-        if method == "stats":
-            return msgspec.to_builtins(await self.stats())
-        if method == "pause":
-            self._paused = (args[0] if args else "abort", bool(args[1]) if len(args) > 1 else False)
-        elif method == "resume":
-            self._paused = None
-        elif method == "sleep":
-            self._sleeping = True
-        results = await self._fan_out(method, *args)
-        if method == "wake_up":
-            self._sleeping = False
-            for r in self.replicas:
-                if r.state == STALE and not self._group_has(r):
-                    self._spawn(self._catch_up(r))
-        values = list(results.values())
-        if method == "abort_all":
-            return sum(values)
-        if method == "pause" and values and isinstance(values[0], dict):
-            kept = [v for v in values if v.get("mode") == "keep" and "kept" in v]
-            if kept:
-                return {"mode": "keep", "kept": sum(v["kept"] for v in kept)}
+        handler = self._handlers.get(type(body))
+        if handler is not None:
+            return await handler(body)
+        values = list((await self._fan_out(body)).values())
         return values[0] if values else None
 
-    async def _fan_out(self, method: str, *args: Any, replicas: list[Replica] | None = None,
-                       per_replica_args: dict[int, tuple] | None = None) -> dict[int, Any]:
+    def _handler_table(self) -> dict[type, Callable[[Any], Any]]:
+        """The calls that are more than "every live replica, the first answer"."""
+        return {InitWeightTransfer: self._init_transfer, UpdateWeights: self._update,
+                GetStats: self._stats_call, Pause: self._pause, Resume: self._resume, Sleep: self._sleep,
+                WakeUp: self._wake_up, AbortAll: self._abort_all, WeightChecksums: self._all_answers}
+
+    async def _stats_call(self, body: GetStats) -> dict:
+        return msgspec.to_builtins(await self.stats())
+
+    async def _pause(self, body: Pause) -> dict:
+        self._paused = (body.mode, body.clear_cache)  # a replica that rejoins is paused alike
+        values = list((await self._fan_out(body)).values())
+        kept = [v for v in values if isinstance(v, dict) and v.get("mode") == "keep" and "kept" in v]
+        if kept:
+            return {"mode": "keep", "kept": sum(v["kept"] for v in kept)}
+        return values[0]
+
+    async def _resume(self, body: Resume) -> None:
+        self._paused = None
+        await self._fan_out(body)
+
+    async def _sleep(self, body: Sleep) -> None:
+        self._sleeping = True
+        await self._fan_out(body)
+
+    async def _wake_up(self, body: WakeUp) -> None:
+        await self._fan_out(body)
+        self._sleeping = False
+        for r in self.replicas:
+            if r.state == STALE and not self._group_has(r):
+                self._spawn(self._catch_up(r))
+
+    async def _abort_all(self, body: AbortAll) -> int:
+        return sum((await self._fan_out(body)).values())
+
+    async def _all_answers(self, body: ControlCall) -> list:
+        """Each replica's answer (a list per replica: one item per rank), one after another."""
+        return [item for _, v in sorted((await self._fan_out(body)).items()) for item in v]
+
+    async def _fan_out(self, body: ControlCall, replicas: list[Replica] | None = None,
+                       per_replica: dict[int, ControlCall] | None = None) -> dict[int, Any]:
         """The call on every live replica; all answers, or the errors, per replica."""
         targets = [r for r in (replicas or self.replicas) if r.alive]
         if not targets:
             raise EngineUnavailableError("no data-parallel replica is up")
-        results = await asyncio.gather(
-            *(r.client.call(method, *((per_replica_args or {}).get(r.index, args))) for r in targets),
-            return_exceptions=True)
+        results = await asyncio.gather(*(r.client.call((per_replica or {}).get(r.index, body)) for r in targets),
+                                       return_exceptions=True)
         errors = [(r.index, e) for r, e in zip(targets, results) if isinstance(e, BaseException)]
         if errors:
             raise _combine(errors)
         return {r.index: v for r, v in zip(targets, results)}
 
     async def _stats(self, r: Replica) -> EngineStats:
-        s = msgspec.convert(await r.client.call("stats"), EngineStats)
+        s = msgspec.convert(await r.client.call(GetStats()), EngineStats)
         self.replica_stats[r.index] = s
         r.weight_version = s.weight_version
         return s
@@ -430,10 +450,10 @@ class DPEngineClient:
     def _group_has(self, r: Replica) -> bool:
         return self._group is not None and self._group.get(r.index) == r.incarnation
 
-    async def _init_transfer(self, backend: str, init_info: dict, timeout_s: float) -> None:
+    async def _init_transfer(self, body: InitWeightTransfer) -> None:
         """Every rank of every replica joins the trainer's one group."""
         async with self._control:
-            deadline = asyncio.get_running_loop().time() + timeout_s
+            deadline = asyncio.get_running_loop().time() + body.timeout_s
             while (any(r.state == STARTING for r in self.replicas)
                    and asyncio.get_running_loop().time() < deadline):
                 await asyncio.sleep(0.2)  # a restarting replica joins too
@@ -445,15 +465,15 @@ class DPEngineClient:
                     + ": retry once /health reports it up")
             per_replica = {}
             for r in self.replicas:
-                info = dict(init_info)
-                if backend != "ipc":
-                    info["rank_offset"] = init_info["rank_offset"] + r.index * self.tp
-                per_replica[r.index] = (backend, info, timeout_s)
+                info = dict(body.init_info)
+                if body.backend != "ipc":
+                    info["rank_offset"] = body.init_info["rank_offset"] + r.index * self.tp
+                per_replica[r.index] = InitWeightTransfer(body.backend, info, body.timeout_s)
             self._group = None
-            await self._fan_out("init_weight_transfer", per_replica_args=per_replica)
+            await self._fan_out(body, per_replica=per_replica)
             self._group = {r.index: r.incarnation for r in self.replicas}
 
-    async def _update(self, update_info: dict, version: int | None) -> dict:
+    async def _update(self, body: UpdateWeights) -> dict:
         """One update into every replica; each all or nothing. A replica whose update
         failed while another's succeeded leaves rotation and copies the new weights."""
         async with self._control:
@@ -467,8 +487,7 @@ class DPEngineClient:
             targets = [r for r in self.replicas if r.alive]
             if not targets:
                 raise EngineUnavailableError("no data-parallel replica is up")
-            got = await asyncio.gather(*(r.client.call("update_weights", update_info, version)
-                                         for r in targets), return_exceptions=True)
+            got = await asyncio.gather(*(r.client.call(body) for r in targets), return_exceptions=True)
             ok = {r.index: v for r, v in zip(targets, got) if not isinstance(v, BaseException)}
             failed = [(r.index, e) for r, e in zip(targets, got) if isinstance(e, BaseException)]
             for r in targets:
@@ -492,6 +511,7 @@ class DPEngineClient:
         return {"weight_version": first["weight_version"], "num_bytes": first["num_bytes"],
                 "receive_seconds": max(v["receive_seconds"] for v in ok.values()),
                 "apply_seconds": max(v["apply_seconds"] for v in ok.values()),
+                "staged": bool(first.get("staged")),  # inside a transaction (every replica's is open)
                 "replicas": [{"replica": i, **v} for i, v in sorted(ok.items())]}
 
     # -- what /health and /metrics show ------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Any, Mapping, NamedTuple
 
 from rlserve.model.peft import LoRAConfig, pair_tensors, read_adapter
 from rlserve.sampling_params import InvalidRequestError
+from rlserve.worker import calls as rank
 
 
 class LoRARequest(NamedTuple):
@@ -111,14 +112,14 @@ class LoRAManager:
         pair_tensors(tensors, config, "adapter_model", self.executor.driver.lora.exempt)
         slot = self.registry.free_slot(name)
         try:
-            self.executor.collective_rpc("load_lora", tensors, slot, config.to_wire())
+            self.executor.load_tensors(rank.LoadLoRA(slot, config.to_wire()), tensors)
         except ValueError as e:  # what the model refuses (unknown modules, shapes): nothing written
             raise InvalidRequestError(f"lora_path: {path}: {e}", "lora_path") from None
         return self.registry.put(name, slot, config, path), replaced
 
     def unload(self, name: str) -> LoRAAdapter:
         adapter = self.registry.remove(name)
-        self.executor.collective_rpc("remove_lora", adapter.slot, name)
+        self.executor.collective_rpc(rank.RemoveLoRA(adapter.slot, name))
         return adapter
 
     def update_config(self, update_info: Mapping[str, Any]) -> dict[str, Any]:
@@ -143,9 +144,9 @@ class LoRAManager:
         try:
             slot = self.registry.free_slot(name)  # taken meanwhile by a load from disk: refused
         except InvalidRequestError:
-            self.executor.collective_rpc("drop_staged_weights")
+            self.executor.collective_rpc(rank.DropStaged())
             raise
-        self.executor.collective_rpc("apply_staged_weights", slot)
+        self.executor.collective_rpc(rank.ApplyStaged(slot))
         # path None: its weights are the trainer's now, not a directory's
         self.registry.put(name, slot, LoRAConfig.parse(config, "update_info.lora_config", self.registry.max_rank),
                           None)

@@ -6,12 +6,12 @@ nothing is pickled.
 API server -> engine (one PULL socket the engine binds; every API server PUSHes to it):
     AddRequest       a prompt with its sampling parameters (its n samples are made there)
     AbortRequests    end these samples now
-    UtilityCall      a control call (pause, update, sleep, stats, ...), answered by a CallResult
-    LoadLoRAAdapter, UnloadLoRAAdapter   adapter calls (typed), answered by a CallResult
+    Call             a control call: its id and its body, one struct per call (Pause, UpdateWeights,
+                     LoadLoRAAdapter, ...), answered by a CallResult
 Engine -> API server (one PULL socket per API server, which binds it; the engine PUSHes):
     EngineReady      once, when the model is loaded: what the front end needs to know
     EngineCoreOutputs  one per step: see outputs.py
-    CallResult       the answer to a UtilityCall
+    CallResult       the answer to a Call (an error as rlserve/errors.py carries it)
     EngineDead       the engine is stopping on an error; the reason says why
 """
 
@@ -22,8 +22,9 @@ from typing import Any, Union
 import msgspec
 
 from rlserve.engine.outputs import EngineCoreOutputs
-from rlserve.engine.request import EngineUnavailableError
-from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.errors import (ConflictError, EngineDeadError, EngineUnavailableError,  # noqa: F401 (re-exported)
+                            ModelNotFoundError, WireError, from_wire, to_wire)
+from rlserve.sampling_params import SamplingParams
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
@@ -40,34 +41,126 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
-class UtilityCall(msgspec.Struct, tag="call", array_like=True):
-    call_id: int
-    method: str
-    args: list[Any] = []
-    client: int = 0
+# -- control calls: one struct per call, sent inside a Call ---------------------------------
+
+class ControlCall(msgspec.Struct, array_like=True, tag=True):
+    """A control call's body; the engine answers each with a CallResult."""
 
 
-class LoadLoRAAdapter(msgspec.Struct, tag="load_lora", array_like=True):
+class Pause(ControlCall):
+    mode: str = "abort"
+    clear_cache: bool = False
+
+
+class Resume(ControlCall):
+    pass
+
+
+class Sleep(ControlCall):
+    level: int = 1
+
+
+class WakeUp(ControlCall):
+    pass
+
+
+class ResetPrefixCache(ControlCall):
+    pass
+
+
+class GetStats(ControlCall):
+    pass
+
+
+class AbortAll(ControlCall):
+    pass
+
+
+class Shutdown(ControlCall):
+    pass
+
+
+class ListLoRAAdapters(ControlCall):
+    pass
+
+
+class LoadLoRAAdapter(ControlCall):
     """Load a PEFT adapter directory as `lora_name` (vLLM's /v1/load_lora_adapter)."""
 
-    call_id: int
     lora_name: str
     lora_path: str
     load_inplace: bool = False  # replace a loaded adapter of that name
-    client: int = 0
-
-    def as_call(self) -> UtilityCall:
-        return UtilityCall(self.call_id, "load_lora", [self.lora_name, self.lora_path, self.load_inplace],
-                           self.client)
 
 
-class UnloadLoRAAdapter(msgspec.Struct, tag="unload_lora", array_like=True):
-    call_id: int
+class UnloadLoRAAdapter(ControlCall):
     lora_name: str
-    client: int = 0
 
-    def as_call(self) -> UtilityCall:
-        return UtilityCall(self.call_id, "unload_lora", [self.lora_name], self.client)
+
+# Weight updates (engine/weight_updates.py owns them).
+
+class InitWeightTransfer(ControlCall):
+    backend: str
+    init_info: dict
+    timeout_s: float
+
+
+class UpdateWeights(ControlCall):
+    update_info: Any
+    weight_version: Any = None  # checked by the engine: a wrong type is refused by name
+
+
+class StartWeightUpdate(ControlCall):
+    """Open a transaction: the /update_weights that follow stage, /finish_weight_update commits."""
+
+    is_checkpoint_format: bool = True
+
+
+class FinishWeightUpdate(ControlCall):
+    weight_version: Any = None  # checked by the engine (a string of digits, or an integer)
+
+
+class SetWeightVersion(ControlCall):
+    new_version: Any
+
+
+class ShutdownWeightTransfer(ControlCall):
+    pass
+
+
+class WeightChecksums(ControlCall):
+    """Each rank's digest of each of its parameters (what /weight_checker compares)."""
+
+
+class WeightsLayout(ControlCall):
+    pass
+
+
+class CopyWeightsToPeer(ControlCall):
+    address: str
+    ports: list[int]
+    digests: list[str]
+    timeout_s: float
+
+
+class CopyWeightsFromPeer(ControlCall):
+    address: str
+    ports: list[int]
+    digests: list[str]
+    timeout_s: float
+    weight_version: int
+
+
+WEIGHT_CALLS = (InitWeightTransfer, UpdateWeights, StartWeightUpdate, FinishWeightUpdate, SetWeightVersion,
+                ShutdownWeightTransfer, WeightChecksums, WeightsLayout, CopyWeightsToPeer, CopyWeightsFromPeer)
+
+AnyControlCall = Union[Pause, Resume, Sleep, WakeUp, ResetPrefixCache, GetStats, AbortAll, Shutdown,
+                       ListLoRAAdapters, LoadLoRAAdapter, UnloadLoRAAdapter, *WEIGHT_CALLS]
+
+
+class Call(msgspec.Struct, tag="call", array_like=True):
+    call_id: int
+    body: AnyControlCall
+    client: int = 0  # the API server it came from: the answer goes back there
 
 
 class LoRAAdapterInfo(msgspec.Struct):
@@ -108,44 +201,15 @@ class EngineDead(msgspec.Struct, tag="dead", array_like=True):
     reason: str
 
 
-EngineInput = Union[AddRequest, AbortRequests, UtilityCall, LoadLoRAAdapter, UnloadLoRAAdapter]
+EngineInput = Union[AddRequest, AbortRequests, Call]
 EngineOutput = Union[EngineCoreOutputs, CallResult, EngineReady, EngineDead]
 
 
-class ModelNotFoundError(InvalidRequestError):
-    """`model` (or `param`) names neither the served model nor a loaded adapter (HTTP 404)."""
-
-    def __init__(self, message: str, param: str | None = "model"):
-        super().__init__(message, param)
-
-
-class ConflictError(RuntimeError):
-    """The call collides with one already under way (HTTP 409)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped on an error; every request fails with this (HTTP 503)."""
-
-
-def _error_types() -> dict[str, type[BaseException]]:
-    from rlserve.weight_transfer.errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
-    types = [ModelNotFoundError, InvalidRequestError, EngineUnavailableError, ConflictError, EngineDeadError,
-             InvalidUpdateError, UpdateRefusedError, WeightTransferError, ValueError, RuntimeError]
-    return {t.__name__: t for t in types}
-
-
 def error_result(call_id: int, e: BaseException) -> CallResult:
-    return CallResult(call_id, False, error=str(e), error_type=type(e).__name__,
-                      param=getattr(e, "param", None))
+    w = to_wire(e)
+    return CallResult(call_id, False, error=w.message, error_type=w.type, param=w.param)
 
 
 def error_from_result(r: CallResult) -> BaseException:
     """The engine's exception, as its own type where the front end maps it to a status."""
-    cls = _error_types().get(r.error_type)
-    if cls is InvalidRequestError:
-        return InvalidRequestError(r.error, r.param)
-    if cls is ModelNotFoundError:
-        return ModelNotFoundError(r.error, r.param)
-    if cls is None:
-        return RuntimeError(f"{r.error_type}: {r.error}")
-    return cls(r.error)
+    return from_wire(WireError(r.error_type, r.error, r.param))

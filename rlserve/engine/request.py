@@ -8,12 +8,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from rlserve.errors import EngineUnavailableError  # noqa: F401 (re-exported: raised by the engine)
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
 from rlserve.sequence import Sequence, TokenLogprob
-
-
-class EngineUnavailableError(RuntimeError):
-    """Generation cannot run now, for a reason the caller can wait out (HTTP 503)."""
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from rlserve.model.parallel import ShardedModule
+from rlserve.weight_transfer.receiver import ExpectedParam  # what an update is checked against, too
 
 
 class Piece(NamedTuple):
@@ -50,12 +51,6 @@ class WeightSlot(NamedTuple):
     covers: tuple[str, ...] = ()  # the names this one stands for (see the module docstring)
 
 
-class ExpectedWeight(NamedTuple):
-    shape: tuple[int, ...]
-    required: bool
-    covers: tuple[str, ...] = ()
-
-
 class FullParameter(NamedTuple):
     """A parameter as a single-rank model holds it: its full shape, and the HF tensors
     stacked in it as (name, start, size) along `dim`."""
@@ -74,7 +69,7 @@ class OwnSlots(Protocol):
         ...
 
 
-def missing_weights(expected: Mapping[str, ExpectedWeight], sent: Iterable[str]) -> list[str]:
+def missing_weights(expected: Mapping[str, ExpectedParam], sent: Iterable[str]) -> list[str]:
     """The required names neither sent nor covered by a name sent."""
     covered = set(sent)
     for name in list(covered):
@@ -141,14 +136,14 @@ class CausalLM(nn.Module):
             self._slots = lookup
         return self._slots
 
-    def expected_weights(self) -> dict[str, ExpectedWeight]:
+    def expected_weights(self) -> dict[str, ExpectedParam]:
         """Every HF tensor this model takes, at its full shape; lm_head is optional when tied.
         Names that stand for others (`covers`) are optional; the ones they cover required."""
-        out = {name: ExpectedWeight(slot.full_shape, not slot.covers, slot.covers)
+        out = {name: ExpectedParam(slot.full_shape, not slot.covers, covers=slot.covers)
                for name, slot in self._fused_lookup().items()}
         if self.tie_word_embeddings and "lm_head.weight" not in out:
             embed = next(n for n in out if n.endswith("embed_tokens.weight"))
-            out["lm_head.weight"] = ExpectedWeight(out[embed].shape, False)
+            out["lm_head.weight"] = ExpectedParam(out[embed].shape, False)
         return out
 
     def full_parameters(self) -> list[FullParameter]:

@@ -1,8 +1,14 @@
-"""The weight-update control plane, wire-compatible with the seed script:
+"""The weight-update control plane, wire-compatible with the seed script and with today's
+vLLM (paths, bodies and answers as its RLHF routes have them):
 
-    GET  /get_world_size                -> {"world_size": N}
+    GET  /get_world_size?include_dp=true -> {"world_size": N}
     POST /init_weight_transfer_engine   {"init_info": {...}}     blocks until the group forms
-    POST /update_weights                {"update_info": {...}}   blocks until loaded
+    POST /update_weights                {"update_info": {...}}   blocks until loaded (or staged)
+    POST /start_weight_update           {"is_checkpoint_format": true}   opens a transaction
+    POST /finish_weight_update          {"weight_version": "..."}         commits all of it, or none
+    POST /abort_requests                {"request_ids": [...]}   (none or empty: every request)
+    POST /update_weight_version {"new_version"}, GET /weight_info, POST /weight_checker,
+    POST /shutdown_weight_transfer_engine
     POST /pause?mode=abort|wait|keep&clear_cache=false
     POST /resume
     GET  /is_paused, GET /weight_version, POST /reset_prefix_cache
@@ -16,10 +22,11 @@ rlserve/server/security.py.
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from rlserve.config import EngineConfig
 from rlserve.server.protocol import APIError
@@ -36,6 +43,32 @@ class UpdateWeightsRequest(BaseModel):
     update_info: dict[str, Any] = Field(
         description="names, dtype_names, shapes, packed, packed_buffer_size_bytes, "
                     "packed_num_buffers, weight_version (optional)")
+
+
+class StartWeightUpdateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    is_checkpoint_format: bool = Field(True, description="true: names as in the checkpoint (what rlserve takes)")
+
+
+class FinishWeightUpdateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weight_version: StrictInt | str | None = Field(None, description="the committed weights' version")
+
+
+class UpdateWeightVersionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    new_version: StrictInt | str
+
+
+class AbortRequestsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_ids: list[str] | None = Field(None, description="responses' ids; none or empty: every request")
+
+
+class WeightCheckerRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    action: Literal["checksum", "compare", "reset"]
+    baseline: dict[str, str] | None = Field(None, description="compare: a checksum answer's checksums")
 
 
 router = APIRouter(tags=["weight updates"], dependencies=[Depends(require_control_access)])
@@ -57,8 +90,10 @@ def _transfer_error(e: Exception) -> APIError:
 
 
 @router.get("/get_world_size")
-async def get_world_size(request: Request) -> dict:
-    return {"world_size": _engine(request).world_size}
+async def get_world_size(request: Request, include_dp: bool = Query(
+        True, description="false: the ranks of one data-parallel replica only")) -> dict:
+    engine = _engine(request)
+    return {"world_size": engine.world_size if include_dp else engine.config.tensor_parallel_size}
 
 
 @router.post("/init_weight_transfer_engine")
@@ -80,12 +115,98 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
         raise _transfer_error(e) from e
     metrics.weight_update(True, result.receive_seconds + result.apply_seconds, result.num_bytes)
     gbps = result.num_bytes / max(result.receive_seconds, 1e-9) / 1e9
-    answer = {"status": "ok", "weight_version": result.weight_version, "bytes": result.num_bytes,
+    answer = {"status": "ok", "message": "Weights updated", "staged": result.staged,
+              "weight_version": result.weight_version, "bytes": result.num_bytes,
               "receive_seconds": result.receive_seconds, "apply_seconds": result.apply_seconds,
               "gb_per_second": gbps}
     if result.replicas is not None:
         answer["replicas"] = result.replicas
     return answer
+
+
+# -- the transaction (vLLM 0.22 and later) ----------------------------------------------------
+
+@router.post("/start_weight_update")
+async def start_weight_update(request: Request, body: StartWeightUpdateRequest | None = Body(None)) -> dict:
+    """Open a transaction: the /update_weights that follow stage (nothing served changes)
+    until /finish_weight_update. A start while one is open is a 409 naming it, and that
+    one is abandoned (a trainer that restarted calls start again)."""
+    body = body or StartWeightUpdateRequest()
+    return await _engine(request).start_weight_update(body.is_checkpoint_format)
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(request: Request, body: FinishWeightUpdateRequest | None = Body(None)) -> dict:
+    """Commit every staged part in one step, between two engine steps (new version, prefix
+    cache reset); if any part failed, commit nothing and say what failed."""
+    body = body or FinishWeightUpdateRequest()
+    try:
+        answer = await _engine(request).finish_weight_update(body.weight_version)
+    except Exception as e:
+        raise _transfer_error(e) from e
+    return {**answer, "weight_version": str(answer["weight_version"])}
+
+
+# -- the other calls -----------------------------------------------------------------------------
+
+@router.post("/abort_requests")
+async def abort_requests(request: Request, body: AbortRequestsRequest | None = Body(None)) -> dict:
+    """End requests now (their responses finish with finish_reason "abort"), without pausing."""
+    engine = _engine(request)
+    ids = (body.request_ids if body is not None else None) or []
+    aborted = engine.abort_requests(ids) if ids else await engine.abort_all()
+    return {"status": "aborted", "aborted": aborted}
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(body: UpdateWeightVersionRequest, request: Request) -> dict:
+    """Name the weights now served (the next tokens carry it); the weights do not change."""
+    await _engine(request).update_weight_version(body.new_version)
+    return {"success": True, "new_version": body.new_version}
+
+
+@router.get("/weight_info")
+async def weight_info(request: Request) -> dict:
+    return {"weight_version": str((await _engine(request).stats()).weight_version)}
+
+
+@router.post("/weight_checker")
+async def weight_checker(body: WeightCheckerRequest, request: Request) -> dict:
+    """A digest of each parameter's bytes as served, over every rank: `checksum` answers
+    them, `compare` diffs them with a `baseline` (an earlier checksum's answer)."""
+    engine = _engine(request)
+    if body.action == "reset":
+        raise APIError(400, "action: reset (random weights over the served ones) is not offered: rlserve "
+                            "changes served weights only through an update", param="action")
+    if body.action == "compare" and body.baseline is None:
+        raise APIError(400, "baseline: action 'compare' needs the checksums to compare with", param="baseline")
+    stats = await engine.stats()
+    if stats.paused or stats.sleeping:
+        raise APIError(409, "weight_checker requires an awake, unpaused engine", type="conflict_error")
+    checksums = combine_checksums(await engine.weight_checksums())
+    if body.action == "checksum":
+        return {"checksums": checksums}
+    mismatches = sorted(n for n in checksums.keys() | body.baseline.keys()
+                        if checksums.get(n) != body.baseline.get(n))
+    return {"match": not mismatches, "mismatches": mismatches}
+
+
+def combine_checksums(per_rank: list[dict[str, str]]) -> dict[str, str]:
+    """One digest per parameter: the ranks' own where they agree (a replicated tensor),
+    else one over all of them in rank order (a tensor-parallel shard per rank)."""
+    names = sorted({n for d in per_rank for n in d})
+    out = {}
+    for name in names:
+        digests = [d.get(name, "") for d in per_rank]
+        same = all(x == digests[0] for x in digests)
+        out[name] = digests[0] if same else hashlib.sha256("|".join(digests).encode()).hexdigest()[:32]
+    return out
+
+
+@router.post("/shutdown_weight_transfer_engine")
+async def shutdown_weight_transfer_engine(request: Request) -> dict:
+    """Leave the trainer's group (an open transaction is abandoned); init joins it again."""
+    return await _engine(request).shutdown_weight_transfer()
 
 
 @router.post("/pause")
@@ -139,6 +260,7 @@ async def is_sleeping(request: Request) -> dict:
 
 @router.get("/weight_version")
 async def weight_version(request: Request) -> dict:
+    """rlserve's own (the integer the seed reads); vLLM's is /weight_info."""
     return {"weight_version": (await _engine(request).stats()).weight_version}
 
 

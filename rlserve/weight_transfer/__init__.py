@@ -9,17 +9,26 @@ Trainer side, as in the seed script::
 Server side: `receiver_init` per worker, then `receive_weights` per update (or `refuse`,
 for an update the server turns down before looking at it).
 Same GPU (colocated): `IPCWeightTransferEngine` shares CUDA IPC handles instead (ipc.py).
+Today's vLLM names work too: `trainer_args=NCCLTrainerSendWeightsArgs(group=..., packed=True)`
+(or a dict), and `WeightTransferTrainerFactory.trainer_init(init_info=..., client=
+HTTPVLLMWeightSyncClient(url), source=ModuleSource(model)).send_weights()` (trainer_factory.py).
 
-Modules: group (store + data plane, bounded and abortable), handshake (pairing each push
+Modules, by side (imports run from the sides to the shared layer, never back, never across):
+trainer side: trainer, gloo, nccl, ipc_sender, http_client, client, trainer_factory;
+server side: receiver, ipc_receiver, peer;
+shared: group (store + data plane, bounded and abortable), handshake (pairing each push
 with each rank's request), pipeline (packing, overlap, checksums), tcp (the CPU data
-plane), packing (the bucket plan), checksum, address (master_address), client.
+plane), packing (the bucket plan), checksum, ipc (the CUDA IPC wire format), address
+(master_address), errors.
 """
 
 from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
 from .gloo import GlooWeightTransferEngine
 from .address import get_ip, get_open_port, rendezvous_address
 from .group import DEFAULT_TIMEOUT_S, TransferGroup
-from .ipc import IPCHandles, IPCReceiver, IPCSender, IPCWeightTransferEngine
+from .ipc import IPCHandles
+from .ipc_receiver import IPCReceiver
+from .ipc_sender import IPCSender, IPCWeightTransferEngine
 from .nccl import NCCLWeightTransferEngine
 from .packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -31,6 +40,11 @@ from .packing import (
     plan_digest,
 )
 from .client import PushResult, WeightSyncClient
+from .http_client import HTTPVLLMWeightSyncClient
+from .trainer import GlooTrainerSendWeightsArgs, NCCLTrainerSendWeightsArgs
+from .ipc_sender import IPCTrainerSendWeightsArgs
+from .trainer_factory import (GlooTrainerInitInfo, IPCTrainerInitInfo, ModuleSource, NCCLTrainerInitInfo,
+                              TrainerWeightTransferEngine, WeightTransferTrainerFactory)
 from .handshake import refuse
 from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, receiver_init
 
@@ -41,4 +55,7 @@ __all__ = [
     "NCCLWeightTransferEngine", "Slot", "TensorMeta", "TransferGroup", "UpdateInfo",
     "UpdateRefusedError", "WeightTransferError", "get_ip", "get_open_port", "rendezvous_address", "plan_buckets",
     "plan_digest", "receive_weights", "receiver_init", "refuse", "PushResult", "WeightSyncClient",
+    "HTTPVLLMWeightSyncClient", "NCCLTrainerSendWeightsArgs", "GlooTrainerSendWeightsArgs",
+    "IPCTrainerSendWeightsArgs", "NCCLTrainerInitInfo", "GlooTrainerInitInfo", "IPCTrainerInitInfo",
+    "ModuleSource", "TrainerWeightTransferEngine", "WeightTransferTrainerFactory",
 ]

@@ -17,7 +17,6 @@ another GPU forms a new group there.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -27,6 +26,7 @@ import torch
 
 from rlserve.weight_transfer.address import get_open_port, rendezvous_address
 from rlserve.weight_transfer.errors import UpdateRefusedError, WeightTransferError
+from rlserve.weight_transfer.http_client import BackgroundCall, answer, post_update
 from rlserve.weight_transfer.ipc import is_reference
 from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 
@@ -46,63 +46,14 @@ class PushResult:
 
 
 def _engine_for(backend: str):
-    from rlserve.weight_transfer import (GlooWeightTransferEngine, IPCWeightTransferEngine,
-                                         NCCLWeightTransferEngine)
+    from rlserve.weight_transfer.gloo import GlooWeightTransferEngine
+    from rlserve.weight_transfer.ipc_sender import IPCWeightTransferEngine
+    from rlserve.weight_transfer.nccl import NCCLWeightTransferEngine
     engines = {"nccl": NCCLWeightTransferEngine, "gloo": GlooWeightTransferEngine,
                "ipc": IPCWeightTransferEngine}
     if backend not in engines:
         raise ValueError(f"backend: must be one of {', '.join(engines)}, got {backend!r}")
     return engines[backend]
-
-
-class _Call(threading.Thread):
-    """An HTTP call that blocks until the matching collective completes."""
-
-    def __init__(self, fn, *args):
-        super().__init__(daemon=True)
-        self.fn, self.args = fn, args
-        self.response: requests.Response | None = None
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.response = self.fn(*self.args)
-        except BaseException as e:  # reported by result()
-            self.error = e
-
-    def result(self) -> dict:
-        self.join()
-        if self.error is not None:
-            raise WeightTransferError(f"request failed: {self.error}") from self.error
-        return answer(self.response)
-
-
-def answer(r: requests.Response, refused: type[WeightTransferError] = WeightTransferError) -> dict:
-    """A control endpoint's JSON, or its error message raised: a 400 as `refused` (the
-    server changed nothing), any other failure as WeightTransferError."""
-    if r.status_code < 400:
-        return r.json()
-    try:
-        message = r.json()["error"]["message"]
-    except Exception:
-        message = r.text
-    error = refused if r.status_code == 400 else WeightTransferError
-    raise error(f"{r.request.url} answered {r.status_code}: {message}")
-
-
-def post_update(url: str, update_info: dict, admin_key: str | None = None,
-                timeout_s: float = 300.0, session: requests.Session | None = None) -> dict:
-    """POST /update_weights and return its JSON; a 400 raises UpdateRefusedError (nothing
-    changed on the server), anything else WeightTransferError."""
-    http = session or requests
-    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
-    try:
-        r = http.post(f"{url.rstrip('/')}/update_weights", json={"update_info": update_info},
-                      headers=headers, timeout=timeout_s)
-    except Exception as e:
-        raise WeightTransferError(f"{url}/update_weights: {e}") from e
-    return answer(r, refused=UpdateRefusedError)
 
 
 class WeightSyncClient:
@@ -156,7 +107,7 @@ class WeightSyncClient:
         address = self.master_address or rendezvous_address(self.urls)
         port = self.master_port or get_open_port()
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        calls = [_Call(self._post, u, "/init_weight_transfer_engine",
+        calls = [BackgroundCall(self._post, u, "/init_weight_transfer_engine",
                        {"init_info": dict(master_address=address, master_port=port,
                                           rank_offset=off, world_size=world_size)})
                  for u, off in zip(self.urls, offsets)]
@@ -261,7 +212,7 @@ class WeightSyncClient:
     def _send_collective(self, tensors, update_info, packed, packed_buffer_size_bytes,
                          packed_num_buffers, checksum) -> tuple[list[dict], float]:
         """Every server's /update_weights in a thread while this process broadcasts."""
-        calls = [_Call(self._post, u, "/update_weights", {"update_info": update_info})
+        calls = [BackgroundCall(self._post, u, "/update_weights", {"update_info": update_info})
                  for u in self.urls]
         send_error = None
         started = time.perf_counter()

@@ -39,12 +39,17 @@ PROTOCOL = 2  # the control protocol between trainer and receivers (handshake.py
 CONNECT_MARGIN_S = 1.0  # a connect gives up this long after timeout_s at the latest
 _SESSION_KEY = "rlserve/session"
 _DATA_PORT_KEY = "data_port"
+VOID = "void"  # a turn one side gave up on (handshake.py)
 BROKEN = "broken:"  # prefix of a value that says the writer's group failed
 _POLL_S = 0.2  # how often a long wait looks at the store for a peer's failure
 
 
 def broken_key(rank: int) -> str:
     return f"broken/{rank}"
+
+
+def key(rank: int, turn: int, what: str) -> str:
+    return f"r{rank}/t{turn}/{what}"
 
 
 class TransferGroup:
@@ -331,7 +336,6 @@ class TransferGroup:
 
     def _tell_peers(self, message: str) -> None:
         """Best effort: mark this rank broken, and fill the keys the peers wait on next."""
-        from .handshake import tell_peers
         store = self._store
         if store is None:
             return
@@ -378,3 +382,21 @@ def _poll_nccl(work, timeout_s: float) -> bool:
             return False
         time.sleep(0.0005)
     return True
+
+
+def tell_peers(group: TransferGroup, store, value: str) -> None:
+    """Write `value` (a failure) into the keys this rank's peers wait on next, so they stop
+    waiting at once: the trainer's next plan for each rank (and a pending go), or this
+    receiver's next verdict. Turns the peer has voided are stepped over."""
+    def first_open(rank: int, turn: int, what: str) -> None:
+        for t in range(turn, turn + 64):
+            if store.compare_set(key(rank, t, what), "", value).decode(errors="replace") != VOID:
+                return
+
+    if group.rank == 0:
+        for r, t in group.turns.items():
+            first_open(r, t, "plan")
+            store.compare_set(key(r, t - 1, "go"), "", value)
+    else:
+        store.compare_set(key(group.rank, group.turn - 1, "done"), "", value)
+        first_open(group.rank, group.turn, "verdict")

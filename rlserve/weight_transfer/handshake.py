@@ -38,33 +38,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
-from .group import BROKEN, TransferGroup
+from .group import BROKEN, VOID, TransferGroup, key
 
-VOID = "void"
 REFUSAL_GRACE_S = 2.0  # how long a refusal waits for a trainer to tell
 GO_MARGIN_S = 2.0
-
-
-def key(rank: int, turn: int, what: str) -> str:
-    return f"r{rank}/t{turn}/{what}"
-
-
-def tell_peers(group: TransferGroup, store, value: str) -> None:
-    """Write `value` (a failure) into the keys this rank's peers wait on next, so they stop
-    waiting at once: the trainer's next plan for each rank (and a pending go), or this
-    receiver's next verdict. Turns the peer has voided are stepped over."""
-    def first_open(rank: int, turn: int, what: str) -> None:
-        for t in range(turn, turn + 64):
-            if store.compare_set(key(rank, t, what), "", value).decode(errors="replace") != VOID:
-                return
-
-    if group.rank == 0:
-        for r, t in group.turns.items():
-            first_open(r, t, "plan")
-            store.compare_set(key(r, t - 1, "go"), "", value)
-    else:
-        store.compare_set(key(group.rank, group.turn - 1, "done"), "", value)
-        first_open(group.rank, group.turn, "verdict")
 
 
 class TrainerPlan(NamedTuple):

@@ -12,7 +12,9 @@ tensors spread over several devices are refused on every backend.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,6 +101,36 @@ def send_weights(
     await_done(group, turns)
 
 
+@dataclass
+class NCCLTrainerSendWeightsArgs:
+    """trainer_send_weights' keywords as one value (vLLM's `trainer_args=`); a dict works too."""
+
+    group: TransferGroup | None = None
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
+    src: int = 0
+    checksum: bool = True
+    stream: Any = None  # vLLM's CUDA stream: accepted, unused (the transfer runs on streams of its own)
+
+
+@dataclass
+class GlooTrainerSendWeightsArgs(NCCLTrainerSendWeightsArgs):
+    pass
+
+
+def trainer_args_dict(trainer_args: Mapping[str, Any] | Any | None) -> dict[str, Any]:
+    """`trainer_args` as keywords: a dict, or an args dataclass (its fields, not copies of them)."""
+    if trainer_args is None:
+        return {}
+    if dataclasses.is_dataclass(trainer_args):
+        return {f.name: getattr(trainer_args, f.name) for f in dataclasses.fields(trainer_args)}
+    if isinstance(trainer_args, Mapping):
+        return dict(trainer_args)
+    raise TypeError(f"trainer_args: a dict or a TrainerSendWeightsArgs, got {type(trainer_args).__name__}")
+
+
 class TrainerEngine:
     """Seed-style trainer entry points; subclasses pick the backend and device."""
 
@@ -121,7 +153,7 @@ class TrainerEngine:
     def trainer_send_weights(
         cls,
         iterator: Iterable[tuple[str, torch.Tensor]],
-        trainer_args: Mapping[str, Any] | None = None,
+        trainer_args: Mapping[str, Any] | NCCLTrainerSendWeightsArgs | None = None,
         *,
         group: TransferGroup | None = None,
         packed: bool = False,
@@ -131,12 +163,14 @@ class TrainerEngine:
         src: int = 0,
         checksum: bool = True,
     ) -> None:
-        """Keywords as in the seed; `trainer_args` (a dict of the same keywords) also works."""
+        """Keywords as in the seed; `trainer_args` (a dict of the same keywords, or an args
+        dataclass, as vLLM's examples pass) also works."""
         kwargs = dict(group=group, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes,
                       packed_num_buffers=packed_num_buffers, post_iter_func=post_iter_func, src=src,
                       checksum=checksum)
-        if trainer_args is not None:
-            kwargs.update(trainer_args)
+        given = trainer_args_dict(trainer_args)
+        given.pop("stream", None)
+        kwargs.update(given)
         if kwargs.pop("src") != 0:
             raise ValueError("the trainer is always rank 0 of the transfer group (src=0)")
         if not isinstance(kwargs["group"], TransferGroup):

@@ -7,7 +7,8 @@ reads the driver's model and device directly. Ranks 1..N-1 are worker processes
 - a step per engine step: the scheduler output as plain lists, and no reply. The step's
   collectives keep the ranks in lockstep; every rank gets the full logits and samples,
   and rank 0's tokens are the ones the engine uses (the others are discarded).
-- calls (`collective_rpc`), answered in order; results come back in rank order.
+- calls (`collective_rpc`, one typed message per call: calls.py), answered in order;
+  results come back in rank order.
 
 Every message goes to all workers under one lock, so all ranks see steps and calls in
 the same order and a collective never pairs a step on one rank with a call on another.
@@ -31,13 +32,15 @@ import time
 from typing import Any, Callable, Iterator
 
 import msgpack
+import msgspec
 import numpy as np
 import torch
 
 from rlserve.config import EngineConfig
 from rlserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, host_store, tp_device
 from rlserve.process import die_with_parent
-from rlserve.worker.messages import Channel, ChannelClosed, StepEncoder, error_from_reply
+from rlserve.worker.calls import RankCall, TensorCall
+from rlserve.worker.messages import Channel, ChannelClosed, StepEncoder, error_from_reply, reply_error_text
 from rlserve.worker.model_runner import ModelRunnerOutput, StepHandle
 from rlserve.worker.worker import Worker
 
@@ -234,17 +237,16 @@ class Executor:
             return msg
 
     # -- the interface the engine uses ----------------------------------------------------
-    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call `method` on every rank; results in rank order. Raises if any rank failed,
-        with that rank's message (rank 0's own exception when it failed too)."""
-        if method in ("load_weights", "load_lora") and self.workers:
-            return self._load_tensors(method, *args)
+    def collective_rpc(self, call: RankCall) -> list[Any]:
+        """Run `call` (calls.py) on every rank; results in rank order. Raises if any rank
+        failed, with that rank's message (rank 0's own exception when it failed too)."""
         self.check_health()
         if not self.workers:
-            return [getattr(self.driver, method)(*args, **kwargs)]
+            return [call.run(self.driver)]
+        data = msgspec.msgpack.encode(call)
         with self._call_lock:
-            self._send_all({"op": "call", "method": method, "args": list(args), "kwargs": kwargs})
-            local = self._call_local(lambda: getattr(self.driver, method)(*args, **kwargs))
+            self._send_all({"op": "call", "call": data})
+            local = self._call_local(lambda: call.run(self.driver))
             replies = [self._reply(w) for w in self.workers]
         return self._gather(local, replies)
 
@@ -259,31 +261,32 @@ class Executor:
         ok, value = local
         if not ok:
             for rank, r in failed:
-                value.add_note(f"rank {rank} failed too: {r.get('error')}")
+                value.add_note(f"rank {rank} failed too: {reply_error_text(r)}")
             raise value
         if failed:
             error = error_from_reply(failed[0][1], failed[0][0])
             for rank, r in failed[1:]:
-                error.add_note(f"rank {rank} failed too: {r.get('error')}")
+                error.add_note(f"rank {rank} failed too: {reply_error_text(r)}")
             raise error
         return [value] + [r["result"] for r in replies]
 
-    def _load_tensors(self, method: str, weights, *args: Any) -> list[Any]:
-        """Rank 0 broadcasts the tensors over the TP group, then every rank calls
-        method(tensors, *args) and keeps its shards (load_weights, load_lora)."""
+    def load_tensors(self, call: TensorCall, weights) -> list[Any]:
+        """Run `call` with these tensors on every rank (each keeps its shards): rank 0
+        broadcasts them over the TP group, so they never travel in a message."""
         from rlserve.weight_transfer.packing import as_bytes
         self.check_health()
         weights = [(name, t.detach()) for name, t in weights]
+        if not self.workers:
+            return [call.run_with(self.driver, weights)]
         metas = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in weights]
         with self._call_lock:
-            self._send_all({"op": "load", "tensors": metas, "method": method, "args": list(args)})
+            self._send_all({"op": "load", "tensors": metas, "call": msgspec.msgpack.encode(call)})
             for _, t in weights:
                 if t.numel():
                     self.tp.broadcast(as_bytes(t.to(self.driver.device)), src=0)
-            local = self._call_local(lambda: getattr(self.driver, method)(weights, *args))
+            local = self._call_local(lambda: call.run_with(self.driver, weights))
             replies = [self._reply(w) for w in self.workers]
-        results = self._gather(local, replies)
-        return [set(r) for r in results] if method == "load_weights" else results
+        return self._gather(local, replies)
 
     def launch(self, sched, block_tables: np.ndarray | list[list[int]],
                prev: StepHandle | None = None, sample: bool = True) -> StepHandle:

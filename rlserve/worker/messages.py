@@ -4,14 +4,13 @@ socket, never pickle.
 Executor -> worker:
     {"op": "init", ...}                     first message: config, model path, rank, TP port
     {"op": "step", "new", "items", "finished"}   one engine step, no reply
-    {"op": "call", "method", "args"}        answered by one reply
-    {"op": "load", "tensors": [[name, dtype, shape], ...], "method", "args"}   the tensors follow
+    {"op": "call", "call": bytes}           a typed call (calls.py), answered by one reply
+    {"op": "load", "tensors": [[name, dtype, shape], ...], "call": bytes}   the tensors follow
                                             over the TP group (rank 0 broadcasts), then the worker
-                                            calls method(tensors, *args) (load_weights, load_lora);
-                                            answered by one reply
+                                            runs the TensorCall with them; answered by one reply
     {"op": "shutdown"}
 Worker -> executor:
-    {"op": "reply", "ok": true, "result"} | {"op": "reply", "ok": false, "error", "type"}
+    {"op": "reply", "ok": true, "result"} | {"op": "reply", "ok": false, "error": [type, message, param]}
     {"op": "fatal", "error"}                the worker is about to exit
 
 A step carries the scheduler output as plain lists. Workers keep a mirror of every
@@ -32,7 +31,8 @@ from typing import Any
 
 import msgpack
 
-from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.errors import WireError, from_wire, to_wire
+from rlserve.sampling_params import SamplingParams
 from rlserve.sequence import ScheduledRequest, SchedulerOutput, Sequence
 
 _HEADER = struct.Struct("!Q")
@@ -84,28 +84,20 @@ class Channel:
             pass
 
 
-# -- errors -----------------------------------------------------------------------------
-
-def _error_types() -> dict[str, type[BaseException]]:
-    from rlserve.weight_transfer.errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
-    types = [InvalidUpdateError, WeightTransferError, UpdateRefusedError, InvalidRequestError,
-             ValueError, KeyError, TypeError, RuntimeError, MemoryError, NotImplementedError]
-    return {t.__name__: t for t in types}
-
+# -- errors (their one registry: rlserve/errors.py) ---------------------------------------
 
 def error_reply(e: BaseException) -> dict[str, Any]:
-    message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-    return {"op": "reply", "ok": False, "type": type(e).__name__, "error": str(message)}
+    return {"op": "reply", "ok": False, "error": list(to_wire(e))}
 
 
 def error_from_reply(reply: dict[str, Any], rank: int) -> BaseException:
-    """The worker's exception, as its own type where that is one we know (so an invalid
-    update still answers 400), prefixed with the rank."""
-    cls = _error_types().get(reply.get("type"), RuntimeError)
-    message = f"rank {rank}: {reply.get('error')}"
-    if cls is RuntimeError and reply.get("type") not in (None, "RuntimeError"):
-        message = f"rank {rank}: {reply.get('type')}: {reply.get('error')}"
-    return cls(message)
+    """The worker's exception, as its own type (so an invalid update still answers 400),
+    prefixed with the rank."""
+    return from_wire(WireError(*reply["error"]), prefix=f"rank {rank}: ")
+
+
+def reply_error_text(reply: dict[str, Any]) -> str:
+    return WireError(*reply["error"]).message
 
 
 # -- steps ------------------------------------------------------------------------------

@@ -5,8 +5,8 @@
 It joins the TP group, builds its Worker, then serves the executor's messages (see
 messages.py) until told to stop or the executor goes away. Steps, and the calls that touch
 the model or its cache, run in arrival order on the main thread, so they fall between two
-steps exactly as on rank 0. The weight-transfer calls that only wait on the trainer (init,
-receive) run on a helper thread, so steps go on while bytes arrive, as they do on rank 0.
+steps exactly as on rank 0. The calls that only wait on the trainer (calls.py: `background`)
+run on a helper thread, so steps go on while bytes arrive, as they do on rank 0.
 A step that fails is fatal: the worker reports it and exits, which fails the other ranks'
 collectives instead of leaving them waiting.
 """
@@ -21,18 +21,16 @@ import socket
 import sys
 import threading
 import traceback
-from typing import Any
+from typing import Any, Callable
 
+import msgspec
 import torch
 
 from rlserve.process import watch_parent
+from rlserve.worker.calls import AnyRankCall, RankCall
 from rlserve.worker.messages import Channel, ChannelClosed, StepDecoder, error_reply
 
 logger = logging.getLogger(__name__)
-
-# Calls that block on the trainer, not on this rank's model.
-BACKGROUND_CALLS = frozenset({"init_weight_transfer", "receive_weights", "refuse_update"})
-
 
 def _plain(value: Any) -> Any:
     """A call's result in msgpack's vocabulary."""
@@ -64,6 +62,7 @@ class WorkerLoop:
         self.worker = worker
         self.chan = chan
         self.steps = StepDecoder()
+        self.calls = msgspec.msgpack.Decoder(AnyRankCall)
         self.background: threading.Thread | None = None
 
     def run(self) -> int:
@@ -80,16 +79,14 @@ class WorkerLoop:
                 except Exception:
                     return self._fatal("a step failed")
             elif op == "call":
-                self._call(msg["method"], msg.get("args", []), msg.get("kwargs", {}))
+                self._call(self.calls.decode(msg["call"]))
             elif op == "load":
                 try:
+                    call = self.calls.decode(msg["call"])
                     tensors = self._receive_tensors(msg["tensors"])
                 except Exception:
                     return self._fatal("receiving tensors from rank 0 failed")
-                method = msg.get("method", "load_weights")
-                if method not in ("load_weights", "load_lora"):
-                    return self._fatal(f"unknown load method {method!r}")
-                self._reply(method, [tensors, *msg.get("args", [])], {})
+                self._reply(lambda: call.run_with(self.worker, tensors), call)
             elif op == "shutdown":
                 if self.background is not None:
                     self.background.join(timeout=5)
@@ -106,29 +103,26 @@ class WorkerLoop:
             pass
         return 1
 
-    def _call(self, method: str, args: list, kwargs: dict) -> None:
-        if method.startswith("_") or not callable(getattr(self.worker, method, None)):
-            self.chan.send(error_reply(AttributeError(f"the worker has no method {method!r}")))
-            return
-        if method not in BACKGROUND_CALLS:
-            self._reply(method, args, kwargs)
+    def _call(self, call: RankCall) -> None:
+        run = lambda: call.run(self.worker)  # noqa: E731
+        if not call.background:
+            self._reply(run, call)
             return
         if self.background is not None:
             self.background.join()  # the executor sends one call at a time; belt and braces
-        self.background = threading.Thread(target=self._reply, args=(method, args, kwargs),
-                                           name=f"rlserve-{method}", daemon=True)
+        self.background = threading.Thread(target=self._reply, args=(run, call),
+                                           name=f"rlserve-{type(call).__name__}", daemon=True)
         self.background.start()
 
-    def _reply(self, method: str, args: list, kwargs: dict) -> None:
+    def _reply(self, run: Callable[[], Any], call: RankCall) -> None:
         try:
-            result = _plain(getattr(self.worker, method)(*args, **kwargs))
-            reply = {"op": "reply", "ok": True, "result": result}
+            reply = {"op": "reply", "ok": True, "result": _plain(run())}
         except Exception as e:
             reply = error_reply(e)
         try:
             self.chan.send(reply)
         except TypeError as e:  # a result msgpack cannot carry: a bug, but answer anyway
-            self.chan.send(error_reply(TypeError(f"{method} returned an unsendable result: {e}")))
+            self.chan.send(error_reply(TypeError(f"{type(call).__name__} returned an unsendable result: {e}")))
 
     def _receive_tensors(self, metas: list) -> list:
         """Tensors rank 0 broadcasts over the TP group, to load like a checkpoint."""

@@ -1,0 +1,65 @@
+"""The errors that cross a process boundary, and the one registry that carries them.
+
+An exception raised in the engine process or on a tensor-parallel rank reaches the API
+server as (type name, message, param) and is raised there again as the same type, so
+the HTTP status it maps to (400, 404, 409, 503) does not depend on where it was raised.
+A type missing from the registry arrives as a RuntimeError that names it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from rlserve.sampling_params import InvalidRequestError
+from rlserve.weight_transfer.errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """`model` (or `param`) names neither the served model nor a loaded adapter (HTTP 404)."""
+
+    def __init__(self, message: str, param: str | None = "model"):
+        super().__init__(message, param)
+
+
+class ConflictError(RuntimeError):
+    """The call collides with one already under way (HTTP 409)."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """Generation cannot run now, for a reason the caller can wait out (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped on an error; every request fails with this (HTTP 503)."""
+
+
+# Subclasses before the classes they extend: a lookup by name never loses the subclass.
+_REGISTRY: dict[str, type[BaseException]] = {t.__name__: t for t in (
+    ModelNotFoundError, InvalidRequestError, ConflictError, EngineUnavailableError, EngineDeadError,
+    InvalidUpdateError, UpdateRefusedError, WeightTransferError,
+    ValueError, KeyError, TypeError, RuntimeError, MemoryError, NotImplementedError)}
+
+
+class WireError(NamedTuple):
+    """An exception as it travels: its type's name, its message, the field it names."""
+
+    type: str
+    message: str
+    param: str | None = None
+
+
+def to_wire(e: BaseException) -> WireError:
+    message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return WireError(type(e).__name__, str(message), getattr(e, "param", None))
+
+
+def from_wire(w: WireError, prefix: str = "") -> BaseException:
+    """The exception again, as its own type where it is registered; `prefix` (say "rank 1: ")
+    leads the message."""
+    cls = _REGISTRY.get(w.type)
+    message = prefix + w.message
+    if cls is None:
+        return RuntimeError(f"{prefix}{w.type}: {w.message}")
+    if issubclass(cls, InvalidRequestError):
+        return cls(message, w.param)
+    return cls(message)

@@ -1,0 +1,158 @@
+"""The calls the engine makes on every rank, one typed message each.
+
+Each is a msgspec struct (it crosses to ranks 1..N-1 as msgpack, never pickle) that says
+what it does on a rank in `run`. `background` calls wait on the trainer, not on the
+rank's model: a worker process runs them beside its steps, as rank 0 runs them on a
+thread of the engine's. `TensorCall`s carry tensors, which rank 0 broadcasts over the
+tensor-parallel group (Executor.load_tensors) instead of sending them in the message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Union
+
+import msgspec
+
+
+class RankCall(msgspec.Struct, array_like=True, tag=True):
+    background: ClassVar[bool] = False
+
+    def run(self, worker) -> Any:
+        raise NotImplementedError
+
+
+class DetermineNumBlocks(RankCall):
+    def run(self, worker) -> int:
+        return worker.determine_num_blocks()
+
+
+class InitKVCache(RankCall):
+    num_blocks: int
+
+    def run(self, worker) -> None:
+        worker.init_kv_cache(self.num_blocks)
+
+
+class CaptureCudaGraphs(RankCall):
+    max_num_seqs: int
+    max_model_len: int
+
+    def run(self, worker) -> None:
+        worker.capture_cuda_graphs(self.max_num_seqs, self.max_model_len)
+
+
+class Sleep(RankCall):
+    level: int
+
+    def run(self, worker) -> None:
+        worker.sleep(self.level)
+
+
+class WakeUp(RankCall):
+    def run(self, worker) -> None:
+        worker.wake_up()
+
+
+class RemoveLoRA(RankCall):
+    slot: int
+    name: str | None = None
+
+    def run(self, worker) -> None:
+        worker.remove_lora(self.slot, self.name)
+
+
+# -- weight updates (rlserve/worker/weight_receiver.py) ------------------------------------
+
+class JoinTransfer(RankCall):
+    background: ClassVar[bool] = True
+    backend: str
+    init_info: dict
+    timeout_s: float
+
+    def run(self, worker) -> None:
+        worker.receiver.join(self.backend, self.init_info, self.timeout_s)
+
+
+class ReceiveWeights(RankCall):
+    background: ClassVar[bool] = True
+    update_info: Any
+    lora_config: dict | None = None
+    part: bool = False  # one part of a transaction (/start_weight_update)
+
+    def run(self, worker) -> int:
+        return worker.receiver.receive(self.update_info, self.lora_config, self.part)
+
+
+class RefuseUpdate(RankCall):
+    background: ClassVar[bool] = True
+    update_info: Any
+    message: str
+
+    def run(self, worker) -> None:
+        worker.receiver.refuse(self.update_info, self.message)
+
+
+class ApplyStaged(RankCall):
+    lora_slot: int | None = None
+
+    def run(self, worker) -> None:
+        worker.receiver.apply(self.lora_slot)
+
+
+class DropStaged(RankCall):
+    def run(self, worker) -> None:
+        worker.receiver.drop()
+
+
+class CloseTransfer(RankCall):
+    def run(self, worker) -> None:
+        worker.receiver.abort("the weight-transfer engine was shut down")
+        worker.receiver.close()
+
+
+class Checksums(RankCall):
+    def run(self, worker) -> dict[str, str]:
+        return worker.receiver.checksums()
+
+
+class WeightsLayout(RankCall):
+    def run(self, worker) -> str:
+        return worker.receiver.layout()
+
+
+class CopyPeer(RankCall):
+    """Send this rank's parameters to the same rank of another replica, or receive them."""
+
+    send: bool
+    address: str
+    ports: list[int]
+    digest: str | None
+    timeout_s: float
+
+    def run(self, worker) -> int:
+        return worker.receiver.copy_peer(self.send, self.address, self.ports, self.digest, self.timeout_s)
+
+
+# -- calls that carry tensors ----------------------------------------------------------------
+
+class TensorCall(RankCall):
+    def run_with(self, worker, tensors: list) -> Any:
+        raise NotImplementedError
+
+
+class LoadWeights(TensorCall):
+    def run_with(self, worker, tensors: list) -> list[str]:
+        return sorted(worker.load_weights(tensors))
+
+
+class LoadLoRA(TensorCall):
+    slot: int
+    config: dict
+
+    def run_with(self, worker, tensors: list) -> None:
+        worker.load_lora(tensors, self.slot, self.config)
+
+
+AnyRankCall = Union[DetermineNumBlocks, InitKVCache, CaptureCudaGraphs, Sleep, WakeUp, RemoveLoRA,
+                    JoinTransfer, ReceiveWeights, RefuseUpdate, ApplyStaged, DropStaged, CloseTransfer,
+                    Checksums, WeightsLayout, CopyPeer, LoadWeights, LoadLoRA]

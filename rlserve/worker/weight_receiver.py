@@ -1,0 +1,257 @@
+"""One rank's side of live weight updates: the trainer's group, the staged tensors, the
+copy into the model, and the replica-to-replica copy of data parallel.
+
+The engine (rlserve/engine/weight_updates.py) decides; this object does what it is told
+on its rank. A receive fills staging and leaves the model alone; `apply`, run between two
+steps, copies staging into the model. Inside a transaction (/start_weight_update) each
+receive is one part, checked on its own (nothing is required of a part) and kept until
+`apply` copies every part at once, or `drop` forgets them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import threading
+
+import torch
+
+from rlserve.model.peft import LoRAConfig, pair_tensors, peft_name
+from rlserve.weight_transfer import (ExpectedParam, InvalidUpdateError, WeightTransferError, receive_weights,
+                                     receiver_init, refuse)
+from rlserve.weight_transfer.ipc_receiver import IPCReceiver
+from rlserve.weight_transfer.peer import copy_parameters, layout_digest
+
+logger = logging.getLogger(__name__)
+
+
+class WeightReceiver:
+    def __init__(self, model, device: torch.device, dtype: torch.dtype, lora, rank: int):
+        self.model, self.device, self.dtype, self.lora, self.rank = model, device, dtype, lora, rank
+        # Taken while the parameters have their real shapes (sleep empties them). One
+        # object: the IPC receiver skips re-checking a document against the same checks.
+        self.expected: dict[str, ExpectedParam] = model.expected_weights()
+        self._optional = {n: dataclasses.replace(e, required=False) for n, e in self.expected.items()}
+        self.group = None
+        self._connecting = None  # a transfer group whose init is under way (abortable)
+        self.ipc: IPCReceiver | None = None
+        self.lora_ipc: dict[str, IPCReceiver] = {}  # adapter name -> its own handles (kept open)
+        self._lora_plans: dict = {}  # slot -> (staged tensors, LoRAConfig, LoadPlan) of its last update
+        self._lora_memo = None  # (wire config, what _lora_expected made of it)
+        self._ipc_plan = None  # (staged views, [(target, source)]) while the trainer's storage stays put
+        self.staged: list | None = None
+        self.staged_lora: LoRAConfig | None = None
+        self.parts: list[list] = []  # a transaction's received parts
+        self._lock = threading.Lock()  # one receive (or refusal) at a time
+
+    # -- the group -----------------------------------------------------------------------
+    def join(self, backend: str, init_info: dict, timeout_s: float) -> None:
+        """Join the trainer's group at rank rank_offset + this rank (ipc: nothing to join;
+        the trainer's handles arrive with each update). Returns within about timeout_s
+        whatever the master does; a newer join (or `abort`, from any thread) stops it."""
+        self.abort("replaced by a newer /init_weight_transfer_engine")
+        self.close()
+        if backend == "ipc":
+            self.ipc = IPCReceiver(self.device)
+            return
+        group = receiver_init(backend, init_info, worker_rank=self.rank, device=self.device,
+                              timeout_s=timeout_s, connect=False)
+        self._connecting = group
+        try:
+            group.connect()
+        finally:
+            if self._connecting is group:
+                self._connecting = None
+        if group.broken is not None:  # aborted just as it connected
+            group.close()
+            group.check_usable()
+        self.group = group
+        # Read by the test suite, which checks that every group it forms stays on loopback.
+        logger.info("joined the trainer's %s weight-transfer group at %s as rank %d of %d",
+                    backend, group.master, group.rank, group.world_size)
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Thread-safe: stop a pending join, and fail a receive in progress (the group is
+        then unusable until the next join)."""
+        for group in (self._connecting, self.group):
+            if group is not None and group.broken is None:
+                group.abort(reason)
+
+    def close(self) -> None:
+        group, self.group = self.group, None
+        self.ipc = None
+        self.lora_ipc = {}
+        self._lora_plans = {}  # they hold views of the trainer's memory
+        self._ipc_plan = None
+        self.parts = []
+        if group is not None:
+            group.close()
+
+    def _usable_group(self):
+        group = self.group
+        if group is None or group.broken:
+            why = (f"is unusable ({group.broken})" if group is not None else "is not initialized")
+            raise InvalidUpdateError(f"the weight-transfer group {why}: call "
+                                     "/init_weight_transfer_engine first")
+        return group
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """One receive (or refusal) at a time: a second is refused, never interleaved."""
+        if not self._lock.acquire(blocking=False):
+            raise InvalidUpdateError("another weight update is in progress on this worker: "
+                                     "send /update_weights one at a time")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    # -- receive -------------------------------------------------------------------------
+    def receive(self, update_info: dict, lora_config: dict | None = None, part: bool = False) -> int:
+        """Receive a whole update (or, with `part`, one part of a transaction) into staging;
+        the model is untouched until `apply`. Returns the number of bytes received.
+
+        ipc: staging is views into the trainer's memory, opened (once) and checked here
+        (a part is copied out: the trainer may move on before the transaction commits).
+        `lora_config` (LoRAConfig.to_wire): an adapter's PEFT tensors, checked against it.
+        """
+        with self._exclusive():
+            self.staged = self.staged_lora = None
+            validate, config = None, None
+            if lora_config is not None:
+                config, expected, validate = self._lora_expected(lora_config)
+            else:
+                expected = self._optional if part else self.expected
+            if self.ipc is not None:
+                receiver = self.ipc
+                if lora_config is not None:  # each adapter keeps its own handles open
+                    receiver = self.lora_ipc.setdefault(update_info.get("lora_name"), IPCReceiver(self.device))
+                staged = receiver.receive(update_info, expected, validate)
+                if part:
+                    staged = [(n, t.clone()) for n, t in staged]
+            else:
+                staged = receive_weights(self._usable_group(), update_info, expected, device=self.device,
+                                         target_dtype=self.dtype, validate=validate)
+            if part:
+                self.parts.append(staged)
+            else:
+                self.staged, self.staged_lora = staged, config
+            return sum(t.numel() * t.element_size() for _, t in staged)
+
+    def _lora_expected(self, wire: dict):
+        """An adapter update's config, the PEFT names and full shapes it may carry (staged
+        in float32: the scaling is applied on the copy), and the check that its tensors
+        come in A/B pairs, made before any byte moves."""
+        if self.lora is None:
+            raise InvalidUpdateError("update_info.lora_name: this server was started without --enable-lora")
+        memo = self._lora_memo  # a trainer pushing one adapter sends one config
+        if memo is not None and memo[0] == wire:
+            return memo[1]
+        config = LoRAConfig.parse(wire, "update_info.lora_config", self.lora.max_rank)
+        expected = {}
+        for module in self.lora.targets:
+            a, b = self.lora.module_shapes(module, config.rank(module))
+            expected[peft_name(module, "A")] = ExpectedParam(a, False, torch.float32)
+            expected[peft_name(module, "B")] = ExpectedParam(b, False, torch.float32)
+
+        def validate(metas) -> None:
+            try:
+                pair_tensors(((m.name, torch.empty(m.shape, device="meta")) for m in metas), config,
+                             "update_info", self.lora.exempt)
+            except ValueError as e:
+                raise InvalidUpdateError(str(e)) from None
+
+        self._lora_memo = (wire, (config, expected, validate))
+        return config, expected, validate
+
+    def refuse(self, update_info: dict, message: str) -> None:
+        """The engine refused this update before receiving it (asleep, a bad weight_version,
+        ...): tell a trainer that is sending it, so its trainer_send_weights raises `message`
+        at once, and keep the group in step for the next push. Waits at most a couple of
+        seconds for the trainer; never raises (the caller answers the refusal itself)."""
+        group = self.group
+        if self.ipc is not None or group is None or group.broken:
+            return  # no group to tell: the trainer's own call fails on its own
+        try:
+            with self._exclusive():
+                refuse(group, message)
+        except (WeightTransferError, ValueError) as e:
+            logger.warning("could not pass the refusal of an update to the trainer: %s", e)
+
+    # -- apply ---------------------------------------------------------------------------
+    def apply(self, lora_slot: int | None = None) -> None:
+        """Copy the staged update (or every staged part) into the model; an adapter update
+        goes to `lora_slot`."""
+        staged, self.staged = self.staged, None
+        lora, self.staged_lora = self.staged_lora, None
+        parts, self.parts = self.parts, []
+        if staged is None and not parts:
+            raise RuntimeError("no staged weights to apply")
+        if lora is not None:
+            self._apply_lora(staged, lora, lora_slot)
+        elif parts:
+            for part in parts:
+                self.model.load_weights(part)
+        elif self.ipc is None:
+            self.model.load_weights(staged)
+        else:
+            self._apply_ipc(staged)
+        if self.device.type == "cuda":
+            # Staging came from the transfer's own streams (or is the trainer's memory):
+            # the copies out of it finish before it is handed out again, or the trainer hears.
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _apply_lora(self, staged: list, lora: LoRAConfig, slot: int | None) -> None:
+        if slot is None:
+            raise RuntimeError("a staged LoRA update needs its slot")
+        # A trainer's IPC views are the same list push after push: its plan is kept.
+        # Staging buffers (gloo, NCCL) are new each time, and not kept alive by a plan.
+        cached = self._lora_plans.get(slot)
+        if cached is None or cached[0] is not staged or cached[1] != lora:
+            cached = (staged, lora, self.lora.plan(slot, pair_tensors(staged, lora, "update_info"), lora.scaling))
+            if self.ipc is not None:
+                self._lora_plans[slot] = cached
+        self.lora.run(cached[2])
+
+    def _apply_ipc(self, staged: list) -> None:
+        # The receiver hands back the same views while the trainer's storage stays put, so
+        # the (target, source) pairs are worked out once; sleep and wake reset them.
+        plan = self._ipc_plan
+        if plan is None or plan[0] is not staged:
+            plan = self._ipc_plan = (staged, [(t, s) for _, t, s in self.model.weight_copies(staged)])
+        with torch.no_grad():
+            for target, source in plan[1]:
+                target.copy_(source)
+
+    def drop(self) -> None:
+        """Forget what is staged (a refused or abandoned update, or transaction)."""
+        self.staged = self.staged_lora = None
+        self.parts = []
+
+    def forget_storage(self) -> None:
+        """The model's storage is being given back or replaced (sleep, wake-up)."""
+        self._ipc_plan = None
+
+    def forget_adapter(self, slot: int, name: str | None) -> None:
+        self._lora_plans.pop(slot, None)
+        if name is not None:
+            self.lora_ipc.pop(name, None)
+
+    # -- what the model serves -------------------------------------------------------------
+    def checksums(self) -> dict[str, str]:
+        """A stable digest of each parameter's bytes as this rank holds it (its shard)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            data = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+            out[name] = hashlib.sha256(data.tobytes()).hexdigest()[:32]
+        return out
+
+    # -- a new data-parallel replica takes a healthy one's weights (weight_transfer/peer.py)
+    def layout(self) -> str:
+        return layout_digest(self.model)
+
+    def copy_peer(self, send: bool, address: str, ports: list[int], digest: str | None, timeout_s: float) -> int:
+        return copy_parameters(self.model, send=send, address=address, port=ports[self.rank],
+                               device=self.device, digest=digest, timeout_s=timeout_s)
