@@ -225,3 +225,27 @@ def test_sleep_returns_the_memory_and_wake_restores_the_output(server, sender, t
     assert httpx.post(f"{url}/wake_up").status_code == 200
     seed_flow_push(url, sender, trainer.named_parameters(), version=5)
     assert outputs(url) == expected
+
+
+def test_vllm_rlhf_http_ipc_flow_with_the_trainer_factory(server, trainer):
+    """rlhf_http_ipc.py's calls with the imports changed: the factory with IPC's init info,
+    an HTTP client and a module source; send_weights() runs start/update/finish."""
+    from rlserve.weight_transfer import (HTTPVLLMWeightSyncClient, IPCTrainerInitInfo, ModuleSource,
+                                         WeightTransferTrainerFactory)
+    url = server.url
+    scrambled = copy.deepcopy(trainer)
+    with torch.no_grad():
+        for p in scrambled.parameters():
+            p.mul_(-1.0)
+    for model in (scrambled, trainer):
+        engine = WeightTransferTrainerFactory.trainer_init(
+            init_info=IPCTrainerInitInfo(), client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+        httpx.post(f"{url}/pause", params={"mode": "keep"}).raise_for_status()
+        try:
+            engine.send_weights()
+        finally:
+            httpx.post(f"{url}/resume").raise_for_status()
+        if model is scrambled:
+            scrambled_out = outputs(url)
+    assert outputs(url) != scrambled_out
+    assert_matches_trainer(url, trainer)
