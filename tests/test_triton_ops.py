@@ -851,7 +851,7 @@ def test_decoder_layers_on_decode_gemms_match_the_torch_kernels(rows):
     epilogue; the torch set runs the plain ops. Same hidden states, up to bf16 rounding
     of the summation order."""
     from rlserve.model.layers import AttentionMetadata
-    from rlserve.model.llama import LlamaModel
+    from rlserve.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
     from rlserve.ops import triton_decode_gemm as G
     from rlserve.ops.kernels import TORCH, _triton, bind
     dtype, block_size = torch.bfloat16, 16
@@ -861,7 +861,8 @@ def test_decoder_layers_on_decode_gemms_match_the_torch_kernels(rows):
     assert G.plan_o_down(rows, 512, 256) and G.plan_o_down(rows, 1024, 256)
     assert (G.plan_gate_up(rows, 256, 1024) is not None) == (rows <= 32)
     gen = torch.Generator().manual_seed(23)
-    model = LlamaModel(config, qkv_bias=False, o_bias=False, qk_norm=True)
+    model = LlamaModel(config, lambda i: LlamaDecoderLayer(LlamaAttention(config, False, False, True),
+                                                           LlamaMLP(config), config))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(0.05 * torch.randn(p.shape, generator=gen) + (1 if p.ndim == 1 else 0))
