@@ -21,7 +21,7 @@ from rlserve.engine.request import EngineUnavailableError
 from rlserve.process import profiled
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.server import routes_openai
-from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from rlserve.server.limits import BODY_JSON_DEPTH, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from rlserve.server.protocol import APIError, VersionResponse
 from rlserve.server.serving import ServingOptions
@@ -161,6 +161,9 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         if loc and loc[0] == "body":
             loc = loc[1:]
         if e.get("type") == "json_invalid":
+            if "recursion limit" in e.get("msg", ""):  # the parser's, not ours to raise
+                return (f"body: nested deeper than {BODY_JSON_DEPTH} levels, the limit ({e['msg']})",
+                        "body")
             return f"body: invalid JSON ({e.get('msg', '')})", None
         message = e.get("msg", "invalid")
         if e.get("type") == "unimplemented":  # raised for the model: name the field itself

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlserve.config import EngineConfig
+from rlserve.server.limits import check_int_range
 from rlserve.server.protocol import APIError
 from rlserve.server.security import require_control_access
 
@@ -63,6 +64,7 @@ async def get_world_size(request: Request) -> dict:
 
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: Request) -> dict:
+    check_int_range(body.init_info, "init_info")
     try:
         await _engine(request).init_weight_transfer(body.init_info)
     except Exception as e:
@@ -73,6 +75,7 @@ async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: 
 @router.post("/update_weights")
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
     metrics = request.app.state.metrics
+    check_int_range(body.update_info, "update_info")
     try:
         result = await _engine(request).update_weights(body.update_info)
     except Exception as e:

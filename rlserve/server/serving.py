@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from rlserve import json_depth
 from rlserve.config import EngineConfig
 from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.output_processor import RequestState
@@ -394,10 +395,12 @@ def _template_message(m: ChatMessage, index: int) -> dict[str, Any]:
         for j, call in enumerate(m.tool_calls):
             args = call.function.arguments
             if isinstance(args, str):
+                param = f"messages.{index}.tool_calls.{j}.function.arguments"
                 try:
-                    args = json.loads(args) if args.strip() else {}
+                    args = json_depth.loads(args) if args.strip() else {}
+                except json_depth.JSONTooDeepError as e:
+                    raise InvalidRequestError(f"{param}: {e}", "messages") from None
                 except ValueError as e:
-                    param = f"messages.{index}.tool_calls.{j}.function.arguments"
                     raise InvalidRequestError(f"{param}: not valid JSON ({e})", "messages") from None
             fn = {"name": call.function.name, "arguments": args}
             calls.append({"type": "function", "function": fn, **({"id": call.id} if call.id else {})})
