@@ -188,7 +188,8 @@ class EngineCore:
                                       "min_tokens")
         if self._grammars is None:
             from rlserve.engine.structured_output import StructuredOutputCompiler
-            self._grammars = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                      limits=self.config.grammar_limits)
         self._grammars.validate(params.structured_outputs)
         return self._grammars.compile(params.structured_outputs)
 
@@ -238,6 +239,8 @@ class EngineCore:
                     continue
                 req = found[0]
                 waiting.remove(req)
+                if waiting is self.compiling and not any(r.grammar is req.grammar for r in waiting):
+                    self._grammars.abandon(req.sampling_params.structured_outputs)  # nobody waits
             outputs.append(self._finish(req, FinishReason.ABORT))
             self.aborted_total += 1
         return outputs

@@ -157,7 +157,7 @@ class OpenAIServing:
         self.vocab_size = engine.vocab_size
         # Only its `validate` runs here (a spec's parse); the engine compiles the masks.
         self.grammars = StructuredOutputCompiler(engine.tokenizer, engine.vocab_size,
-                                                 engine.info.eos_token_ids)
+                                                 engine.info.eos_token_ids, limits=config.grammar_limits)
 
     @property
     def model_name(self) -> str:
