@@ -218,8 +218,9 @@ class EngineConfig:
     weight_transfer: WeightTransferConfig | None = field(default=None, metadata=flag(
         'enable live weight updates, e.g. \'{"backend": "nccl"}\' (backends: nccl, gloo, ipc)',
         name="--weight-transfer-config", metavar="JSON", type=str, group=_RUN))
-    skip_tokenizer_init: bool = field(default=False, metadata=no_flag(
-        "token ids in and out, no tokenizer: the offline API and benchmarks on bare configs"))
+    skip_tokenizer_init: bool = field(default=False, metadata=flag(
+        "no tokenizer (as vLLM): prompts are token ids, outputs are token ids with empty text; "
+        "chat, stop strings and structured outputs are refused", group=_MODEL))
     async_scheduling: bool | None = field(default=None, metadata=no_flag(
         "launch step N+1 before reading back step N's tokens (None: on CUDA only); the offline "
         "API and benchmarks compare both"))
@@ -286,6 +287,11 @@ class EngineConfig:
         self._check_lora()
         if isinstance(self.weight_transfer, (str, dict)):
             self.weight_transfer = WeightTransferConfig.parse(self.weight_transfer)
+        if (self.weight_transfer is not None and self.weight_transfer.backend == "nccl"
+                and not str(self.device).startswith("cuda")):
+            # NCCL moves CUDA tensors only: the trainer's group would form, then fail.
+            raise ValueError(f"weight-transfer-config: backend nccl needs a CUDA device, this "
+                             f"server runs on {self.device} (use gloo)")
         if self.weight_transfer is not None and self.weight_transfer.backend == "ipc":
             # Handles open only on the GPU that holds the trainer's memory.
             if not str(self.device).startswith("cuda"):

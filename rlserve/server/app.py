@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import gc
 import os
@@ -57,6 +58,7 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     app.state.allow_remote_control = allow_remote_control  # see rlserve/server/security.py
     app.state.reject_while_asleep = reject_while_asleep
     app.state.metrics = metrics
+    app.state.stopping = asyncio.Event()  # set on SIGINT/SIGTERM: pending control calls end
 
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     _add_error_handlers(app)

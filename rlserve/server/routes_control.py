@@ -16,7 +16,8 @@ rlserve/server/security.py.
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, Awaitable
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,6 +58,23 @@ def _transfer_error(e: Exception) -> APIError:
     raise e
 
 
+async def _unless_stopping(request: Request, call: Awaitable, what: str):
+    """`call`'s result, or a 503 as soon as the server starts shutting down: a group that
+    never forms, or a trainer that stalls, would otherwise hold the shutdown until its
+    timeout and end in a cancelled task's traceback."""
+    task = asyncio.ensure_future(call)
+    stopping = asyncio.ensure_future(request.app.state.stopping.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise APIError(503, f"{what}: the server is shutting down; nothing was changed",
+                   type="service_unavailable")
+
+
 @router.get("/get_world_size")
 async def get_world_size(request: Request) -> dict:
     return {"world_size": _engine(request).world_size}
@@ -66,7 +84,10 @@ async def get_world_size(request: Request) -> dict:
 async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: Request) -> dict:
     check_int_range(body.init_info, "init_info")
     try:
-        await _engine(request).init_weight_transfer(body.init_info)
+        await _unless_stopping(request, _engine(request).init_weight_transfer(body.init_info),
+                               "init_weight_transfer_engine")
+    except APIError:
+        raise
     except Exception as e:
         raise _transfer_error(e) from e
     return {"status": "ok"}
@@ -77,7 +98,11 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
     metrics = request.app.state.metrics
     check_int_range(body.update_info, "update_info")
     try:
-        result = await _engine(request).update_weights(body.update_info)
+        result = await _unless_stopping(request, _engine(request).update_weights(body.update_info),
+                                        "update_weights")
+    except APIError:
+        metrics.weight_update(False, 0.0)
+        raise
     except Exception as e:
         metrics.weight_update(False, 0.0)
         raise _transfer_error(e) from e

@@ -182,7 +182,13 @@ class OpenAIServing:
                     f"{param}: token id {t} is out of range; the vocabulary has "
                     f"{self.vocab_size} tokens", param)
 
+    def _no_tokenizer(self, param: str) -> InvalidRequestError:
+        return InvalidRequestError(f"{param}: text needs the tokenizer, and this server runs with "
+                                   "--skip-tokenizer-init: send token ids", param)
+
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise self._no_tokenizer(param)
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except (TypeError, ValueError) as e:  # e.g. lone surrogates the tokenizer refuses
@@ -196,6 +202,8 @@ class OpenAIServing:
 
     def decode(self, ids: Sequence[int], param: str) -> str:
         self.check_ids(ids, param)
+        if self.tokenizer is None:  # vLLM's --skip-tokenizer-init: token ids only, no text
+            return ""
         try:
             return self.tokenizer.decode(list(ids), skip_special_tokens=False)
         except (TypeError, ValueError, OverflowError) as e:
@@ -208,6 +216,8 @@ class OpenAIServing:
             raise InvalidRequestError(
                 "continue_final_message: cannot be combined with add_generation_prompt",
                 "continue_final_message")
+        if self.tokenizer is None:
+            raise self._no_tokenizer("messages")
         template = self.config.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
