@@ -124,8 +124,9 @@ async def pause(request: Request,
                 clear_cache: bool = Query(False, description="keep mode: drop frozen requests' "
                                                              "KV so they re-prefill on resume")) -> dict:
     """Answers once its mode holds. `wait` answers when the requests in flight have
-    finished, or with mode `keep` when they cannot run (a keep-pause or sleep came first:
-    they are kept and continue after /resume), or 409 if /resume came first."""
+    finished, or with mode `keep` when they cannot run (a sleep came first, or a keep-pause
+    while it waited: they are kept and continue after /resume), or 409 if /resume came
+    first; after a keep-pause with requests frozen it is a 409 at once (resume first)."""
     answer = await _engine(request).pause(mode, clear_cache)
     return {"status": "paused", **answer}
 
