@@ -69,6 +69,8 @@ def _arg_type(parse):
 
 
 def port_number(value: str) -> int:
+    if not value.strip().isdigit():
+        raise ValueError(f"not a port number: {value!r}")
     n = int(value)
     if not 0 <= n <= 65535:
         raise ValueError(f"must be in 0..65535, got {n}")
