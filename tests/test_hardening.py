@@ -152,7 +152,9 @@ def test_a_grammar_whose_compile_runs_past_the_bound_is_refused_and_others_are_s
     _still_serving(server)
     slow.join(timeout=60)
     assert time.monotonic() - t0 < GRAMMAR_TIMEOUT_S + 30
-    _refused(answer["r"], "longer than the limit of 2 s", "--grammar-compile-timeout-s")
+    _refused(answer["r"], "response_format.json_schema.schema: compiling it takes longer than the "
+                          "limit of 2 s", "--grammar-compile-timeout-s")
+    assert answer["r"].json()["error"]["param"] == "response_format"
     small = _post(server, "/v1/chat/completions", _json_schema_request(_properties(3)))
     assert small.status_code == 200, small.text
     json_text = small.json()["choices"][0]["message"]["content"]

@@ -24,7 +24,7 @@ from rlserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessag
                                      PromptLogprob, PromptLogprobs, PromptTokensDetails,
                                      TokenizeChatRequest, Usage, WeightVersionSpan)
 from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
-from rlserve.server.structured import constraint
+from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
 
 if TYPE_CHECKING:
@@ -346,19 +346,23 @@ class OpenAIServing:
     # ------------------------------------------------------------ responses
 
     async def respond(self, generation: Generation, events: AsyncIterator[str] | None,
-                      build) -> Response:
-        """Stream `events` when given, else wait for the end and `build` the body."""
-        if events is None:
-            try:
-                await generation.until_finished()
-                return json_response(build())
-            finally:
-                generation.close()
+                      build, body: CompletionRequest | ChatCompletionRequest) -> Response:
+        """Stream `events` when given, else wait for the end and `build` the body. The
+        engine's refusal of `body`'s grammar names the field the user sent."""
         try:
-            await generation.until_started()
-        except BaseException:
-            generation.close()
-            raise
+            if events is None:
+                try:
+                    await generation.until_finished()
+                    return json_response(build())
+                finally:
+                    generation.close()
+            try:
+                await generation.until_started()
+            except BaseException:
+                generation.close()
+                raise
+        except InvalidRequestError as e:
+            raise as_user_field(body, e) from None
         return StreamingResponse(self._closing(events, generation), media_type="text/event-stream")
 
     async def _closing(self, events: AsyncIterator[str], generation: Generation) -> AsyncIterator[str]:
