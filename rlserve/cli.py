@@ -18,15 +18,34 @@ from rlserve.server.tool_parsers import TOOL_PARSERS
 logger = logging.getLogger("rlserve")
 
 
-def _key(env: str):
-    """A key: never empty, which would look set but turn authentication off."""
-    def parse(value: str) -> str:
-        if not value.strip():
-            raise argparse.ArgumentTypeError(
-                f"the key is empty (an unset shell variable? {env} counts too); give a non-empty "
-                f"key, or leave the flag out and {env} unset to serve without one")
-        return value
-    return parse
+# Where each key may come from, first found wins: the flag, the file flag, the variables.
+_KEY_SOURCES = {"api_key": ("--api-key", "--api-key-file", ("VLLM_API_KEY", "RLSERVE_API_KEY")),
+                "admin_key": ("--admin-key", "--admin-key-file", ("RLSERVE_ADMIN_KEY",))}
+
+
+def _resolve_key(args: argparse.Namespace, dest: str, error) -> tuple[str | None, str | None]:
+    """(key, where it came from) for `dest`; `error` (the parser's) for an empty or unreadable
+    one: an empty key would look set but turn authentication off."""
+    flag, file_flag, envs = _KEY_SOURCES[dest]
+    value, path = getattr(args, dest), getattr(args, dest + "_file")
+    if value is not None and path is not None:
+        error(f"{flag} and {file_flag}: give one of them")
+    source = flag if value is not None else None
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                value, source = f.read().strip(), f"{file_flag} {path}"
+        except OSError as e:
+            error(f"{file_flag}: cannot read {path}: {e.strerror}")
+    for env in envs if source is None else ():
+        if env in os.environ:
+            value, source = os.environ[env], env
+            break
+    if source is not None and not value.strip():
+        error(f"{flag}: the key is empty (from {source}; an unset shell variable?); give a "
+              f"non-empty key, or leave {flag}, {file_flag} and {', '.join(envs)} unset to serve "
+              "without one")
+    return value, source
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -49,6 +68,15 @@ def _arg_type(parse):
     return convert
 
 
+def port_number(value: str) -> int:
+    if not value.strip().isdigit():
+        raise ValueError(f"not a port number: {value!r}")
+    n = int(value)
+    if not 0 <= n <= 65535:
+        raise ValueError(f"must be in 0..65535, got {n}")
+    return n
+
+
 _GROUPS = ("server", "model", "sampling defaults and outputs", "cache and scheduling", "execution",
            "LoRA adapters")
 
@@ -59,6 +87,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         description="Serve MODEL (an HF directory or hub id; the bundled demo model, "
                     "SmolLM2-135M-Instruct, when omitted) over an OpenAI-compatible API.",
         formatter_class=_HelpFormatter)
+    p.usage = "rlserve serve [MODEL] [flags]  (rlserve serve --help lists them)"
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="model directory or hub id (default: the demo model)")
     groups = {title: p.add_argument_group(title) for title in _GROUPS}
@@ -103,18 +132,26 @@ def engine_flag_values(args: argparse.Namespace) -> dict[str, object]:
 def _add_server_flags(net: argparse._ArgumentGroup) -> None:
     """The API server's own flags (lifecycle.ServeOptions)."""
     net.add_argument("--host", default="0.0.0.0", help="address to bind")
-    net.add_argument("--port", type=int, default=8000, help="port to listen on")
-    # A string default goes through `type` too: an empty variable is refused as the flag is.
-    net.add_argument("--api-key", type=_key("RLSERVE_API_KEY"), default=os.environ.get("RLSERVE_API_KEY"),
-                     help="require 'Authorization: Bearer KEY' (or set RLSERVE_API_KEY)")
-    net.add_argument("--admin-key", type=_key("RLSERVE_ADMIN_KEY"), default=os.environ.get("RLSERVE_ADMIN_KEY"),
-                     help="key for the weight-update control endpoints (or RLSERVE_ADMIN_KEY); "
-                          "without it they answer loopback clients only")
+    net.add_argument("--port", type=_arg_type(port_number), default=8000, help="port to listen on")
+    net.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY'; also read from --api-key-file, "
+                          "VLLM_API_KEY or RLSERVE_API_KEY, which keep it out of the process list "
+                          "(a flag's value is readable by every local user)")
+    net.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="read --api-key from this file (its text, surrounding whitespace dropped)")
+    net.add_argument("--admin-key", default=None,
+                     help="key for the weight-update control endpoints (without it they answer "
+                          "loopback clients only); also read from --admin-key-file or "
+                          "RLSERVE_ADMIN_KEY, which keep it out of the process list")
+    net.add_argument("--admin-key-file", default=None, metavar="PATH",
+                     help="read --admin-key from this file (its text, surrounding whitespace dropped)")
     net.add_argument("--allow-remote-control", action="store_true",
                      help="without --admin-key, open the control endpoints to every client "
                           "instead of loopback ones only")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="rlserve's log level")
+    net.add_argument("--disable-uvicorn-access-log", action="store_true",
+                     help="no access log line per request")
     net.add_argument("--uvicorn-log-level", default=None,
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="uvicorn's log level (access log included) (default: --log-level)")
@@ -160,16 +197,59 @@ def _add_output_flags(sampling: argparse._ArgumentGroup) -> None:
                                "<tool_call>{...}</tool_call>, as Qwen writes them)")
 
 
+# `vllm serve` flags accepted so its command lines run, with nothing to do here: (flag,
+# argparse options, the values accepted (None: any), why nothing is done). A value outside
+# those accepted is refused, naming the flag.
+_VLLM_NO_OPS = (
+    ("--disable-log-requests", {"action": "store_true"}, None, "rlserve does not log requests"),
+    ("--enable-log-requests", {"action": "store_true"}, None, "rlserve does not log requests"),
+    ("--disable-log-stats", {"action": "store_true"}, None, "rlserve does not log periodic stats (see /metrics)"),
+    ("--enable-auto-tool-choice", {"action": "store_true"}, None, "tool_choice auto is always on"),
+    ("--disable-custom-all-reduce", {"action": "store_true"}, None, "rlserve has no custom all-reduce"),
+    ("--swap-space", {"type": float, "metavar": "GiB"}, None,
+     "a preempted request is recomputed, never swapped to host memory"),
+    ("--max-seq-len-to-capture", {"type": int, "metavar": "N"}, None,
+     "CUDA graphs cover every batch up to --max-num-seqs at any length"),
+    ("--tokenizer-mode", {"metavar": "auto"}, ("auto", "hf"), "the tokenizer loads with transformers' AutoTokenizer"),
+    ("--distributed-executor-backend", {"metavar": "mp"}, ("mp",),
+     "tensor-parallel ranks are local processes (for Ray, see rlserve.ray)"),
+    ("--pipeline-parallel-size", {"type": int, "metavar": "1", "aliases": ("-pp",)}, (1,),
+     "rlserve has no pipeline parallelism; use --tensor-parallel-size"),
+)
+# `vllm serve` flags refused by name: what to use instead.
+_VLLM_REFUSED = (("--quantization", "-q", "quantized weights are not served yet: weights are "
+                  "--dtype; an fp8 KV cache is --kv-cache-dtype fp8"),)
+
+
 def _add_vllm_flags(group: argparse._ArgumentGroup) -> None:
-    """`vllm serve` flags accepted so its command lines run, with nothing to set here."""
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=True, help="long prompts are always prefilled in chunks (the "
                                           "--no- form is refused)")
-    for name, why in (("--disable-log-requests", "rlserve does not log requests"),
-                      ("--disable-log-stats", "rlserve does not log periodic stats (see /metrics)"),
-                      ("--enable-auto-tool-choice", "tool_choice auto is always on"),
-                      ("--disable-custom-all-reduce", "rlserve has no custom all-reduce")):
-        group.add_argument(name, action="store_true", help=f"accepted for vllm serve command lines: {why}")
+    for name, options, accepted, why in _VLLM_NO_OPS:
+        options = dict(options)
+        shown = f" (only {', '.join(map(str, accepted))})" if accepted else ""
+        group.add_argument(name, *options.pop("aliases", ()), default=None, **options,
+                           help=f"accepted for vllm serve command lines{shown}: {why}")
+    for name, alias, why in _VLLM_REFUSED:
+        group.add_argument(name, alias, default=None, metavar="METHOD", help=f"refused: {why}")
+    group.add_argument("--revision", default=None, help="the hub revision of MODEL to download")
+    group.add_argument("--download-dir", default=None, metavar="DIR",
+                       help="where MODEL is downloaded from the hub (default: the hub's cache)")
+
+
+def _check_vllm_flags(args: argparse.Namespace) -> None:
+    """One log line per accepted no-op flag given; SystemExit naming a refused one."""
+    for name, _, accepted, why in _VLLM_NO_OPS:
+        value = getattr(args, name[2:].replace("-", "_"))
+        if value is None or value is False:
+            continue
+        if accepted is not None and value not in accepted:
+            raise SystemExit(f"rlserve serve: {name} {value}: only {', '.join(map(str, accepted))} "
+                             f"is supported ({why})")
+        logger.info("%s: accepted, nothing to do: %s", name, why)
+    for name, _, why in _VLLM_REFUSED:
+        if getattr(args, name[2:]) is not None:
+            raise SystemExit(f"rlserve serve: {name} {getattr(args, name[2:])}: {why}")
 
 
 def _json_object(value: str) -> dict:
@@ -195,13 +275,28 @@ def _dp_engines(size: int) -> list[dict[str, str]] | None:
     return engines
 
 
+def _download(model: str, revision: str | None, download_dir: str | None) -> str:
+    """The local directory of MODEL at `revision`, downloaded into `download_dir`."""
+    from rlserve.model.loader import resolve_model_path
+    if os.path.isdir(model):
+        logger.info("--revision, --download-dir: MODEL is a local directory, nothing to download")
+        return model
+    try:
+        return resolve_model_path(model, revision=revision, cache_dir=download_dir)
+    except ValueError as e:
+        raise SystemExit(f"rlserve serve: {e}") from None
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine configuration `rlserve serve` flags describe (SystemExit naming the flag
     when one is wrong). rlserve.ray builds its replicas' configuration with it too."""
+    _check_vllm_flags(args)
     if not args.enable_chunked_prefill:
         raise SystemExit("rlserve serve: --no-enable-chunked-prefill: prompts are always prefilled "
                          "in chunks of --max-num-batched-tokens; raise that instead")
     model, served_name = args.model, args.served_model_name
+    if model is not None and (args.revision or args.download_dir):
+        model, served_name = _download(model, args.revision, args.download_dir), served_name or model
     if model is None:
         from rlserve.model.demo_model import DEMO_MODEL_NAME, demo_model_path
         model = demo_model_path()
@@ -232,6 +327,9 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"rlserve serve: {e}") from None
 
+    for dest in ("api_key", "admin_key"):
+        if getattr(args, dest + "_source", None):  # which one, never the key
+            logger.info("%s: from %s", dest.replace("_", " "), getattr(args, dest + "_source"))
     if config.weight_transfer is not None:
         from rlserve.server.security import describe_control_access
         logger.info("weight transfer: %s backend; control endpoints %s", config.weight_transfer.backend,
@@ -244,6 +342,7 @@ def serve(args: argparse.Namespace) -> int:
         grace_s=args.shutdown_grace_period, linger_s=args.engine_death_linger,
         api_server_count=args.api_server_count, uvicorn_log_level=args.uvicorn_log_level,
         enable_sleep_mode=args.enable_sleep_mode, generation_defaults=defaults,
+        access_log=not args.disable_uvicorn_access_log,
         max_logprobs=args.max_logprobs, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         tool_call_parser=args.tool_call_parser))
 
@@ -259,10 +358,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if not getattr(args, "func", None):
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         parser.print_help()
         return 2
+    serve_parser = parser._subparsers._group_actions[0].choices["serve"]
+    if unknown:  # `rlserve serve`'s usage, not the top level's
+        serve_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    for dest in ("api_key", "admin_key"):
+        key, source = _resolve_key(args, dest, serve_parser.error)
+        setattr(args, dest, key)
+        setattr(args, dest + "_source", source)
     logging.basicConfig(
         level=getattr(logging, getattr(args, "log_level", "info").upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -218,8 +218,9 @@ class EngineConfig:
     weight_transfer: WeightTransferConfig | None = field(default=None, metadata=flag(
         'enable live weight updates, e.g. \'{"backend": "nccl"}\' (backends: nccl, gloo, ipc)',
         name="--weight-transfer-config", metavar="JSON", type=str, group=_RUN))
-    skip_tokenizer_init: bool = field(default=False, metadata=no_flag(
-        "token ids in and out, no tokenizer: the offline API and benchmarks on bare configs"))
+    skip_tokenizer_init: bool = field(default=False, metadata=flag(
+        "no tokenizer (as vLLM): prompts are token ids, outputs are token ids with empty text; "
+        "chat, stop strings and structured outputs are refused", group=_MODEL))
     async_scheduling: bool | None = field(default=None, metadata=no_flag(
         "launch step N+1 before reading back step N's tokens (None: on CUDA only); the offline "
         "API and benchmarks compare both"))
@@ -227,6 +228,14 @@ class EngineConfig:
         "raw: of the model's logits (what RL importance ratios need); processed: of the logits "
         "sampled from (after bias, masks, penalties, temperature, top-k/p, min-p)",
         choices=LOGPROBS_MODES, group="sampling defaults and outputs"))
+    max_grammar_size: int = field(default=1 << 20, metadata=flag(
+        "structured outputs: a spec (JSON schema, regex, grammar, choices), or the grammar "
+        "made from it, larger than this is refused with 400", type=byte_size,
+        group="sampling defaults and outputs"))
+    grammar_compile_timeout_s: float = field(default=30.0, metadata=flag(
+        "structured outputs: a grammar whose compile takes longer is refused with 400 (the "
+        "compile is stopped; real schemas take well under a second)", metavar="SECONDS",
+        group="sampling defaults and outputs"))
     hf_overrides: dict[str, Any] = field(default_factory=dict, metadata=no_flag(
         "HF config attributes replaced (the offline API and tests)"))
     # LoRA adapters (rlserve/engine/lora.py): slots and the largest rank are fixed at start.
@@ -270,12 +279,19 @@ class EngineConfig:
                              f"{self.data_parallel_size}")
         if self.dp_max_restarts < 0:
             raise ValueError("dp_max_restarts: must be at least 0")
+        if self.max_grammar_size < 1 or not self.grammar_compile_timeout_s > 0:
+            raise ValueError("max_grammar_size, grammar_compile_timeout_s: must be positive")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, "
                              f"got {self.logprobs_mode!r}")
         self._check_lora()
         if isinstance(self.weight_transfer, (str, dict)):
             self.weight_transfer = WeightTransferConfig.parse(self.weight_transfer)
+        if (self.weight_transfer is not None and self.weight_transfer.backend == "nccl"
+                and not str(self.device).startswith("cuda")):
+            # NCCL moves CUDA tensors only: the trainer's group would form, then fail.
+            raise ValueError(f"weight-transfer-config: backend nccl needs a CUDA device, this "
+                             f"server runs on {self.device} (use gloo)")
         if self.weight_transfer is not None and self.weight_transfer.backend == "ipc":
             # Handles open only on the GPU that holds the trainer's memory.
             if not str(self.device).startswith("cuda"):
@@ -305,6 +321,12 @@ class EngineConfig:
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def grammar_limits(self):
+        """structured_output.GrammarLimits: how large a grammar, and how long its compile."""
+        from rlserve.engine.structured_output import GrammarLimits
+        return GrammarLimits(self.max_grammar_size, self.grammar_compile_timeout_s)
 
     def replica(self, index: int) -> "EngineConfig":
         """The configuration of data-parallel replica `index`: one replica, on its devices."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlserve import json_depth
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's range for a bias: [-100, 100]
@@ -63,7 +64,9 @@ class StructuredOutputsParams:
             if not isinstance(self.json, str):
                 bad("json", f"must be a JSON schema (an object), got {type(self.json).__name__}")
             try:
-                schema = json.loads(self.json)
+                schema = json_depth.loads(self.json)
+            except json_depth.JSONTooDeepError as e:
+                bad("json", str(e))
             except ValueError as e:
                 bad("json", f"is not valid JSON: {e}")
             if not isinstance(schema, dict):

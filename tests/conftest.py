@@ -100,9 +100,10 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int, result
 class RunningServer(ServerProcess):
     """A test's server: the launcher's process, plus the API key the tests send."""
 
-    def __init__(self, model: str, log: Path, *flags: str, api_key: str | None, timeout_s: float):
+    def __init__(self, model: str, log: Path, *flags: str, api_key: str | None, timeout_s: float,
+                 env: dict[str, str] | None = None):
         self.api_key = api_key
-        super().__init__(model, *flags, log=log, timeout_s=timeout_s, die_with_parent=True)
+        super().__init__(model, *flags, log=log, timeout_s=timeout_s, die_with_parent=True, env=env)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -122,12 +123,13 @@ def groups_joined(log: str) -> list[str]:
 
 
 def start_server(model: str, log: Path, *extra: str, api_key: str | None = None,
-                 timeout_s: float = SERVER_START_TIMEOUT_S) -> RunningServer:
-    """`rlserve serve` on CPU in float32 (flags in `extra` override), healthy on return."""
+                 timeout_s: float = SERVER_START_TIMEOUT_S, env: dict[str, str] | None = None) -> RunningServer:
+    """`rlserve serve` on CPU in float32 (flags in `extra` override), healthy on return.
+    `env`: variables added to the server's environment."""
     flags = ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), *extra]
     if api_key:
         flags += ["--api-key", api_key]
-    return RunningServer(model, log, *flags, api_key=api_key, timeout_s=timeout_s)
+    return RunningServer(model, log, *flags, api_key=api_key, timeout_s=timeout_s, env=env)
 
 
 def start_tiny_server(log: Path, *extra: str, **kw) -> RunningServer:

@@ -46,13 +46,22 @@ def _wait_running(url: str) -> None:
     raise AssertionError("the request never started")
 
 
-def test_pause_wait_after_pause_keep_lets_the_kept_requests_finish(server):
+def test_pause_wait_after_pause_keep_is_refused_at_once_and_the_keep_holds(server):
+    """Waiting would first resume what the keep-pause froze, and last as long as the
+    requests run: a 409 at once saying so, and the frozen requests stay frozen."""
     out = {}
     t = _long_request(server.url, out, "r", max_tokens=400)
     _wait_running(server.url)
     assert _post(server.url, "/pause", mode="keep").json() == {"status": "paused", "mode": "keep"}
-    r = _post(server.url, "/pause", mode="wait")  # unfreezes them, answers once they are done
-    assert r.status_code == 200 and r.json()["mode"] == "wait"
+    t0 = time.monotonic()
+    r = _post(server.url, "/pause", mode="wait")
+    assert time.monotonic() - t0 < 5
+    assert r.status_code == 409, r.text
+    assert "mode keep" in r.json()["error"]["message"] and "/resume" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/is_paused").json() == {"is_paused": True}
+    assert t.is_alive()  # still frozen
+    assert _post(server.url, "/resume").status_code == 200
+    assert _post(server.url, "/pause", mode="wait").json()["mode"] == "wait"  # drains them now
     t.join(timeout=60)
     assert out["r"].json()["choices"][0]["finish_reason"] == "length"
     assert _post(server.url, "/resume").status_code == 200
@@ -75,8 +84,6 @@ def test_resume_during_pause_wait_answers_409(server):
     out, answer = {}, {}
     t = _long_request(server.url, out, "r")
     _wait_running(server.url)
-    assert _post(server.url, "/pause", mode="keep").status_code == 200
-    # A wait-pause over a keep-pause runs the requests to their end; resume first.
     waiter = threading.Thread(target=lambda: answer.setdefault("r", _post(server.url, "/pause", mode="wait")))
     waiter.start()
     time.sleep(0.5)

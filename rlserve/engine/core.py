@@ -189,7 +189,8 @@ class EngineCore:
                                       "min_tokens")
         if self._grammars is None:
             from rlserve.engine.structured_output import StructuredOutputCompiler
-            self._grammars = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                      limits=self.config.grammar_limits)
         self._grammars.validate(params.structured_outputs)
         return self._grammars.compile(params.structured_outputs)
 
@@ -239,6 +240,8 @@ class EngineCore:
                     continue
                 req = found[0]
                 waiting.remove(req)
+                if waiting is self.compiling and not any(r.grammar is req.grammar for r in waiting):
+                    self._grammars.abandon(req.sampling_params.structured_outputs)  # nobody waits
             outputs.append(self._finish(req, FinishReason.ABORT))
             self.aborted_total += 1
         return outputs
@@ -437,10 +440,18 @@ class EngineCore:
     def pause(self, mode: str = "abort", clear_cache: bool = False) -> list[Finished]:
         """Stop producing tokens. `abort` ends in-flight requests now; `keep` freezes them
         with their KV cache; `wait` lets them run on (the caller waits for `drained`).
-        A later pause replaces the mode of an earlier one: `wait` after `keep` lets the
-        frozen requests finish."""
+        A later pause replaces the mode of an earlier one, except `wait` after `keep`
+        with requests frozen: refused (ConflictError) at once, since draining them would
+        first resume what the keep-pause froze, and its caller would wait as long as they
+        run."""
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
+        if mode == "wait" and self.pause_mode == "keep" and self.has_unfinished():
+            from rlserve.engine.messages import ConflictError
+            raise ConflictError(
+                f"mode: wait: generation is paused with mode keep and {len(self.unfinished_ids())} "
+                "requests are frozen, so waiting for them would never end; POST /resume first "
+                "(then /pause?mode=wait drains them), or /pause?mode=abort to end them")
         self.paused = True
         self.pause_mode = mode
         self.scheduler.frozen = mode == "keep"

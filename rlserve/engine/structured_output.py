@@ -15,18 +15,29 @@ How the engine core uses it (one StructuredOutputCompiler per engine):
                 overlapped scheduling had no mask yet); matcher.is_terminated(): the grammar
                 took its stop token, the request is done
 
+Bounds (GrammarLimits, the --max-grammar-size and --grammar-compile-timeout-s flags): a spec,
+and the grammar xgrammar parses from it, larger than max_size bytes is refused by `validate`;
+a compile first runs in a forked child, killed past timeout_s (xgrammar cannot be interrupted,
+and some schemas of a few hundred kilobytes take hours), or as soon as no request waits for it
+(`abandon`). Only a spec that compiled there in time is compiled again here, where its masks
+are used.
+
 xgrammar holds the C++ state; these types keep the engine's side small and typed.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
+from rlserve.process import die_with_parent
 from rlserve.sampling_params import InvalidRequestError, StructuredOutputsParams
 
 BITMASK_WORD_BITS = 32  # a packed int32 bitmask: bit j % 32 of word j // 32 allows token j
@@ -39,6 +50,11 @@ def bitmask_width(vocab_size: int) -> int:
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """[rows, bitmask_width] int32 on the host, every token allowed (all bits set)."""
     return torch.full((rows, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+
+
+class GrammarLimits(NamedTuple):
+    max_size: int = 1 << 20  # bytes of the spec, and of the grammar's EBNF text
+    timeout_s: float = 30.0  # seconds one compile may take
 
 
 class CompiledGrammar(NamedTuple):
@@ -107,41 +123,84 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(literal(c) for c in choices)
 
 
+def _param(spec: StructuredOutputsParams) -> str:
+    return f"structured_outputs.{spec.kind}"
+
+
+def _parse(spec: StructuredOutputsParams):
+    """The xgrammar Grammar of a spec (a parse: milliseconds, no token masks)."""
+    import xgrammar as xgr
+    kind, any_whitespace = spec.kind, not spec.disable_any_whitespace
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(spec.json, any_whitespace=any_whitespace)
+    if kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec.regex)
+    return xgr.Grammar.from_ebnf(choice_grammar(spec.choice) if kind == "choice" else spec.grammar)
+
+
+def _compile_with(compiler, spec: StructuredOutputsParams):
+    """The xgrammar CompiledGrammar of a spec (token masks: the slow part)."""
+    kind, any_whitespace = spec.kind, not spec.disable_any_whitespace
+    if kind == "json":
+        return compiler.compile_json_schema(spec.json, any_whitespace=any_whitespace)
+    if kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+    if kind == "regex":
+        return compiler.compile_regex(spec.regex)
+    return compiler.compile_grammar(choice_grammar(spec.choice) if kind == "choice" else spec.grammar)
+
+
+def _trial_compile(tokenizer_info, spec: StructuredOutputsParams, conn) -> None:
+    """In a forked child: compile `spec`, send None or the error's text, exit."""
+    die_with_parent()
+    try:
+        import xgrammar as xgr
+        _compile_with(xgr.GrammarCompiler(tokenizer_info, max_threads=2), spec)
+        conn.send(None)
+    except Exception as e:  # the parent reports it as the request's error
+        conn.send(str(e).strip() or type(e).__name__)
+    finally:
+        os._exit(0)  # no atexit handlers, no flushing of the parent's buffers
+
+
 class StructuredOutputCompiler:
     """Compiles specs against one tokenizer in a thread pool; results cached by spec."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], *,
-                 max_workers: int = 2, cache_size: int = 256):
+                 limits: GrammarLimits = GrammarLimits(), max_workers: int = 2, cache_size: int = 256):
         """`vocab_size`: the model's (its logits' width, which may pad the tokenizer's);
         `stop_token_ids`: what a finished grammar allows (the model's end-of-sequence ids)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(set(stop_token_ids))
+        self.limits = limits
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="rlserve-grammar")
         self._cache: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
+        self._abandoned: dict[StructuredOutputsParams, threading.Event] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()  # the cache
         self._compiler_lock = threading.Lock()  # held while the pool builds the compiler
         self._compiler = None  # built in the pool: reading the vocabulary takes a while
+        self._info = None  # its xgrammar.TokenizerInfo
 
     def validate(self, spec: StructuredOutputsParams) -> None:
         """Parse the spec (no token masks yet: milliseconds), or raise InvalidRequestError
-        naming the field and what xgrammar said."""
-        import xgrammar as xgr
-        kind = spec.kind
+        naming the field and what xgrammar said, or the size limit it passes."""
+        param, limit = _param(spec), self.limits.max_size
+        text = spec.json or spec.regex or spec.grammar or "".join(spec.choice or ())
+        if len(text) > limit:
+            raise InvalidRequestError(f"{param}: {len(text)} bytes, more than the limit of {limit} "
+                                      "(--max-grammar-size)", param)
         try:
-            if kind == "json":
-                xgr.Grammar.from_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace)
-            elif kind == "regex":
-                xgr.Grammar.from_regex(spec.regex)
-            elif kind == "grammar":
-                xgr.Grammar.from_ebnf(spec.grammar)
-            elif kind == "choice":
-                xgr.Grammar.from_ebnf(choice_grammar(spec.choice))
+            size = len(str(_parse(spec)))
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with the parser's message
-            param = f"structured_outputs.{kind}"
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidRequestError(f"{param}: cannot be compiled: {message}", param) from None
+        if size > limit:
+            raise InvalidRequestError(f"{param}: its grammar is {size} bytes, more than the limit of "
+                                      f"{limit} (--max-grammar-size)", param)
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """A Future of the CompiledGrammar; requests with equal specs share one compile."""
@@ -150,44 +209,80 @@ class StructuredOutputCompiler:
             if future is not None:
                 self._cache.move_to_end(spec)
                 return future
-            future = self._pool.submit(self._compile, spec)
+            abandoned = self._abandoned[spec] = threading.Event()
+            future = self._pool.submit(self._compile, spec, abandoned)
             self._cache[spec] = future
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
             return future
 
+    def abandon(self, spec: StructuredOutputsParams) -> None:
+        """No request waits for `spec` any more: stop its compile if it is not done."""
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is None or future.done():
+                return
+            del self._cache[spec]
+            self._abandoned.pop(spec).set()
+            future.cancel()
+
     def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         return GrammarMatcher(grammar)
 
     def shutdown(self) -> None:
+        with self._lock:
+            for event in self._abandoned.values():
+                event.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        compiler = self._xgr_compiler()
-        kind = spec.kind
-        any_whitespace = not spec.disable_any_whitespace
+    def _compile(self, spec: StructuredOutputsParams, abandoned: threading.Event) -> CompiledGrammar:
         try:
-            if kind == "json":
-                compiled = compiler.compile_json_schema(spec.json, any_whitespace=any_whitespace)
-            elif kind == "json_object":
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
-            elif kind == "regex":
-                compiled = compiler.compile_regex(spec.regex)
-            elif kind == "choice":
-                compiled = compiler.compile_grammar(choice_grammar(spec.choice))
-            else:
-                compiled = compiler.compile_grammar(spec.grammar)
+            compiler = self._xgr_compiler()
+            self._trial(spec, abandoned)
+            return CompiledGrammar(spec, _compile_with(compiler, spec))
+        except InvalidRequestError:
+            raise
         except Exception as e:
-            param = f"structured_outputs.{kind}"
-            raise InvalidRequestError(f"{param}: cannot be compiled: {e}", param) from None
-        return CompiledGrammar(spec, compiled)
+            raise InvalidRequestError(f"{_param(spec)}: cannot be compiled: {e}", _param(spec)) from None
+        finally:
+            with self._lock:
+                if self._abandoned.get(spec) is abandoned:
+                    del self._abandoned[spec]
+
+    def _trial(self, spec: StructuredOutputsParams, abandoned: threading.Event) -> None:
+        """Compile `spec` in a forked child first: killed past the time limit, or when no
+        request waits for it any more. Raises InvalidRequestError unless it compiled."""
+        ctx = multiprocessing.get_context("fork")
+        receive, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_trial_compile, args=(self._info, spec, send), daemon=True)
+        child.start()
+        send.close()
+        deadline = time.monotonic() + self.limits.timeout_s
+        try:
+            while not receive.poll(0.05):
+                if abandoned.is_set():
+                    raise InvalidRequestError(f"{_param(spec)}: compile abandoned", _param(spec))
+                if time.monotonic() > deadline:
+                    raise InvalidRequestError(
+                        f"{_param(spec)}: compiling it takes longer than the limit of "
+                        f"{self.limits.timeout_s:g} s (--grammar-compile-timeout-s)", _param(spec))
+                if not child.is_alive() and not receive.poll():
+                    raise InvalidRequestError(f"{_param(spec)}: the compile failed (exit code "
+                                              f"{child.exitcode})", _param(spec))
+            error = receive.recv()
+        finally:
+            if child.is_alive():
+                child.kill()
+            child.join()
+            receive.close()
+        if error is not None:
+            raise InvalidRequestError(f"{_param(spec)}: cannot be compiled: {error}", _param(spec))
 
     def _xgr_compiler(self):
         with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr
-                info = xgr.TokenizerInfo.from_huggingface(
+                self._info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=8)
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=8)
             return self._compiler
-

@@ -16,8 +16,9 @@ from rlserve.model.registry import model_class
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_path(model: str) -> str:
-    """A local directory as is; otherwise a hub id, fetched once (needs network)."""
+def resolve_model_path(model: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """A local directory as is; otherwise a hub id, fetched once (needs network), at
+    `revision` (default: main) into `cache_dir` (default: the hub's cache)."""
     if os.path.isdir(model):
         return model
     try:
@@ -26,7 +27,7 @@ def resolve_model_path(model: str) -> str:
         raise ValueError(f"model: {model!r} is not a directory and huggingface_hub is missing") from e
     try:
         # *.py: a config's or tokenizer's own code, run only with trust_remote_code.
-        return snapshot_download(model, allow_patterns=[
+        return snapshot_download(model, revision=revision, cache_dir=cache_dir, allow_patterns=[
             "*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*", "*.py"])
     except Exception as e:
         raise ValueError(f"model: {model!r} is not a local directory and could not be fetched "

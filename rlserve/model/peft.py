@@ -12,7 +12,6 @@ puts the tensors in slots (rlserve.model.lora), a trainer sends them
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -21,6 +20,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from rlserve import json_depth
 from rlserve.sampling_params import InvalidRequestError
 
 PEFT_PREFIX = "base_model.model."
@@ -79,6 +79,15 @@ def peft_adapter_tensors(peft_model, adapter: str | None = None) -> tuple[dict[s
     return config.to_wire(), tensors
 
 
+def _regex_problem(pattern: str) -> str | None:
+    """What is wrong with `pattern` as a regex (PEFT matches module names with it), or None."""
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        return str(e) if not isinstance(e, RecursionError) else "nested too deep"
+    return None
+
+
 def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
     for key, value in patterns.items():  # PEFT's get_pattern_key: the module name ends with the key
         if re.match(rf"(.*\.)?({key})$", module):
@@ -131,6 +140,8 @@ class LoRAConfig:
         if not (targets is None or isinstance(targets, str)
                 or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
             problems.append(f"target_modules must be a list of names or a regex, got {targets!r}")
+        elif isinstance(targets, str) and _regex_problem(targets):
+            problems.append(f"target_modules is not a valid regex: {_regex_problem(targets)}")
         patterns = {}
         for key, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
             value = data.get(key) or {}
@@ -138,6 +149,10 @@ class LoRAConfig:
                     isinstance(k, str) and isinstance(v, kind) and not isinstance(v, bool) and v > 0
                     for k, v in value.items())):
                 problems.append(f"{key} must map module names to positive numbers, got {value!r}")
+                value = {}
+            bad_keys = [f"{k!r} ({_regex_problem(k)})" for k in value if _regex_problem(k)]
+            if bad_keys:
+                problems.append(f"{key}: keys are module-name patterns, not valid regexes: {', '.join(bad_keys)}")
                 value = {}
             patterns[key] = dict(value)
         for key, allowed in _UNSUPPORTED.items():
@@ -206,7 +221,7 @@ def read_adapter(path: str, max_rank: int) -> tuple[LoRAConfig, list[tuple[str, 
     config_file = os.path.join(path, "adapter_config.json")
     try:
         with open(config_file) as f:
-            data = json.load(f)
+            data = json_depth.loads(f.read())
     except (OSError, ValueError) as e:
         raise InvalidRequestError(f"lora_path: cannot read {config_file}: {e}", "lora_path") from e
     config = LoRAConfig.parse(data, "adapter_config", max_rank)

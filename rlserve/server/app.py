@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import gc
 import os
@@ -21,7 +22,7 @@ from rlserve.engine.request import EngineUnavailableError
 from rlserve.process import profiled
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.server import routes_openai
-from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from rlserve.server.limits import BODY_JSON_DEPTH, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from rlserve.server.protocol import APIError, VersionResponse
 from rlserve.server.serving import ServingOptions
@@ -57,6 +58,7 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     app.state.allow_remote_control = allow_remote_control  # see rlserve/server/security.py
     app.state.reject_while_asleep = reject_while_asleep
     app.state.metrics = metrics
+    app.state.stopping = asyncio.Event()  # set on SIGINT/SIGTERM: pending control calls end
 
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     _add_error_handlers(app)
@@ -161,6 +163,9 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         if loc and loc[0] == "body":
             loc = loc[1:]
         if e.get("type") == "json_invalid":
+            if "recursion limit" in e.get("msg", ""):  # the parser's, not ours to raise
+                return (f"body: nested deeper than {BODY_JSON_DEPTH} levels, the limit ({e['msg']})",
+                        "body")
             return f"body: invalid JSON ({e.get('msg', '')})", None
         message = e.get("msg", "invalid")
         if e.get("type") == "unimplemented":  # raised for the model: name the field itself

@@ -37,7 +37,11 @@ class ServerProcess:
         self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
                                         start_new_session=True, env={**os.environ, **(env or {})},
                                         preexec_fn=_die_with_parent if die_with_parent else None)
-        self._wait_healthy(timeout_s)
+        try:
+            self._wait_healthy(timeout_s)
+        except BaseException:  # Ctrl-C while it starts too: no server left behind
+            self.stop()
+            raise
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -54,6 +54,7 @@ class ServeOptions:
     linger_s: float = 5.0
     api_server_count: int = 1
     uvicorn_log_level: str | None = None  # None: log_level
+    access_log: bool = True  # uvicorn's line per request
     enable_sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping without a transfer backend
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.py
     max_logprobs: int = MAX_LOGPROBS
@@ -119,7 +120,7 @@ def _run(engine: "AsyncEngine", config: EngineConfig, opts: ServeOptions, sock: 
                      max_body_bytes=opts.max_body_bytes, serving=serving,
                      enable_sleep_mode=opts.enable_sleep_mode)
     server = Server(app, engine, log_level=opts.uvicorn_log_level or opts.log_level, grace_s=opts.grace_s,
-                    linger_s=opts.linger_s)
+                    linger_s=opts.linger_s, access_log=opts.access_log)
     server.run(sockets=[sock])
     if engine.dead is not None:
         return 1
@@ -170,8 +171,9 @@ class Server(uvicorn.Server):
     finish_reason 'abort'), stop the engine, exit 0. If the engine dies: requests in flight
     end with an error at once, /health answers 503 for `linger_s`, then the process exits 1."""
 
-    def __init__(self, app, engine: "AsyncEngine", *, log_level: str, grace_s: float, linger_s: float):
-        super().__init__(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30,
+    def __init__(self, app, engine: "AsyncEngine", *, log_level: str, grace_s: float, linger_s: float,
+                 access_log: bool = True):
+        super().__init__(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, access_log=access_log,
                                         timeout_graceful_shutdown=grace_s + 10))
         self.engine = engine
         self.grace_s = grace_s
@@ -188,6 +190,7 @@ class Server(uvicorn.Server):
         if not self._stopping and self.started:
             self._stopping = True
             loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(self.config.app.state.stopping.set)
             loop.call_soon_threadsafe(loop.call_later, self.grace_s, self._abort_in_flight)
 
     def _abort_in_flight(self) -> None:

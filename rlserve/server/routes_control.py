@@ -22,13 +22,15 @@ rlserve/server/security.py.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from typing import Any, Literal
+from typing import Any, Awaitable, Literal
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from rlserve.config import EngineConfig
+from rlserve.server.limits import check_int_range
 from rlserve.server.protocol import APIError
 from rlserve.server.security import require_control_access
 
@@ -89,6 +91,23 @@ def _transfer_error(e: Exception) -> APIError:
     raise e
 
 
+async def _unless_stopping(request: Request, call: Awaitable, what: str):
+    """`call`'s result, or a 503 as soon as the server starts shutting down: a group that
+    never forms, or a trainer that stalls, would otherwise hold the shutdown until its
+    timeout and end in a cancelled task's traceback."""
+    task = asyncio.ensure_future(call)
+    stopping = asyncio.ensure_future(request.app.state.stopping.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise APIError(503, f"{what}: the server is shutting down; nothing was changed",
+                   type="service_unavailable")
+
+
 @router.get("/get_world_size")
 async def get_world_size(request: Request, include_dp: bool = Query(
         True, description="false: the ranks of one data-parallel replica only")) -> dict:
@@ -98,8 +117,12 @@ async def get_world_size(request: Request, include_dp: bool = Query(
 
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: Request) -> dict:
+    check_int_range(body.init_info, "init_info")
     try:
-        await _engine(request).init_weight_transfer(body.init_info)
+        await _unless_stopping(request, _engine(request).init_weight_transfer(body.init_info),
+                               "init_weight_transfer_engine")
+    except APIError:
+        raise
     except Exception as e:
         raise _transfer_error(e) from e
     return {"status": "ok"}
@@ -108,8 +131,13 @@ async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: 
 @router.post("/update_weights")
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
     metrics = request.app.state.metrics
+    check_int_range(body.update_info, "update_info")
     try:
-        result = await _engine(request).update_weights(body.update_info)
+        result = await _unless_stopping(request, _engine(request).update_weights(body.update_info),
+                                        "update_weights")
+    except APIError:
+        metrics.weight_update(False, 0.0)
+        raise
     except Exception as e:
         metrics.weight_update(False, 0.0)
         raise _transfer_error(e) from e
@@ -217,8 +245,9 @@ async def pause(request: Request,
                 clear_cache: bool = Query(False, description="keep mode: drop frozen requests' "
                                                              "KV so they re-prefill on resume")) -> dict:
     """Answers once its mode holds. `wait` answers when the requests in flight have
-    finished, or with mode `keep` when they cannot run (a keep-pause or sleep came first:
-    they are kept and continue after /resume), or 409 if /resume came first."""
+    finished, or with mode `keep` when they cannot run (a sleep came first, or a keep-pause
+    while it waited: they are kept and continue after /resume), or 409 if /resume came
+    first; after a keep-pause with requests frozen it is a 409 at once (resume first)."""
     answer = await _engine(request).pause(mode, clear_cache)
     return {"status": "paused", **answer}
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
+from rlserve import json_depth
 from rlserve.config import EngineConfig
 from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.output_processor import RequestState
@@ -23,7 +24,7 @@ from rlserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessag
                                      PromptLogprob, PromptLogprobs, PromptTokensDetails,
                                      TokenizeChatRequest, Usage, WeightVersionSpan)
 from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
-from rlserve.server.structured import constraint
+from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
 
 if TYPE_CHECKING:
@@ -156,7 +157,7 @@ class OpenAIServing:
         self.vocab_size = engine.vocab_size
         # Only its `validate` runs here (a spec's parse); the engine compiles the masks.
         self.grammars = StructuredOutputCompiler(engine.tokenizer, engine.vocab_size,
-                                                 engine.info.eos_token_ids)
+                                                 engine.info.eos_token_ids, limits=config.grammar_limits)
 
     @property
     def model_name(self) -> str:
@@ -181,7 +182,13 @@ class OpenAIServing:
                     f"{param}: token id {t} is out of range; the vocabulary has "
                     f"{self.vocab_size} tokens", param)
 
+    def _no_tokenizer(self, param: str) -> InvalidRequestError:
+        return InvalidRequestError(f"{param}: text needs the tokenizer, and this server runs with "
+                                   "--skip-tokenizer-init: send token ids", param)
+
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise self._no_tokenizer(param)
         try:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except (TypeError, ValueError) as e:  # e.g. lone surrogates the tokenizer refuses
@@ -195,6 +202,8 @@ class OpenAIServing:
 
     def decode(self, ids: Sequence[int], param: str) -> str:
         self.check_ids(ids, param)
+        if self.tokenizer is None:  # vLLM's --skip-tokenizer-init: token ids only, no text
+            return ""
         try:
             return self.tokenizer.decode(list(ids), skip_special_tokens=False)
         except (TypeError, ValueError, OverflowError) as e:
@@ -207,6 +216,8 @@ class OpenAIServing:
             raise InvalidRequestError(
                 "continue_final_message: cannot be combined with add_generation_prompt",
                 "continue_final_message")
+        if self.tokenizer is None:
+            raise self._no_tokenizer("messages")
         template = self.config.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
@@ -335,19 +346,23 @@ class OpenAIServing:
     # ------------------------------------------------------------ responses
 
     async def respond(self, generation: Generation, events: AsyncIterator[str] | None,
-                      build) -> Response:
-        """Stream `events` when given, else wait for the end and `build` the body."""
-        if events is None:
-            try:
-                await generation.until_finished()
-                return json_response(build())
-            finally:
-                generation.close()
+                      build, body: CompletionRequest | ChatCompletionRequest) -> Response:
+        """Stream `events` when given, else wait for the end and `build` the body. The
+        engine's refusal of `body`'s grammar names the field the user sent."""
         try:
-            await generation.until_started()
-        except BaseException:
-            generation.close()
-            raise
+            if events is None:
+                try:
+                    await generation.until_finished()
+                    return json_response(build())
+                finally:
+                    generation.close()
+            try:
+                await generation.until_started()
+            except BaseException:
+                generation.close()
+                raise
+        except InvalidRequestError as e:
+            raise as_user_field(body, e) from None
         return StreamingResponse(self._closing(events, generation), media_type="text/event-stream")
 
     async def _closing(self, events: AsyncIterator[str], generation: Generation) -> AsyncIterator[str]:
@@ -394,10 +409,12 @@ def _template_message(m: ChatMessage, index: int) -> dict[str, Any]:
         for j, call in enumerate(m.tool_calls):
             args = call.function.arguments
             if isinstance(args, str):
+                param = f"messages.{index}.tool_calls.{j}.function.arguments"
                 try:
-                    args = json.loads(args) if args.strip() else {}
+                    args = json_depth.loads(args) if args.strip() else {}
+                except json_depth.JSONTooDeepError as e:
+                    raise InvalidRequestError(f"{param}: {e}", "messages") from None
                 except ValueError as e:
-                    param = f"messages.{index}.tool_calls.{j}.function.arguments"
                     raise InvalidRequestError(f"{param}: not valid JSON ({e})", "messages") from None
             fn = {"name": call.function.name, "arguments": args}
             calls.append({"type": "function", "function": fn, **({"id": call.id} if call.id else {})})

@@ -44,7 +44,7 @@ class ChatServing(OpenAIServing):
                                 body.cache_salt, lora_name, self.metrics)
         events = self._events(body, request_id, created, prompt, generation) if body.stream else None
         return await self.respond(generation, events,
-                                  lambda: self._body(body, request_id, created, prompt, generation))
+                                  lambda: self._body(body, request_id, created, prompt, generation), body)
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob], k: int, as_ids: bool,
                   detokenize: bool) -> ChatLogprobs:

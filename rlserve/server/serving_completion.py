@@ -37,7 +37,7 @@ class CompletionServing(OpenAIServing):
                                 body.cache_salt, lora_name, self.metrics)
         events = (self._events(body, request_id, created, prompts, generation) if body.stream else None)
         return await self.respond(generation, events,
-                                  lambda: self._body(body, request_id, created, prompts, generation))
+                                  lambda: self._body(body, request_id, created, prompts, generation), body)
 
     async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]], detokenize: bool,
                        add_special_tokens: bool = True) -> list[Prompt]:

@@ -112,6 +112,14 @@ def constraint(body: CompletionRequest | ChatCompletionRequest, compiler) -> Con
     return Constraint(spec, param)
 
 
+def as_user_field(body: CompletionRequest | ChatCompletionRequest, e: InvalidRequestError) -> InvalidRequestError:
+    """The engine's refusal of a grammar (compile time, say), about the field the user sent."""
+    if not (e.param or "").startswith("structured_outputs"):
+        return e
+    sources = _sources(body)
+    return _renamed(e, sources[0][0]) if sources else e
+
+
 def _renamed(e: InvalidRequestError, param: str) -> InvalidRequestError:
     """The engine's error about `structured_outputs.<kind>`, about the field the user sent."""
     message = str(e)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from rlserve import json_depth
 from rlserve.server.protocol import (ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall,
                                      FunctionCallOut, NamedToolChoice, ToolCallOut)
 from rlserve.server.tool_parsers import TOOL_PARSERS, ParsedToolCall
@@ -36,7 +37,7 @@ def tool_choice_mode(body: ChatCompletionRequest) -> str:
 
 def _required_calls(text: str) -> list[ParsedToolCall] | None:
     try:
-        items = json.loads(text)
+        items = json_depth.loads(text)
     except ValueError:
         return None
     if not isinstance(items, list) or not items:

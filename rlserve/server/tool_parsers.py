@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
+from rlserve import json_depth
+
 
 class ParsedToolCall(NamedTuple):
     name: str
@@ -30,7 +32,7 @@ Piece = str | ParsedToolCall  # content text, or a whole tool call
 def parse_call(text: str) -> ParsedToolCall | None:
     """`{"name": ..., "arguments": {...}}` (or `parameters`), else None."""
     try:
-        obj = json.loads(text)
+        obj = json_depth.loads(text)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -38,7 +40,7 @@ def parse_call(text: str) -> ParsedToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
-            args = json.loads(args)
+            args = json_depth.loads(args)
         except ValueError:
             return None
     if not isinstance(args, dict):

@@ -36,6 +36,7 @@ from .packing import (
 from .pipeline import receive_buckets
 
 MAX_NUM_BUFFERS = 8
+MAX_WORLD_SIZE = (1 << 31) - 1  # NCCL's and torch.distributed's rank count is a 32-bit int
 _LIST_CAP = 10
 
 
@@ -76,8 +77,8 @@ class InitInfo:
             problems.append(f"master_port must be an integer in 1..65535, got {port!r}")
         if not (_is_int(offset) and offset >= 1):
             problems.append(f"rank_offset must be an integer >= 1 (rank 0 is the trainer), got {offset!r}")
-        if not _is_int(world):
-            problems.append(f"world_size must be an integer, got {world!r}")
+        if not (_is_int(world) and world <= MAX_WORLD_SIZE):
+            problems.append(f"world_size must be an integer up to {MAX_WORLD_SIZE}, got {world!r}")
         elif _is_int(offset) and offset + num_workers > world:
             problems.append(f"world_size {world} is too small: this server has {num_workers} worker(s) "
                             f"at ranks {offset}..{offset + num_workers - 1}")
