@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL) between the kernels of a decode layer.
 
 Between two dependent kernels the GPU normally drains the first before it launches the
-second: ~0.4 us a boundary with nothing running (benchmarks/pdl_chain.py), a dozen
+second: ~0.4 us a boundary with nothing running (measured in benchmarks/RESULTS.md, 2026-12-02 "third"), a dozen
 boundaries a layer. With PDL (sm_90 and later) a kernel lets its successor launch once all
 of its own programs have started (`release_next`), and the successor, launched with
 `launch_pdl=True`, runs until `wait_for_previous`, which returns when the predecessor has
