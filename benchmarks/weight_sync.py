@@ -251,7 +251,7 @@ def host_planning(path: str, repeats: int) -> bool:
                     receiver._last_vetted.clear()
                 t0 = time.perf_counter()
                 vet(UpdateInfo.parse(info), expected)
-                copies = sum(1 for _ in model.weight_copies(tensors))
+                copies = len(model.copy_pairs(tensors))
                 times[kind].append(time.perf_counter() - t0)
         cold, warm = (statistics.median(times[k]) * 1e3 for k in ("cold", "warm"))
         print(f"{label:>34}: {len(tensors)} names -> {copies} copies; parse + check + plan + resolve "

@@ -172,6 +172,42 @@ def test_plan_buckets_unpacked_and_edge_cases():
         plan_buckets(exact, True, 0)
 
 
+def _greedy_plan(metas, bucket_size):
+    """The packing rule, one tensor at a time: each at the next aligned offset, a new
+    bucket when it would not fit, a tensor bigger than a bucket alone."""
+    buckets, cur, end = [], [], 0
+    for i, m in enumerate(metas):
+        n = m.nbytes
+        if n > bucket_size:
+            if cur:
+                buckets.append((cur, end, False))
+                cur = []
+            buckets.append(([(i, 0, n)], n, True))
+            continue
+        offset = -(-end // ALIGN_BYTES) * ALIGN_BYTES if cur else 0
+        if cur and offset + n > bucket_size:
+            buckets.append((cur, end, False))
+            cur, offset = [], 0
+        cur.append((i, offset, n))
+        end = offset + n
+    if cur:
+        buckets.append((cur, end, False))
+    return buckets
+
+
+def test_plan_buckets_follows_the_greedy_rule_on_random_lists():
+    rng = torch.Generator().manual_seed(0)
+    dtypes = ["float32", "bfloat16", "float8_e4m3fn", "float64"]
+    for trial in range(200):
+        count = int(torch.randint(0, 60, (), generator=rng))
+        dims = torch.randint(0, 700, (count, 2), generator=rng).tolist()
+        metas = [TensorMeta(f"t{i}", dtypes[(i * 7 + trial) % 4], tuple(d[: 1 + (i + trial) % 2]))
+                 for i, d in enumerate(dims)]
+        size = int(torch.randint(1, 5000, (), generator=rng))
+        got = [([tuple(s) for s in b.slots], b.nbytes, b.direct) for b in plan_buckets(metas, True, size)]
+        assert got == _greedy_plan(metas, size), (trial, size)
+
+
 def test_plan_is_the_same_on_both_sides():
     params = make_params()
     trainer_metas = metas_of(params)  # from real tensors

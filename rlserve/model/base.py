@@ -13,7 +13,7 @@ required themselves; the names they cover count as sent (`missing_weights`).
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Mapping, NamedTuple, Protocol
+from typing import Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -77,6 +77,25 @@ def missing_weights(expected: Mapping[str, ExpectedParam], sent: Iterable[str]) 
         if e is not None and e.covers:
             covered.update(e.covers)
     return [n for n, e in expected.items() if e.required and n not in covered]
+
+
+@torch.no_grad()
+def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """target.copy_(source) for each pair. On CUDA a few fused launches (one
+    `_foreach_copy_` per dtype pair) rather than one a tensor: an MoE update sent per
+    expert is tens of thousands of tensors, and as many launches would take longer than
+    the bytes."""
+    if not pairs or pairs[0][0].device.type != "cuda":
+        for target, source in pairs:
+            target.copy_(source)
+        return
+    groups: dict[tuple, tuple[list, list]] = {}
+    for target, source in pairs:
+        targets, sources = groups.setdefault((target.dtype, source.dtype, source.device), ([], []))
+        targets.append(target)
+        sources.append(source)
+    for targets, sources in groups.values():
+        torch._foreach_copy_(targets, sources)
 
 
 class CausalLM(nn.Module):
@@ -182,47 +201,64 @@ class CausalLM(nn.Module):
             loaded.add(name)
         return loaded
 
+    def copy_pairs(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(target, source) for tensors already checked against `expected_weights` (a live
+        update's staging): one lookup a name and no shape checks, for the tens of thousands
+        of names an MoE update may have; anything else goes through `weight_copies`."""
+        table, pairs = self._copy_table(), []
+        for name, tensor in weights:
+            entry = table.get(name)
+            if entry is None:
+                pairs += [(target, source) for _, target, source in self.weight_copies(((name, tensor),))]
+                continue
+            for target, p in entry[1]:
+                pairs.append((target, tensor if p is None else tensor.narrow(p.dim, p.start, p.size)))
+        return pairs
+
     def weight_copies(self, weights: Iterable[tuple[str, torch.Tensor]]
                       ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """(name, target, source) for each tensor: the copies `load_weights` makes, lazily,
         so a checkpoint streams. Targets are views of the current parameter storage."""
-        slots, views = self._fused_lookup(), self._target_views()
+        table = self._copy_table()
         for name, tensor in weights:
-            if name not in slots and f"model.{name}" in slots:
-                name = f"model.{name}"  # some checkpoints drop the base-model prefix
-            targets = views.get(name)
-            if targets is None:
-                if self.is_ignored_weight(name):
-                    continue
-                raise KeyError(f"weight {name!r} is not a parameter of {type(self).__name__}")
-            if tensor.shape != slots[name].full_shape:
+            entry = table.get(name)
+            if entry is None:
+                entry = table.get(f"model.{name}")  # some checkpoints drop the base-model prefix
+                if entry is None:
+                    if self.is_ignored_weight(name):
+                        continue
+                    raise KeyError(f"weight {name!r} is not a parameter of {type(self).__name__}")
+                name = f"model.{name}"
+            shape, targets = entry
+            if tensor.shape != shape:
                 raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} does not match "
-                                 f"the model's {slots[name].full_shape}")
+                                 f"the model's {shape}")
             for target, p in targets:
                 yield name, target, tensor if p is None else tensor.narrow(p.dim, p.start, p.size)
 
-    def _target_views(self) -> dict[str, tuple[tuple[torch.Tensor, Piece | None], ...]]:
-        """name -> (target view, the piece of the source it takes, None: all of it), made
-        once for the current parameter storage (sleep and wake replace it): resolving a
-        name is then a dict lookup, however many thousand expert tensors an update has."""
+    def _copy_table(self) -> dict[str, tuple[tuple[int, ...], tuple[tuple[torch.Tensor, Piece | None], ...]]]:
+        """name -> (its full shape, [(target view, the piece of the source it takes, None: all
+        of it)]), made once for the current parameter storage (sleep and wake replace it):
+        resolving a name is then one dict lookup, however many thousand expert tensors an
+        update has."""
         params = dict(self.named_parameters())
         key = tuple(p.data_ptr() for p in params.values())
         cached = getattr(self, "_views", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        views = {}
+        table = {}
         for name, slot in self._fused_lookup().items():
             target = params[slot.param].data
             if slot.expert is not None:
                 target = target[slot.expert]
             if not slot.pieces or _pieces_are_whole(slot, target):
-                views[name] = ((target, None),)  # one contiguous copy, not a strided one per piece
+                table[name] = (slot.full_shape, ((target, None),))  # one contiguous copy, not one per piece
                 continue
-            views[name] = tuple(
+            table[name] = (slot.full_shape, tuple(
                 (target.narrow(p.dim, p.offset, p.size),
-                 None if p.start == 0 and p.size == slot.full_shape[p.dim] else p) for p in slot.pieces)
-        self._views = (key, views)
-        return views
+                 None if p.start == 0 and p.size == slot.full_shape[p.dim] else p) for p in slot.pieces))
+        self._views = (key, table)
+        return table
 
     def activation_width(self) -> int:
         """Elements per token of the widest activations a step holds (the KV cache is

@@ -35,7 +35,7 @@ from .tcp import Frames, TcpHub, TcpLink
 
 DEFAULT_TIMEOUT_S = 120.0
 BACKENDS = ("nccl", "gloo")
-PROTOCOL = 2  # the control protocol between trainer and receivers (handshake.py)
+PROTOCOL = 3  # the control protocol between trainer and receivers (handshake.py)
 CONNECT_MARGIN_S = 1.0  # a connect gives up this long after timeout_s at the latest
 _SESSION_KEY = "rlserve/session"
 _DATA_PORT_KEY = "data_port"
@@ -77,6 +77,7 @@ class TransferGroup:
         self.turn = 0
         self.turns = {r: 0 for r in range(1, world_size)}
         self.forgotten: dict[int, int] = {}  # trainer: per rank, turns below this have no keys left
+        self.posted_plans: set[str] = set()  # trainer: digests whose plan is in the store (handshake.py)
         self.broken: str | None = None
         self.session = ""
         self.pg = self.hub = self.link = self._store = self._base = None

@@ -8,7 +8,10 @@ timeout never leaves the two counters apart, and the next push pairs with the ne
 
 Turn t of rank r, keys in the group's store:
 
-1. trainer  -> r{r}/t{t}/plan     {"digest", "plan", "checksum"} or {"cancel": message}
+0. trainer  -> plans/{digest}     the plan itself (packing.plan_json), once per group and plan:
+   a trainer sends the same tensor list every step, and the receivers read it only to say
+   how their update_info differs from it
+1. trainer  -> r{r}/t{t}/plan     {"digest", "checksum"} or {"cancel": message}
    receiver -> r{r}/t{t}/plan     "void" when no plan came while it waited
 2. receiver -> r{r}/t{t}/verdict  {"ok": true} | {"ok": false, "error": message}
    trainer  -> r{r}/t{t}/verdict  "void" when no verdict came within timeout_s
@@ -44,11 +47,34 @@ REFUSAL_GRACE_S = 2.0  # how long a refusal waits for a trainer to tell
 GO_MARGIN_S = 2.0
 
 
+PLAN_WAIT_S = 2.0  # how long a receiver waits for a plan it was told is in the store
+
+
 class TrainerPlan(NamedTuple):
     digest: str
-    plan: Mapping[str, Any]
     checksum: bool
     turn: int = -1  # the receiver's turn it was agreed in (for `report_done`)
+
+
+def plan_key(digest: str) -> str:
+    return f"plans/{digest}"
+
+
+def post_plan(group: TransferGroup, digest: str, plan: Callable[[], Mapping[str, Any]]) -> None:
+    """Trainer: put the plan with this digest in the store, unless it is there already."""
+    if digest not in group.posted_plans:
+        group.set(plan_key(digest), json.dumps(plan()))
+        group.posted_plans.add(digest)
+
+
+def fetch_plan(group: TransferGroup, digest: str) -> Mapping[str, Any] | None:
+    """Receiver: the trainer's plan with this digest, or None if it cannot be read."""
+    text = group.await_key(plan_key(digest), min(PLAN_WAIT_S, group.timeout_s), "the trainer's plan")
+    try:
+        plan = json.loads(text) if text is not None else None
+    except ValueError:
+        return None
+    return plan if isinstance(plan, dict) else None
 
 
 def _parse_plan(text: str) -> TrainerPlan | str:
@@ -61,17 +87,15 @@ def _parse_plan(text: str) -> TrainerPlan | str:
         return f"the trainer's plan message must be a JSON object, got {type(msg).__name__}"
     if "cancel" in msg:
         return f"the trainer cancelled this update before sending anything: {msg['cancel']}"
-    digest, plan, checksum = msg.get("digest"), msg.get("plan"), msg.get("checksum", False)
+    digest, checksum = msg.get("digest"), msg.get("checksum", False)
     problems = []
     if not isinstance(digest, str):
         problems.append(f"digest must be a string, got {digest!r}"[:120])
-    if not isinstance(plan, dict):
-        problems.append(f"plan must be an object, got {type(plan).__name__}")
     if not isinstance(checksum, bool):
         problems.append(f"checksum must be true or false, got {checksum!r}"[:120])
     if problems:
         return "the trainer's plan message is malformed: " + "; ".join(problems)
-    return TrainerPlan(digest, plan, checksum)
+    return TrainerPlan(digest, checksum)
 
 
 def receiver_handshake(group: TransferGroup, refusal: str | None,

@@ -13,17 +13,18 @@ bool tensors are refused, since a model's weights are floating point.
 from __future__ import annotations
 
 import itertools
+import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .address import address_problem
 from .errors import InvalidUpdateError
 from .group import DEFAULT_TIMEOUT_S, TransferGroup
-from .handshake import TrainerPlan, receiver_handshake, report_done
+from .handshake import TrainerPlan, fetch_plan, receiver_handshake, report_done
 from .packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -37,6 +38,8 @@ from .pipeline import receive_buckets
 
 MAX_NUM_BUFFERS = 8
 MAX_WORLD_SIZE = (1 << 31) - 1  # NCCL's and torch.distributed's rank count is a 32-bit int
+MAX_DIM = (1 << 63) - 1  # a tensor dimension is an int64 everywhere it goes
+MAX_RANK = 64  # torch's limit on a tensor's dimensions
 _LIST_CAP = 10
 
 
@@ -165,20 +168,21 @@ class UpdateInfo:
                    data.get("ipc_handles"), lora_name, lora_config)
 
     def metas(self) -> list[TensorMeta]:
-        return list(map(TensorMeta._make, zip(self.names, self.dtype_names, self.shapes)))
+        # tuple.__new__ straight from C: TensorMeta._make costs a Python frame per name
+        return list(map(tuple.__new__, itertools.repeat(TensorMeta), zip(self.names, self.dtype_names, self.shapes)))
 
 
 def _tensor_list_problems(names: list, dtypes: list, shapes: list) -> list[str]:
     """What is wrong with update_info's three parallel lists. A model with many experts
     sends tens of thousands of names every step, so the common case (nothing wrong) is
     checked in bulk, and only a failure is examined item by item."""
-    names_ok = all(type(n) is str and n for n in names)
-    dtypes_ok = all(type(d) is str for d in dtypes) and set(dtypes) <= DTYPES.keys()
-    dims = itertools.chain.from_iterable(s for s in shapes if type(s) is list)
-    shapes_ok = (all(type(s) is list for s in shapes) and set(map(type, dims)) <= {int}
-                 and min(itertools.chain.from_iterable(shapes), default=0) >= 0)
-    if names_ok and dtypes_ok and shapes_ok and len(set(names)) == len(names):
-        return []
+    if set(map(type, names)) <= {str} and set(map(type, dtypes)) <= {str} and set(map(type, shapes)) <= {list}:
+        dims = list(itertools.chain.from_iterable(shapes))
+        unique = set(names)
+        if (set(dtypes) <= DTYPES.keys() and set(map(type, dims)) <= {int} and len(unique) == len(names)
+                and "" not in unique and min(dims, default=0) >= 0 and max(dims, default=0) <= MAX_DIM
+                and max(map(len, shapes), default=0) <= MAX_RANK):
+            return []
     problems = []
     bad_names = [f"[{i}] {n!r}" for i, n in enumerate(names) if not (isinstance(n, str) and n)]
     if bad_names:
@@ -188,10 +192,11 @@ def _tensor_list_problems(names: list, dtypes: list, shapes: list) -> list[str]:
     if bad_dtypes:
         problems.append(f"dtype_names: unknown dtype for {_listing(bad_dtypes)} "
                         f"(known: {', '.join(DTYPES)})")
-    bad_shapes = [f"{label[i]} ({s!r})" for i, s in enumerate(shapes)
-                  if not (isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s))]
+    bad_shapes = [f"{label[i]} ({s!r})"[:200] for i, s in enumerate(shapes)
+                  if not (isinstance(s, list) and len(s) <= MAX_RANK and all(_is_int(d) and 0 <= d <= MAX_DIM for d in s))]
     if bad_shapes:
-        problems.append(f"shapes must be lists of non-negative integers: {_listing(bad_shapes)}")
+        problems.append(f"shapes must be lists of at most {MAX_RANK} int64 non-negative integers: "
+                        f"{_listing(bad_shapes)}")
     seen: set = set()
     dups = sorted({n for n in label if isinstance(n, str) and (n in seen or seen.add(n))})
     if dups:
@@ -199,25 +204,57 @@ def _tensor_list_problems(names: list, dtypes: list, shapes: list) -> list[str]:
     return problems
 
 
+class _ModelIndex(NamedTuple):
+    """What checking a tensor list against one expected table needs, built once per table."""
+
+    expected: Mapping[str, ExpectedParam]  # held, so its id is not reused while cached
+    shapes: dict[str, tuple[int, ...]]
+    required: frozenset[str]
+    covering: frozenset[str]  # names that carry others (stacked experts)
+
+
+_indexes: dict[int, _ModelIndex] = {}
+
+
+def _model_index(expected: Mapping[str, ExpectedParam]) -> _ModelIndex:
+    index = _indexes.get(id(expected))
+    if index is None or index.expected is not expected:
+        if len(_indexes) >= 8:  # a process checks against a few tables (whole updates, parts)
+            _indexes.clear()
+        index = _indexes[id(expected)] = _ModelIndex(
+            expected, {n: e.shape for n, e in expected.items()},
+            frozenset(n for n, e in expected.items() if e.required),
+            frozenset(n for n, e in expected.items() if e.covers))
+    return index
+
+
 def check_against_model(metas: Sequence[TensorMeta], expected: Mapping[str, ExpectedParam]) -> None:
-    """Refuse names, shapes or dtypes the model cannot take, listing the offenders. One
-    pass over the names (an MoE model sends tens of thousands)."""
+    """Refuse names, shapes or dtypes the model cannot take, listing the offenders. The
+    lists are compared in bulk (an MoE model sends tens of thousands of names); only a
+    failure is examined name by name."""
+    index = _model_index(expected)
+    names = list(map(_name_of, metas))
+    sent = set(names)
     unknown, wrong_shape, twice = [], [], []
-    sent = {m.name for m in metas}
-    covered = set(sent)
-    for name, _, shape in metas:
-        e = expected.get(name)
-        if e is None:
-            unknown.append(_unknown(name, expected))
-            continue
-        if e.shape != shape:
-            wrong_shape.append(f"{name} (got {list(shape)}, expected {list(e.shape)})")
-        if e.covers:
-            twice += [f"{c} (also in {name})" for c in e.covers if c in sent]
-            covered.update(e.covers)
-    floats = {d for d in {m.dtype_name for m in metas} if DTYPES[d].is_floating_point}
-    not_float = [f"{m.name} ({m.dtype_name})" for m in metas if m.dtype_name not in floats]
-    missing = [n for n, p in expected.items() if p.required and n not in covered]
+    if list(map(index.shapes.get, names)) != list(map(_shape_of, metas)):
+        for name, _, shape in metas:
+            e = expected.get(name)
+            if e is None:
+                unknown.append(_unknown(name, expected))
+            elif e.shape != shape:
+                wrong_shape.append(f"{name} (got {list(shape)}, expected {list(e.shape)})")
+    covered: set[str] = sent
+    stacked = index.covering.intersection(sent)
+    if stacked:
+        covered = set(sent)
+        for name in (n for n in names if n in stacked):
+            covers = expected[name].covers
+            twice += [f"{c} (also in {name})" for c in covers if c in sent]
+            covered.update(covers)
+    dtypes = set(map(_dtype_of, metas))
+    floats = {d for d in dtypes if DTYPES[d].is_floating_point}
+    not_float = [f"{m.name} ({m.dtype_name})" for m in metas if m.dtype_name not in floats] if floats != dtypes else []
+    missing = index.required.difference(covered)
     problems = []
     if unknown:
         problems.append(f"unknown parameter names: {_listing(unknown)}")
@@ -228,9 +265,13 @@ def check_against_model(metas: Sequence[TensorMeta], expected: Mapping[str, Expe
     if twice:
         problems.append(f"sent twice: {_listing(twice)}")
     if missing:
-        problems.append(f"missing required parameters: {_listing(missing)}{_stacked_hint(missing, expected)}")
+        ordered = [n for n in expected if n in missing]
+        problems.append(f"missing required parameters: {_listing(ordered)}{_stacked_hint(ordered, expected)}")
     if problems:
         raise InvalidUpdateError("update_info refused: " + "; ".join(problems))
+
+
+_name_of, _dtype_of, _shape_of = (operator.itemgetter(i) for i in range(3))  # TensorMeta's fields
 
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -287,15 +328,17 @@ def vet(info: UpdateInfo, expected: Mapping[str, "ExpectedParam"],
     return vetted
 
 
-def _plan_problem(info: UpdateInfo, vetted: Vetted, trainer: TrainerPlan) -> str | None:
+def _plan_problem(group: TransferGroup, info: UpdateInfo, vetted: Vetted, trainer: TrainerPlan) -> str | None:
     """Why the trainer is about to send something other than update_info describes, if it is."""
     if trainer.digest == vetted.digest:
         return None
     metas = vetted.metas
     mine = plan_json(metas, info.packed, info.packed_buffer_size_bytes)
-    theirs = trainer.plan
+    theirs = fetch_plan(group, trainer.digest)
     why = "different plan layout versions"
-    if theirs.get("packed") != mine["packed"] or theirs.get("bucket_size_bytes") != mine["bucket_size_bytes"]:
+    if theirs is None:
+        why = "the trainer's plan is not in the group's store (a trainer of another version?)"
+    elif theirs.get("packed") != mine["packed"] or theirs.get("bucket_size_bytes") != mine["bucket_size_bytes"]:
         why = (f"the trainer sends packed={theirs.get('packed')} with buffer size "
                f"{theirs.get('bucket_size_bytes')}, update_info says packed={mine['packed']} with "
                f"buffer size {mine['bucket_size_bytes']}")
@@ -352,7 +395,7 @@ def receive_weights(
         metas = vetted.metas
     except InvalidUpdateError as e:
         refusal = str(e)
-    plan = receiver_handshake(group, refusal, lambda plan: _plan_problem(info, vetted, plan))
+    plan = receiver_handshake(group, refusal, lambda plan: _plan_problem(group, info, vetted, plan))
     device = group.device if device is None else torch.device(device)
     staging = [expected[m.name].dtype or target_dtype or m.dtype for m in metas]
     buckets = vetted.buckets

@@ -21,7 +21,7 @@ import torch
 
 from .errors import InvalidUpdateError
 from .group import DEFAULT_TIMEOUT_S, TransferGroup
-from .handshake import await_done, cancel, trainer_handshake
+from .handshake import await_done, cancel, post_plan, trainer_handshake
 from .packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -91,11 +91,9 @@ def send_weights(
     except Exception as e:
         cancel(group, f"{type(e).__name__}: {e}")
         raise
-    turns = trainer_handshake(group, {
-        "digest": plan_digest(metas, packed, packed_buffer_size_bytes),
-        "plan": plan_json(metas, packed, packed_buffer_size_bytes),
-        "checksum": bool(checksum),
-    })
+    digest = plan_digest(metas, packed, packed_buffer_size_bytes)
+    post_plan(group, digest, lambda: plan_json(metas, packed, packed_buffer_size_bytes))
+    turns = trainer_handshake(group, {"digest": digest, "checksum": bool(checksum)})
     buckets = plan_buckets(metas, packed, packed_buffer_size_bytes)
     send_buckets(group, metas, tensors, buckets, int(packed_num_buffers), checksum)
     await_done(group, turns)

@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from rlserve.model.base import copy_all
 from rlserve.model.peft import LoRAConfig, pair_tensors, peft_name
 from rlserve.weight_transfer import (ExpectedParam, InvalidUpdateError, WeightTransferError, receive_weights,
                                      receiver_init, refuse)
@@ -192,10 +193,10 @@ class WeightReceiver:
         if lora is not None:
             self._apply_lora(staged, lora, lora_slot)
         elif parts:
-            for part in parts:
-                self.model.load_weights(part)
+            for part in parts:  # in order: a later part may send what an earlier one did
+                copy_all(self.model.copy_pairs(part))
         elif self.ipc is None:
-            self.model.load_weights(staged)
+            copy_all(self.model.copy_pairs(staged))
         else:
             self._apply_ipc(staged)
         if self.device.type == "cuda":
@@ -220,10 +221,8 @@ class WeightReceiver:
         # the (target, source) pairs are worked out once; sleep and wake reset them.
         plan = self._ipc_plan
         if plan is None or plan[0] is not staged:
-            plan = self._ipc_plan = (staged, [(t, s) for _, t, s in self.model.weight_copies(staged)])
-        with torch.no_grad():
-            for target, source in plan[1]:
-                target.copy_(source)
+            plan = self._ipc_plan = (staged, self.model.copy_pairs(staged))
+        copy_all(plan[1])
 
     def drop(self) -> None:
         """Forget what is staged (a refused or abandoned update, or transaction)."""
