@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -28,7 +27,7 @@ import msgpack
 import uvicorn
 
 from rlserve.config import EngineConfig
-from rlserve.process import die_with_parent
+from rlserve.process import spawn
 from rlserve.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
@@ -131,18 +130,10 @@ def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engi
                       sock: socket.socket) -> subprocess.Popen:
     sock.set_inheritable(True)
     addresses = engine.client.addresses
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlserve.server.lifecycle", "--fd", str(sock.fileno()),
-         "--index", str(index)],
-        stdin=subprocess.PIPE, pass_fds=(sock.fileno(),), env=env, preexec_fn=die_with_parent)
-    proc.stdin.write(msgpack.packb({
-        "config": config.to_wire(), "options": dataclasses.asdict(opts),
-        "engine": {"input": addresses.input, "outputs": addresses.outputs}}, use_bin_type=True))
-    proc.stdin.close()
-    return proc
+    return spawn("rlserve.server.lifecycle", "--fd", str(sock.fileno()), "--index", str(index),
+                 pass_fds=(sock.fileno(),), stdin=msgpack.packb({
+                     "config": config.to_wire(), "options": dataclasses.asdict(opts),
+                     "engine": {"input": addresses.input, "outputs": addresses.outputs}}, use_bin_type=True))
 
 
 def api_server_main(argv: list[str] | None = None) -> int:
