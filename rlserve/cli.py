@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Sequence
 
-from rlserve import __version__
+from rlserve import __version__, envs
 from rlserve.config import EngineConfig, byte_size, positive_int
 from rlserve.sampling_params import MAX_LOGPROBS
 from rlserve.server.tool_parsers import TOOL_PARSERS
@@ -19,14 +19,14 @@ logger = logging.getLogger("rlserve")
 
 
 # Where each key may come from, first found wins: the flag, the file flag, the variables.
-_KEY_SOURCES = {"api_key": ("--api-key", "--api-key-file", ("VLLM_API_KEY", "RLSERVE_API_KEY")),
-                "admin_key": ("--admin-key", "--admin-key-file", ("RLSERVE_ADMIN_KEY",))}
+_KEY_SOURCES = {"api_key": ("--api-key", "--api-key-file", (envs.VLLM_API_KEY, envs.RLSERVE_API_KEY)),
+                "admin_key": ("--admin-key", "--admin-key-file", (envs.RLSERVE_ADMIN_KEY,))}
 
 
 def _resolve_key(args: argparse.Namespace, dest: str, error) -> tuple[str | None, str | None]:
     """(key, where it came from) for `dest`; `error` (the parser's) for an empty or unreadable
     one: an empty key would look set but turn authentication off."""
-    flag, file_flag, envs = _KEY_SOURCES[dest]
+    flag, file_flag, variables = _KEY_SOURCES[dest]
     value, path = getattr(args, dest), getattr(args, dest + "_file")
     if value is not None and path is not None:
         error(f"{flag} and {file_flag}: give one of them")
@@ -37,14 +37,14 @@ def _resolve_key(args: argparse.Namespace, dest: str, error) -> tuple[str | None
                 value, source = f.read().strip(), f"{file_flag} {path}"
         except OSError as e:
             error(f"{file_flag}: cannot read {path}: {e.strerror}")
-    for env in envs if source is None else ():
-        if env in os.environ:
-            value, source = os.environ[env], env
+    for var in variables if source is None else ():
+        if (text := var.raw()) is not None:
+            value, source = text, var.name
             break
     if source is not None and not value.strip():
         error(f"{flag}: the key is empty (from {source}; an unset shell variable?); give a "
-              f"non-empty key, or leave {flag}, {file_flag} and {', '.join(envs)} unset to serve "
-              "without one")
+              f"non-empty key, or leave {flag}, {file_flag} and {', '.join(v.name for v in variables)} "
+              "unset to serve without one")
     return value, source
 
 
@@ -262,19 +262,6 @@ def _json_object(value: str) -> dict:
     return data
 
 
-def _dp_engines(size: int) -> list[dict[str, str]] | None:
-    """RLSERVE_DP_ENGINES (JSON, set by rlserve.ray): replicas started elsewhere, each
-    {"input": ..., "output": ...}, that this server attaches to instead of starting them."""
-    value = os.environ.get("RLSERVE_DP_ENGINES")
-    if not value:
-        return None
-    engines = json.loads(value)
-    if not (isinstance(engines, list) and all(isinstance(e, dict) and set(e) == {"input", "output"}
-                                              for e in engines)):
-        raise SystemExit('RLSERVE_DP_ENGINES: must be a JSON list of {"input": ..., "output": ...}')
-    return engines
-
-
 def _download(model: str, revision: str | None, download_dir: str | None) -> str:
     """The local directory of MODEL at `revision`, downloaded into `download_dir`."""
     from rlserve.model.loader import resolve_model_path
@@ -304,7 +291,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         logger.info("no MODEL given: serving the demo model %s from %s", served_name, model)
     try:
         config = EngineConfig(**{**engine_flag_values(args), "model": model, "served_model_name": served_name,
-                                 "dp_engines": _dp_engines(args.data_parallel_size)})
+                                 "dp_engines": envs.RLSERVE_DP_ENGINES.get()})
     except ValueError as e:  # config errors name the flag; no traceback for a typo
         raise SystemExit(f"rlserve serve: {e}") from None
     if config.data_parallel_size > 1 and args.api_server_count > 1:

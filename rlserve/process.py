@@ -6,7 +6,7 @@ trainer a whole server. Whatever kills a parent (SIGKILL included), its children
 too: Linux's parent-death signal fires at once, and a watch thread covers the case
 where the parent died before the child could arm it.
 
-What a child's environment gets beyond its parent's:
+What a child's environment gets beyond its parent's (envs.py has what rlserve reads):
 
     PYTHONPATH            this rlserve's folder first: the child runs the same rlserve,
                           installed or not
