@@ -1,15 +1,15 @@
 """Engine configuration: small dataclasses, validated on construction. EngineConfig is the
-one source of the engine's `rlserve serve` flags (rlserve.cli generates them from its fields)."""
+one source of the engine's `rlserve serve` flags (flags.py makes them from its fields)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rlserve.flags import byte_size, flag, no_flag, positive_int
 from rlserve.sampling_params import LOGPROBS_MODES
 
 if TYPE_CHECKING:
@@ -86,41 +86,7 @@ class WeightTransferConfig:
         return cfg
 
 
-# -- fields as command-line flags ---------------------------------------------------------
-
-def flag(help: str, **argparse_options: Any) -> dict[str, Any]:
-    """A field's `rlserve serve` flag, as field metadata (rlserve.cli generates the flags).
-    The field gives the flag's name (vLLM's: --max-model-len for max_model_len), type and
-    default; the options add `group` (its --help section), and where needed `name` (another
-    flag name), `aliases`, `type` (a parser of the text), and argparse's choices, metavar,
-    nargs."""
-    return {"help": help, **argparse_options}
-
-
-def no_flag(why: str) -> dict[str, Any]:
-    """Field metadata: not a `rlserve serve` flag, and why."""
-    return {"no_flag": why}
-
-
-# Values as a command line writes them: each parser raises ValueError naming the problem.
-
-def positive_int(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise ValueError(f"must be at least 1, got {n}")
-    return n
-
-
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def byte_size(value: str) -> int:
-    """`1073741824`, `1G`, `1GiB`, `512M`: powers of two, as memory is counted."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
-    if not m:
-        raise ValueError(f"not a byte size: {value!r} (try 2G or 2147483648)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
+# Values as a command line writes them (flags.py has the general ones).
 
 def lora_module(value: str) -> tuple[str, str]:
     """`name=path` or vLLM's JSON form `{"name": ..., "path": ...}`."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Iterator
@@ -11,12 +10,13 @@ from typing import Iterator
 import pytest
 import torch
 
+from rlserve import envs
 from rlserve.server.launcher import ServerProcess
 from rlserve.weight_transfer.address import is_loopback
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
-SERVER_START_TIMEOUT_S = float(os.environ.get("RLSERVE_TEST_SERVER_TIMEOUT", "180"))
+SERVER_START_TIMEOUT_S = envs.RLSERVE_TEST_SERVER_TIMEOUT.get()
 
 
 @pytest.fixture(scope="session")

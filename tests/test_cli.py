@@ -1,11 +1,12 @@
-"""`rlserve serve`'s flags: the engine's are generated from EngineConfig's fields (name,
-default, help), the server's are written out; every flag a command line could use keeps
-its name and meaning."""
+"""`rlserve serve`'s flags: generated from EngineConfig's fields (the engine's) and
+ServeOptions' (the server's), name, default and help; every flag a command line could use
+keeps its name and meaning."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,8 @@ import pytest
 
 from rlserve.cli import build_parser, config_from_args
 from rlserve.config import EngineConfig, WeightTransferConfig
+from rlserve.flags import flag_name, flag_values
+from rlserve.server.options import ServeOptions
 
 # Every flag `rlserve serve` had before its engine flags were generated.
 FLAGS = [
@@ -115,3 +118,27 @@ def test_a_bad_engine_setting_names_its_flag():
         _config("--weight-transfer-config", '{"backend": "x"}')
     with pytest.raises(SystemExit, match="--no-enable-chunked-prefill"):
         _config("--no-enable-chunked-prefill")
+
+
+def test_help_lists_every_serve_option_with_the_fields_default():
+    """ServeOptions is the one source of the server's flags, as EngineConfig is of the
+    engine's: each field is a flag `rlserve serve --help` shows, or says why not."""
+    actions = _serve_actions()
+    text = subprocess.run([sys.executable, "-m", "rlserve.cli", "serve", "--help"], capture_output=True,
+                          text=True, timeout=120, check=True).stdout
+    fields = dataclasses.fields(ServeOptions)
+    assert len(fields) > 15
+    for f in fields:
+        assert ("help" in f.metadata) != ("no_flag" in f.metadata), f"{f.name}: give it flag(...) or no_flag(...)"
+        if "no_flag" in f.metadata:
+            continue
+        name = flag_name(f)
+        assert re.search(rf"^ +{re.escape(name)}(?=[ ,]|$)", text, re.M), f"--help does not list {name}"
+        assert actions[name].dest == f.name and actions[name].help.startswith(f.metadata["help"])
+        assert actions[name].default == (None if f.default is dataclasses.MISSING else f.default), f.name
+    args = build_parser().parse_args(["serve", "m"])
+    assert ServeOptions(**flag_values(ServeOptions, args)) == ServeOptions()
+    args = build_parser().parse_args(["serve", "m", "--port", "9", "--max-request-body-bytes", "1G",
+                                      "--disable-uvicorn-access-log", "--shutdown-grace-period", "2.5"])
+    assert ServeOptions(**flag_values(ServeOptions, args)) == ServeOptions(
+        port=9, max_request_body_bytes=1 << 30, disable_uvicorn_access_log=True, shutdown_grace_period=2.5)

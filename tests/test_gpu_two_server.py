@@ -24,6 +24,8 @@ import torch
 from conftest import seeded_wide_model, start_server, stop_server, stream_completion
 from trainer_agent import TrainerProcess
 
+from rlserve import envs
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.gpu2,
@@ -41,7 +43,7 @@ def checkpoint(tmp_path_factory) -> str:
     import shutil
 
     from transformers import LlamaConfig
-    source = os.environ.get("RLSERVE_TEST_TOKENIZER")
+    source = envs.RLSERVE_TEST_TOKENIZER.get()
     if source is None:
         from rlserve.model.demo_model import demo_model_path
         source = demo_model_path()

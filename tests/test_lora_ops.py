@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from rlserve import envs
 from rlserve.ops.lora import LoRABatch, group_tokens, lora_reference
 
-INTERPRET = os.environ.get("RLSERVE_TRITON_INTERPRET") == "1"
+INTERPRET = envs.RLSERVE_TRITON_INTERPRET.get()
 if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit decorates the kernels
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -192,3 +192,39 @@ def test_weight_transfer_sides_import_only_the_shared_layer():
         forbidden = server if me in trainer else trainer if me in server else trainer | server
         crossing += [f"{me} -> {m}" for m in sorted(imported & forbidden)]
     assert crossing == []
+
+
+def _environment_uses(path: Path) -> list[int]:
+    """The lines where a module touches the process environment (os.environ, os.getenv)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
+                and node.attr in ("environ", "environb", "getenv", "putenv", "unsetenv")):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            lines += [node.lineno for a in node.names if a.name in ("environ", "environb", "getenv")]
+    return lines
+
+
+def test_the_environment_is_read_only_through_the_registry():
+    """rlserve/envs.py is the one table of the variables rlserve reads: no other module
+    touches the environment, except the spawn helper handing a child a copy of it."""
+    uses = {str(p.relative_to(ROOT)): lines for p in _modules() if (lines := _environment_uses(p))}
+    assert len(uses.pop("rlserve/process.py", [])) == 1, "process.spawn copies the environment, once"
+    assert sorted(uses) == ["rlserve/envs.py"]
+
+
+def test_every_variable_rlserve_names_is_registered_and_documented():
+    """A variable named anywhere in rlserve's text (help, messages, docstrings) is one the
+    registry knows, and docs/serving.md lists every one of them."""
+    from rlserve import envs
+    registered = {v.name for v in envs.VARIABLES}
+    named = set()
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named.update(re.findall(r"\b(?:RLSERVE|VLLM)_[A-Z][A-Z0-9_]*\b", node.value))
+    assert len(named) > 5  # the text was read
+    assert sorted(named - registered) == []
+    docs = (ROOT / "docs" / "serving.md").read_text()
+    assert sorted(v for v in registered if f"| `{v}`" not in docs) == []

@@ -12,9 +12,10 @@ import os
 import pytest
 import torch
 
+from rlserve import envs
 from rlserve.ops import moe as ref
 
-INTERPRET = os.environ.get("RLSERVE_TRITON_INTERPRET") == "1"
+INTERPRET = envs.RLSERVE_TRITON_INTERPRET.get()
 if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit decorates the kernels
 DEVICE = "cpu" if INTERPRET else "cuda"

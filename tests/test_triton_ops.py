@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlserve import envs
 from rlserve.ops import attention as ref
 from rlserve.ops import fused_ref
 
-INTERPRET = os.environ.get("RLSERVE_TRITON_INTERPRET") == "1"
+INTERPRET = envs.RLSERVE_TRITON_INTERPRET.get()
 if INTERPRET:
     # Must be set before triton.jit decorates the kernels.
     os.environ["TRITON_INTERPRET"] = "1"

@@ -8,13 +8,11 @@ event loop. It knows nothing of HTTP or text: async_engine.py builds on it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,7 +28,7 @@ from rlserve.config import EngineConfig
 from rlserve.engine.messages import (AbortRequests, AddRequest, Call, CallResult, ControlCall, EngineDead,
                                      EngineDeadError, EngineOutput, EngineReady, Shutdown, error_from_result)
 from rlserve.engine.outputs import EngineCoreOutputs
-from rlserve.process import die_with_parent
+from rlserve.process import spawn
 from rlserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,15 +50,16 @@ class EngineAddresses:
 class EngineCoreClient:
     def __init__(self, config: EngineConfig, *, client_index: int = 0, num_clients: int = 1,
                  addresses: EngineAddresses | None = None, log_level: str = "info",
-                 watch_pid: bool = True, env: dict[str, str] | None = None):
+                 watch_pid: bool = True, threads: int | None = None):
         """`watch_pid=False`: an engine started elsewhere, maybe on another host, whose pid
-        means nothing here; its death reaches this client as an EngineDead message."""
+        means nothing here; its death reaches this client as an EngineDead message.
+        `threads`: the CPU threads the engine process may use (process.spawn)."""
         self.client_index = client_index
         self.watch_pid = watch_pid
         self.proc: subprocess.Popen | None = None
         if addresses is None:
             addresses = EngineAddresses.new(num_clients)
-            self.proc = self._spawn(config, addresses, log_level, env or {})
+            self.proc = self._spawn(config, addresses, log_level, threads)
         self.addresses = addresses
         self.ctx = zmq.Context()
         self._input = self.ctx.socket(zmq.PUSH)
@@ -79,21 +78,13 @@ class EngineCoreClient:
 
     @staticmethod
     def _spawn(config: EngineConfig, addresses: EngineAddresses, log_level: str,
-               extra_env: dict[str, str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "rlserve.engine.core_proc", "--input", addresses.input,
-               "--log-level", log_level]
+               threads: int | None) -> subprocess.Popen:
+        args = ["--input", addresses.input, "--log-level", log_level]
         for out in addresses.outputs:
-            cmd += ["--output", out]
-        env = {**os.environ, **extra_env}
-        # The engine imports the same rlserve as this process, installed or not.
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+            args += ["--output", out]
         # It ignores SIGTERM (see core_proc.py): if this process dies, it is killed.
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env,
-                                preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))
-        proc.stdin.write(msgpack.packb(config.to_wire(), use_bin_type=True))
-        proc.stdin.close()
-        return proc
+        return spawn("rlserve.engine.core_proc", *args, stdin=msgpack.packb(config.to_wire(), use_bin_type=True),
+                     parent_death=signal.SIGKILL, threads=threads)
 
     # -- start -------------------------------------------------------------------------
     async def start(self) -> EngineReady:

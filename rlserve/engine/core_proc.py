@@ -37,6 +37,7 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from rlserve import envs
 from rlserve.engine.core import EngineCore
 from rlserve.engine.messages import (AbortAll, AbortRequests, AddRequest, Call, CallResult,
                                      EngineDead, EngineInput, EngineReady, GetStats, ListLoRAAdapters,
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     code = 0
     # RLSERVE_ENGINE_PROFILE=PATH: a cProfile of the loop, written to PATH at exit.
-    with profiled(os.environ.get("RLSERVE_ENGINE_PROFILE")):
+    with profiled(envs.RLSERVE_ENGINE_PROFILE.get()):
         try:
             proc.run()
         except Exception as e:

@@ -117,12 +117,10 @@ class DPEngineClient:
         if addresses is None and self.config.dp_engines is not None:
             e = self.config.dp_engines[index]
             addresses = EngineAddresses(e["input"], [e["output"]])
-        env = {}
-        if not str(self.config.device).startswith("cuda") and "OMP_NUM_THREADS" not in os.environ:
-            # CPU replicas share the cores: more threads than cores makes every one spin.
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.size))
+        # CPU replicas share the cores: more threads than cores makes every one spin.
+        threads = None if str(self.config.device).startswith("cuda") else max(1, (os.cpu_count() or 1) // self.size)
         return EngineCoreClient(self.config.replica(index), addresses=addresses,
-                                log_level=self.log_level, watch_pid=addresses is None, env=env)
+                                log_level=self.log_level, watch_pid=addresses is None, threads=threads)
 
     # -- start ---------------------------------------------------------------------------
     async def start(self) -> EngineReady:

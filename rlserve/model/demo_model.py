@@ -13,13 +13,15 @@ import os
 import sys
 from pathlib import Path
 
+from rlserve import envs
+
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
-    root = os.environ.get("RLSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rlserve")
+    root = envs.RLSERVE_CACHE.get() or os.path.join(
+        envs.XDG_CACHE_HOME.get() or os.path.expanduser("~/.cache"), "rlserve")
     return Path(root)
 
 
@@ -34,7 +36,7 @@ def gguf_path() -> Path:
 
 def demo_model_path() -> str:
     """Return the HF directory of the demo model, converting it on first use."""
-    override = os.environ.get("RLSERVE_DEMO_MODEL")
+    override = envs.RLSERVE_DEMO_MODEL.get()
     if override:
         return override
     target = cache_root() / "smollm2-135m-instruct"

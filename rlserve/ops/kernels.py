@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from rlserve import envs
 from rlserve.ops import attention as attention_ref
 from rlserve.ops import fused_ref
 from rlserve.ops import moe as moe_ref
 
 logger = logging.getLogger(__name__)
 
-ENV = "RLSERVE_KERNELS"
+ENV = envs.RLSERVE_KERNELS.name
 CHOICES = ("torch", "triton")
 
 
@@ -165,7 +165,7 @@ def _triton_imports() -> bool:
 def select(device: torch.device, choice: str | None = None) -> Kernels:
     """The kernel set for a model on `device`: `choice`, else $RLSERVE_KERNELS, else
     Triton on CUDA (when it imports) and torch elsewhere."""
-    choice = (choice or os.environ.get(ENV) or "").strip().lower() or None
+    choice = (choice or envs.RLSERVE_KERNELS.get() or "").strip().lower() or None
     if choice is not None and choice not in CHOICES:
         raise ValueError(f"{ENV}: must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice is None:

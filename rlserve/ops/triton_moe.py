@@ -22,12 +22,13 @@ throughput depends on; the spare rows cost tensor-core time, which decode has to
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from rlserve import envs
 
 
 class ExpertBlocks(NamedTuple):
@@ -41,7 +42,7 @@ class ExpertBlocks(NamedTuple):
 
 
 # Triton's interpreter multiplies bfloat16 tiles wrongly; there, tiles are widened first.
-_WIDEN = os.environ.get("TRITON_INTERPRET") == "1"
+_WIDEN = envs.TRITON_INTERPRET.get()
 
 
 @triton.jit

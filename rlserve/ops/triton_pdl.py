@@ -17,14 +17,15 @@ waits for it to finish, as without PDL.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from rlserve import envs
+
 # RLSERVE_PDL=0 launches every kernel plainly (a debugging aid; results are the same).
-ENABLED = os.environ.get("RLSERVE_PDL", "1") != "0"
+ENABLED = envs.RLSERVE_PDL.get()
 
 
 @functools.lru_cache(maxsize=None)

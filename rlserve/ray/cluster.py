@@ -35,6 +35,7 @@ from typing import Iterable, Sequence
 import requests
 import torch
 
+from rlserve import envs
 from rlserve.weight_transfer.address import get_ip, get_open_port
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class RolloutCluster:
         log = self.log_dir / "router.log" if self.log_dir is not None else None
         self.router = ServerProcess(model, *flags, host="0.0.0.0", port=self.port, log=log,
                                     timeout_s=timeout_s, die_with_parent=True,
-                                    env={"RLSERVE_DP_ENGINES": json.dumps(engines)})
+                                    env={envs.RLSERVE_DP_ENGINES.name: json.dumps(engines)})
         self.url = f"http://{self.host}:{self.port}"  # for rollouts, from any node
         # The control plane answers loopback clients only (without an admin key); the
         # router runs on this node.

@@ -7,11 +7,8 @@ router takes the replica out of rotation without waiting on a timeout.
 
 from __future__ import annotations
 
-import functools
-import os
 import signal
 import subprocess
-import sys
 import threading
 
 import msgpack
@@ -19,7 +16,7 @@ import msgspec
 import zmq
 
 from rlserve.engine.messages import EngineDead
-from rlserve.process import die_with_parent
+from rlserve.process import spawn
 from rlserve.weight_transfer.address import get_ip, get_open_port
 
 
@@ -47,17 +44,9 @@ class EngineReplica:
         self.stop()
         self.stopping = False
         address = f"tcp://{get_ip()}:{get_open_port()}"
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        if self.gpu_ids:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpu_ids)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlserve.engine.core_proc", "--input", address, "--output",
-             output_address, "--log-level", self.log_level],
-            stdin=subprocess.PIPE, env=env, preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))
-        proc.stdin.write(msgpack.packb(self.config, use_bin_type=True))
-        proc.stdin.close()
+        proc = spawn("rlserve.engine.core_proc", "--input", address, "--output", output_address,
+                     "--log-level", self.log_level, stdin=msgpack.packb(self.config, use_bin_type=True),
+                     parent_death=signal.SIGKILL, gpus=self.gpu_ids or None)
         self.proc = proc
         threading.Thread(target=self._watch, args=(proc, output_address), daemon=True).start()
         return address

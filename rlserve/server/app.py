@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from rlserve import __version__
+from rlserve import __version__, envs
 from rlserve.config import EngineConfig
 from rlserve.engine.messages import ConflictError, EngineDeadError
 from rlserve.engine.request import EngineUnavailableError
@@ -90,7 +90,7 @@ def _lifespan(engine: "AsyncEngine", config: EngineConfig, metrics: ServerMetric
             logger.info("serving %r at %s (OpenAI base URL %s/v1)", engine.model_name, url, url)
         # RLSERVE_API_PROFILE=PATH: a cProfile of this API server's event loop, written at
         # exit to PATH.<pid>.
-        path = os.environ.get("RLSERVE_API_PROFILE")
+        path = envs.RLSERVE_API_PROFILE.get()
         try:
             with profiled(f"{path}.{os.getpid()}" if path else None):
                 yield

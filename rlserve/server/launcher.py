@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import requests
 
-from rlserve.process import die_with_parent as _die_with_parent
+from rlserve.process import spawn
 from rlserve.weight_transfer.group import get_open_port
 
 class ServerProcess:
@@ -30,13 +29,10 @@ class ServerProcess:
         self.port = port or get_open_port()
         self.url = f"http://{host}:{self.port}"
         self.log = Path(log) if log is not None else None
-        cmd = [sys.executable, "-m", "rlserve.cli", "serve", model, "--host", host,
-               "--port", str(self.port), *flags]
-        out = open(self.log, "w") if self.log is not None else None
         # Its own process group: stopping it ends everything it started.
-        self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                        start_new_session=True, env={**os.environ, **(env or {})},
-                                        preexec_fn=_die_with_parent if die_with_parent else None)
+        self.process = spawn("rlserve.cli", "serve", model, "--host", host, "--port", str(self.port), *flags,
+                             new_session=True, log=self.log, env=env,
+                             parent_death=signal.SIGTERM if die_with_parent else None)
         try:
             self._wait_healthy(timeout_s)
         except BaseException:  # Ctrl-C while it starts too: no server left behind

@@ -16,50 +16,23 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgpack
 import uvicorn
 
 from rlserve.config import EngineConfig
-from rlserve.process import die_with_parent
-from rlserve.sampling_params import MAX_LOGPROBS
+from rlserve.process import spawn
+from rlserve.server.options import ServeOptions
 
 if TYPE_CHECKING:
     from rlserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ServeOptions:
-    """What `rlserve serve` takes beyond the engine's configuration."""
-
-    host: str = "0.0.0.0"
-    port: int = 8000
-    api_key: str | None = None
-    admin_key: str | None = None
-    allow_remote_control: bool = False
-    reject_while_asleep: bool = False
-    max_body_bytes: int = 64 << 20
-    max_prompts: int = 2048
-    log_level: str = "info"
-    grace_s: float = 5.0
-    linger_s: float = 5.0
-    api_server_count: int = 1
-    uvicorn_log_level: str | None = None  # None: log_level
-    access_log: bool = True  # uvicorn's line per request
-    enable_sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping without a transfer backend
-    generation_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.py
-    max_logprobs: int = MAX_LOGPROBS
-    return_tokens_as_token_ids: bool = False
-    tool_call_parser: str = "hermes"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -100,7 +73,7 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
                 child.terminate()
         for child in children:
             try:
-                child.wait(timeout=opts.grace_s + 15)
+                child.wait(timeout=opts.shutdown_grace_period + 15)
             except subprocess.TimeoutExpired:
                 child.kill()
 
@@ -110,17 +83,18 @@ def _run(engine: "AsyncEngine", config: EngineConfig, opts: ServeOptions, sock: 
     from rlserve.server.serving import ServingOptions
     shown_host = "localhost" if opts.host in ("0.0.0.0", "::", "") else opts.host
     url = f"http://{shown_host}:{opts.port}" if engine.client.client_index == 0 else None
-    serving = ServingOptions(max_prompts=opts.max_prompts, generation_defaults=opts.generation_defaults,
+    serving = ServingOptions(max_prompts=opts.max_prompts_per_request, generation_defaults=opts.generation_defaults,
                              max_logprobs=opts.max_logprobs,
                              return_tokens_as_token_ids=opts.return_tokens_as_token_ids,
                              tool_call_parser=opts.tool_call_parser)
     app = create_app(engine, config, api_key=opts.api_key, admin_key=opts.admin_key, url=url,
                      reject_while_asleep=opts.reject_while_asleep,
                      allow_remote_control=opts.allow_remote_control,
-                     max_body_bytes=opts.max_body_bytes, serving=serving,
+                     max_body_bytes=opts.max_request_body_bytes, serving=serving,
                      enable_sleep_mode=opts.enable_sleep_mode)
-    server = Server(app, engine, log_level=opts.uvicorn_log_level or opts.log_level, grace_s=opts.grace_s,
-                    linger_s=opts.linger_s, access_log=opts.access_log)
+    server = Server(app, engine, log_level=opts.uvicorn_log_level or opts.log_level,
+                    grace_s=opts.shutdown_grace_period, linger_s=opts.engine_death_linger,
+                    access_log=not opts.disable_uvicorn_access_log)
     server.run(sockets=[sock])
     if engine.dead is not None:
         return 1
@@ -131,18 +105,10 @@ def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engi
                       sock: socket.socket) -> subprocess.Popen:
     sock.set_inheritable(True)
     addresses = engine.client.addresses
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlserve.server.lifecycle", "--fd", str(sock.fileno()),
-         "--index", str(index)],
-        stdin=subprocess.PIPE, pass_fds=(sock.fileno(),), env=env, preexec_fn=die_with_parent)
-    proc.stdin.write(msgpack.packb({
-        "config": config.to_wire(), "options": dataclasses.asdict(opts),
-        "engine": {"input": addresses.input, "outputs": addresses.outputs}}, use_bin_type=True))
-    proc.stdin.close()
-    return proc
+    return spawn("rlserve.server.lifecycle", "--fd", str(sock.fileno()), "--index", str(index),
+                 pass_fds=(sock.fileno(),), stdin=msgpack.packb({
+                     "config": config.to_wire(), "options": dataclasses.asdict(opts),
+                     "engine": {"input": addresses.input, "outputs": addresses.outputs}}, use_bin_type=True))
 
 
 def api_server_main(argv: list[str] | None = None) -> int:

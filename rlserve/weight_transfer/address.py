@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import os
 import re
 import socket
 import threading
 import time
 from urllib.parse import urlsplit
+
+from rlserve import envs
 
 from .errors import InvalidUpdateError, WeightTransferError
 
@@ -23,7 +24,7 @@ def get_ip() -> str:
     """This host's outbound IP address (no packet is sent), else 127.0.0.1; $VLLM_HOST_IP
     when set, as vLLM's get_ip reads it. Kept for scripts written for vLLM: a trainer
     that knows its servers' URLs should rendezvous at `rendezvous_address(urls)`."""
-    return os.environ.get("VLLM_HOST_IP") or local_ip_towards("8.8.8.8")
+    return envs.VLLM_HOST_IP.get() or local_ip_towards("8.8.8.8")
 
 
 def get_open_port() -> int:

@@ -19,14 +19,12 @@ WorkerDiedError, so the engine loop stops and says why.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -38,7 +36,7 @@ import torch
 
 from rlserve.config import EngineConfig
 from rlserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, host_store, tp_device
-from rlserve.process import die_with_parent
+from rlserve.process import spawn
 from rlserve.worker.calls import RankCall, TensorCall
 from rlserve.worker.messages import Channel, ChannelClosed, StepEncoder, error_from_reply, reply_error_text
 from rlserve.worker.model_runner import ModelRunnerOutput, StepHandle
@@ -71,14 +69,8 @@ class WorkerProcess:
         self.rank = rank
         self.on_lost = on_lost
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        # The child imports the same rlserve as this process, installed or not.
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlserve.worker.worker_proc", "--fd", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), env=env,
-            preexec_fn=functools.partial(die_with_parent, signal.SIGKILL))  # it ignores SIGTERM
+        self.proc = spawn("rlserve.worker.worker_proc", "--fd", str(theirs.fileno()), pass_fds=(theirs.fileno(),),
+                          parent_death=signal.SIGKILL)  # it ignores SIGTERM
         theirs.close()
         self.chan = Channel(ours)
         self.replies: queue.Queue[dict | None] = queue.Queue()
