@@ -159,3 +159,25 @@ def test_fp8_kv_cache_serves_an_moe_model():
         out = llm.generate(["Hello, my name is"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                            use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_one_push_with_per_expert_names_reaches_both_data_parallel_replicas(trainer, tmp_path):
+    """Data parallel with an MoE model: one per-expert push lands on both replicas, and
+    requests served by either replica give transformers' tokens."""
+    from dp_helpers import complete_all, routed
+    hf, path = trainer
+    srv = start_server(path, tmp_path / "server.log", "--load-format", "dummy", "--served-model-name", "m",
+                       "--max-model-len", "512", "--data-parallel-size", "2",
+                       "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 60}))
+    try:
+        client = WeightSyncClient(srv.url, backend="gloo")
+        client.init()
+        client.push(list(per_expert([(n, p.detach()) for n, p in hf.named_parameters()], "qwen3_moe")))
+        prompts = PROMPTS * 2
+        out = complete_all(srv.url, prompts, max_tokens=MAX_TOKENS)
+        assert all(n > 0 for n in routed(srv.url).values()) and len(routed(srv.url)) == 2
+        for prompt in prompts:
+            ids = [int(t[1:]) for t in prompt.split()]
+            assert out[prompt]["choices"][0]["token_ids"] == hf_greedy(hf, ids, MAX_TOKENS)[0], prompt
+    finally:
+        stop_server(srv)
