@@ -96,6 +96,7 @@ def test_world_size_10_to_the_20_is_a_400(server):
     r = _post(server, "/init_weight_transfer_engine", {"init_info": {
         "master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2**40}})
     _refused(r, "world_size must be an integer up to 2147483647")
+    assert r.json()["error"]["param"] == "init_info"  # the field at fault, not update_info
 
 
 def test_weight_version_2_to_the_70_is_a_400_and_the_old_weights_serve(server):

@@ -80,10 +80,11 @@ def _engine(request: Request):
     return request.app.state.engine
 
 
-def _transfer_error(e: Exception) -> APIError:
+def _transfer_error(e: Exception, param: str) -> APIError:
+    """A weight-transfer failure as an answer; `param`: the body field the call was about."""
     from rlserve.weight_transfer import InvalidUpdateError, WeightTransferError
     if isinstance(e, InvalidUpdateError):
-        return APIError(400, str(e), param="update_info")
+        return APIError(400, str(e), param=param)
     if isinstance(e, WeightTransferError):
         # The trainer side failed or vanished: not the caller's input, not a server bug.
         return APIError(502, f"weight transfer failed, previous weights still serving: {e}",
@@ -124,7 +125,7 @@ async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: 
     except APIError:
         raise
     except Exception as e:
-        raise _transfer_error(e) from e
+        raise _transfer_error(e, "init_info") from e
     return {"status": "ok"}
 
 
@@ -140,7 +141,7 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
         raise
     except Exception as e:
         metrics.weight_update(False, 0.0)
-        raise _transfer_error(e) from e
+        raise _transfer_error(e, "update_info") from e
     metrics.weight_update(True, result.receive_seconds + result.apply_seconds, result.num_bytes)
     gbps = result.num_bytes / max(result.receive_seconds, 1e-9) / 1e9
     answer = {"status": "ok", "message": "Weights updated", "staged": result.staged,
@@ -171,7 +172,7 @@ async def finish_weight_update(request: Request, body: FinishWeightUpdateRequest
     try:
         answer = await _engine(request).finish_weight_update(body.weight_version)
     except Exception as e:
-        raise _transfer_error(e) from e
+        raise _transfer_error(e, "update_info") from e  # a part that failed
     return {**answer, "weight_version": str(answer["weight_version"])}
 
 
