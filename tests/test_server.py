@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,6 +74,19 @@ def test_models_health_version(server, client):
     assert models[0].max_model_len == MAX_MODEL_LEN
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_the_model_answers_to_its_path_and_its_directory_name(server, client):
+    """Listed as given (a path here, as vLLM lists it); requests may name the path or the
+    directory's name, and the response echoes the name asked for (as vLLM's does); any
+    other name is a 404 naming the field."""
+    import openai
+    short = os.path.basename(os.path.normpath(server.model))
+    for name in (server.model, short):
+        assert client.completions.create(model=name, prompt="Hi", max_tokens=1).model == name
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model=short + "-other", prompt="Hi", max_tokens=1)
+    assert err.value.body["param"] == "model"
 
 
 def test_tokenize_detokenize(server, offline_llm):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
@@ -163,12 +164,20 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.engine.model_name
 
+    @property
+    def model_dir_name(self) -> str | None:
+        """A model served under its path (no --served-model-name) also answers to its
+        directory's name, as a client written against the short name expects."""
+        if self.config.served_model_name:
+            return None
+        return os.path.basename(os.path.normpath(self.model_name)) or None
+
     # ------------------------------------------------------------ checks and inputs
 
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names (None: the base model). With --enable-lora any
         other name goes to the engine, which knows the adapters loaded (404 if not)."""
-        if model is None or model == self.model_name:
+        if model is None or model == self.model_name or model == self.model_dir_name:
             return None
         if self.config.enable_lora:
             return model
