@@ -15,6 +15,7 @@ reports each push against it; --checksum-cost also pushes without bucket checksu
         --lora --repeats 20
     python benchmarks/weight_sync.py --model smollm2 --backend gloo --lora --repeats 10   # CPU
     python benchmarks/weight_sync.py --model qwen3-30b-a3b --backend ipc     # an MoE model, colocated
+    python benchmarks/weight_sync.py --model qwen3-30b-a3b --backend ipc --per-expert   # per-expert names
     python benchmarks/weight_sync.py --model qwen3-30b-a3b --plan-only       # host planning alone (CPU)
 
 For a mixture-of-experts model it first times, on the host, what the server does with an
@@ -150,6 +151,8 @@ def main() -> None:
     p.add_argument("--lora", action="store_true", help="push a LoRA adapter on every projection instead")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--plan-only", action="store_true", help="only time the host's name resolution and planning")
+    p.add_argument("--per-expert", action="store_true",
+                   help="an MoE model: push the checkpoint's per-expert names (views of the stacked experts)")
     p.add_argument("--peer", type=int, help=argparse.SUPPRESS)  # the baseline's receiving process
     p.add_argument("--peer-bytes", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -170,6 +173,8 @@ def main() -> None:
     with torch.device(args.device):  # initialised where it lives: an 8B model on the host is slow
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     tensors = [(n, p.detach()) for n, p in model.named_parameters()]
+    if args.per_expert:
+        tensors = list(unstack_experts(tensors))
     if args.lora:
         from peft import LoraConfig, get_peft_model
         from rlserve.model.peft import peft_adapter_tensors

