@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from rlserve import __version__, envs
 from rlserve.config import EngineConfig

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -105,7 +106,7 @@ class TPGroup:
 
     @classmethod
     def join(cls, rank: int, world_size: int, device: str | torch.device, port: int,
-             store: dist.TCPStore | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "TPGroup":
+             store: dist.TCPStore | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
         """Join the group whose store listens on 127.0.0.1:`port` (rank 0 passes the store
         it hosts); blocks until every rank has joined."""
         device = torch.device(device)

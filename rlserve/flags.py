@@ -13,7 +13,8 @@ import argparse
 import dataclasses
 import json
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def flag(help: str, **argparse_options: Any) -> dict[str, Any]:

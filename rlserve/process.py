@@ -28,8 +28,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
 
 try:  # loaded here, not in a forked child, where loading a library is unsafe
     _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl

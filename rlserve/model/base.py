@@ -13,7 +13,8 @@ required themselves; the names they cover count as sent (`missing_weights`).
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ class Piece(NamedTuple):
     offset: int
 
 
-def _pieces_are_whole(slot: "WeightSlot", target: torch.Tensor) -> bool:
+def _pieces_are_whole(slot: WeightSlot, target: torch.Tensor) -> bool:
     """Whether the pieces tile the whole source onto the whole target at the same offsets
     (a stacked gate_up_proj without tensor parallelism)."""
     dims = {p.dim for p in slot.pieces}

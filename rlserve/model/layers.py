@@ -79,7 +79,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
         """q: [T, Hq, D], k: [T, Hkv, D]; with q_norm/k_norm (Qwen3), each head is
         RMS-normalised first. With the fused kernel one launch does both, in place."""
         if self.kernels.fuses_rope(q):
@@ -94,8 +94,8 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def forward_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor, attn: "PagedAttention", slot_mapping: torch.Tensor,
-                          q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None) -> None:
+                          v: torch.Tensor, attn: PagedAttention, slot_mapping: torch.Tensor,
+                          q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> None:
         """As forward, in place, and also writes the rotated k and v [T, Hkv, D] into `attn`'s
         paged cache at slot_mapping: one kernel. Only where fuse_rope_and_store(q, attn)."""
         qw, kw, eps = (None, None, 1e-6) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)

@@ -6,10 +6,22 @@ from torch import nn
 
 from rlserve.distributed import current_tp_group, partition_heads, split_evenly
 from rlserve.model.base import CausalLM
-from rlserve.model.layers import (AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, act_and_mul,
-                                  fuse_rope_and_store, linear_add_norm)
-from rlserve.model.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
-                                    VocabParallelEmbedding)
+from rlserve.model.layers import (
+    AttentionMetadata,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    act_and_mul,
+    fuse_rope_and_store,
+    linear_add_norm,
+)
+from rlserve.model.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+)
 from rlserve.ops.kernels import TORCH, Kernels
 
 

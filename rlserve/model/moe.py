@@ -17,7 +17,8 @@ are stored, so every update lands on the layout the next step reads.
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ class MoEConfig(NamedTuple):
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
 
     @classmethod
-    def read(cls, config, renormalize: bool | None = None) -> "MoEConfig":
+    def read(cls, config, renormalize: bool | None = None) -> MoEConfig:
         """`renormalize`: fixed by the architecture (Mixtral always), else norm_topk_prob."""
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":

@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -119,7 +120,7 @@ class LoRAConfig:
         return max([self.r, *self.rank_pattern.values()])
 
     @classmethod
-    def parse(cls, data: Any, where: str, max_rank: int) -> "LoRAConfig":
+    def parse(cls, data: Any, where: str, max_rank: int) -> LoRAConfig:
         """From adapter_config.json (or an update's lora_config): every problem named,
         `where` saying which input it is."""
         if not isinstance(data, Mapping):

@@ -385,12 +385,12 @@ def _merge_splits_kernel(
              mask=d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_fp8_cvt(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 

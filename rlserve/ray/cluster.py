@@ -29,8 +29,8 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import requests
 import torch
@@ -105,7 +105,7 @@ class RolloutCluster:
         ray.get([pg.ready() for pg in self.groups], timeout=timeout_s)
         self.actors, self.holders = [], []
         for i, pg in enumerate(self.groups):
-            def on(bundle: int):
+            def on(bundle: int, pg=pg):
                 return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
             actor = remote_replica.options(
                 num_cpus=1 if gpu else num_cpus_per_replica, num_gpus=1 if gpu else 0,
@@ -226,7 +226,7 @@ class RolloutCluster:
         for pg in self.groups:
             remove_placement_group(pg)
 
-    def __enter__(self) -> "RolloutCluster":
+    def __enter__(self) -> RolloutCluster:
         return self
 
     def __exit__(self, *exc) -> None:

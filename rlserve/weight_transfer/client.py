@@ -18,8 +18,8 @@ another GPU forms a new group there.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import requests
 import torch

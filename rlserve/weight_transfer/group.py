@@ -98,7 +98,7 @@ class TransferGroup:
 
     # --- forming the group ---------------------------------------------------
 
-    def connect(self) -> "TransferGroup":
+    def connect(self) -> TransferGroup:
         """Join the group; returns within timeout_s (+ CONNECT_MARGIN_S) or raises."""
         started = time.monotonic()
         box: dict[str, BaseException] = {}

@@ -59,7 +59,7 @@ class IPCSender:
             info["weight_version"] = weight_version
         return info
 
-    def _build(self, ch: "_Channel", named: list[tuple[str, torch.Tensor]]) -> None:
+    def _build(self, ch: _Channel, named: list[tuple[str, torch.Tensor]]) -> None:
         """Export what is new and write the channel's document."""
         names, dtypes, shapes, tensors = [], [], [], []
         storages: list[dict[str, Any]] = []

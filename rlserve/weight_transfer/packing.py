@@ -48,7 +48,7 @@ class TensorMeta(NamedTuple):
     shape: tuple[int, ...]
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> "TensorMeta":
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
         return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
 
     @property

@@ -34,7 +34,8 @@ _NAMES_SHOWN = 4
 
 def describe(k: int, n: int, bucket: Bucket, metas: Sequence[TensorMeta]) -> str:
     names = [metas[s.index].name for s in bucket.slots]
-    shown = ", ".join(names[:_NAMES_SHOWN]) + (f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else "")
+    more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+    shown = ", ".join(names[:_NAMES_SHOWN]) + more
     return f"bucket {k + 1}/{n} ({bucket.nbytes} bytes: {shown})"
 
 
