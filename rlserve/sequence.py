@@ -109,7 +109,7 @@ class Sequence:
         # Fixed for the request's life, read for every token: computed once.
         p = self.sampling_params
         # Tokens that can end the request (subject to min_tokens).
-        self.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos else self.eos_token_ids)
+        self.stop_ids = frozenset(p.stop_token_ids or ()).union(() if p.ignore_eos else self.eos_token_ids)
         self.processors = LogitsProcessors.of(p)
         self.sampling_row = SamplingRow.of(p, self.processors is not None)
 

@@ -70,7 +70,7 @@ class LoRATarget(NamedTuple):
     full A / B this rank keeps (None: all of it)."""
 
     layer: LoRALayer
-    index: int
+    index: int  # type: ignore[assignment]  # the field hides tuple.index, which nothing calls
     in_features: int  # full, as A [r, in_features]
     out_features: int  # full, as B [out_features, r]
     a_shard: Shard | None  # columns of A (row-parallel layers)

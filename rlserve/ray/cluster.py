@@ -37,6 +37,7 @@ import torch
 
 from rlserve import envs
 from rlserve.weight_transfer.address import get_ip, get_open_port
+from rlserve.weight_transfer.client import WeightSyncClient
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class RolloutCluster:
         self._session = requests.Session()
         if admin_key:
             self._session.headers["Authorization"] = f"Bearer {admin_key}"
-        self._sync = None
+        self._sync: WeightSyncClient | None = None
         self._synced_restarts: tuple | None = None
         self._restarts = [0] * num_replicas
         self._stop = threading.Event()
@@ -192,7 +193,6 @@ class RolloutCluster:
         """Send the trainer's weights to every rank of every replica in one broadcast
         group (formed on first use, and again after a replica was replaced). Returns the
         WeightSyncClient's PushResult; per replica in `result.answers[0]["replicas"]`."""
-        from rlserve.weight_transfer import WeightSyncClient
         restarts = tuple(r["restarts"] for r in self.replicas())
         if self._sync is None or restarts != self._synced_restarts:
             self.wait_until_serving()

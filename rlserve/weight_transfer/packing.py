@@ -67,7 +67,7 @@ class TensorMeta(NamedTuple):
 class Slot(NamedTuple):
     """Where tensor `index` (position in the meta list) lives inside its bucket."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field hides tuple.index, which nothing calls
     offset: int
     nbytes: int
 

@@ -387,20 +387,26 @@ def receive_weights(
     update and names the bucket and its tensors.
     """
     refusal = None
-    info = metas = vetted = None
+    info: UpdateInfo | None = None
+    vetted: Vetted | None = None
     try:
         info = update_info if isinstance(update_info, UpdateInfo) else UpdateInfo.parse(update_info)
         if info.ipc_handles is not None:
             raise InvalidUpdateError(f"update_info.ipc_handles: only the ipc backend takes handles; "
                                      f"this server receives over {group.backend}")
         vetted = vet(info, expected, validate)
-        metas = vetted.metas
     except InvalidUpdateError as e:
         refusal = str(e)
-    plan = receiver_handshake(group, refusal, lambda plan: _plan_problem(group, info, vetted, plan))
+
+    def judge(plan: TrainerPlan) -> str | None:
+        assert info is not None and vetted is not None  # judged only where nothing was refused
+        return _plan_problem(group, info, vetted, plan)
+
+    plan = receiver_handshake(group, refusal, judge)
+    assert vetted is not None  # a refusal raised in the handshake
+    metas = vetted.metas
     device = group.device if device is None else torch.device(device)
     staging = [expected[m.name].dtype or target_dtype or m.dtype for m in metas]
-    buckets = vetted.buckets
-    staged = receive_buckets(group, metas, buckets, staging, device, plan.checksum)
+    staged = receive_buckets(group, metas, vetted.buckets, staging, device, plan.checksum)
     report_done(group, plan.turn)
     return staged
