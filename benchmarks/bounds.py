@@ -9,7 +9,8 @@ bound counts those experts' bytes, not the whole model's.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 
 class Shape(NamedTuple):

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from attention_kernels import bench_graph
-from rlserve.ops import triton_fused
 from rlserve.ops import triton_decode_gemm as G
+from rlserve.ops import triton_fused
 
 LAYERS = 28
 # hidden, q heads x head_dim, kv heads x head_dim, intermediate

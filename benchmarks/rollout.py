@@ -33,10 +33,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from rlserve.model.presets import model_dir  # noqa: E402
 from serve import percentile  # noqa: E402
 from throughput import workload  # noqa: E402
-
-from rlserve.model.presets import model_dir  # noqa: E402
 
 MODES = ("nonstream", "stream", "notext")
 

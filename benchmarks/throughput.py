@@ -118,6 +118,7 @@ def write_random_adapters(path: str, num: int, rank: int, root: str) -> list[str
     """`num` PEFT adapter directories with random weights on every projection of `path`'s
     architecture (Llama / Qwen names)."""
     import json
+
     from safetensors.torch import save_file
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(path)
@@ -314,6 +315,7 @@ def main() -> None:
         p.error("--device-profile records CUDA kernels: it needs --device cuda")
     if args.device_profile:
         from torch.profiler import ProfilerActivity, profile
+
         from trace_summary import idle_per_step, longest_gaps, summarize
         prof = profile(activities=[ProfilerActivity.CUDA])
         # The profiler allocates Python objects for every kernel it records; with the

@@ -47,11 +47,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from throughput import model_dir  # noqa: E402
-
 from rlserve.model.moe import unstack_experts  # noqa: E402
 from rlserve.server.launcher import ServerProcess  # noqa: E402
 from rlserve.weight_transfer import TransferGroup, WeightSyncClient, get_open_port, receiver_init  # noqa: E402
+from throughput import model_dir  # noqa: E402
 
 
 def any_tokenizer(path: str) -> str:
@@ -177,6 +176,7 @@ def main() -> None:
         tensors = list(unstack_experts(tensors))
     if args.lora:
         from peft import LoraConfig, get_peft_model
+
         from rlserve.model.peft import peft_adapter_tensors
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
@@ -228,7 +228,9 @@ def main() -> None:
 def host_planning(path: str, repeats: int) -> bool:
     """An MoE model's host-side cost of an update's names, per layout (False: not MoE)."""
     import statistics
+
     from transformers import AutoConfig
+
     from rlserve.model.loader import load_hf_config
     from rlserve.model.registry import model_class
     from rlserve.weight_transfer import receiver
@@ -301,6 +303,7 @@ def bench_ipc(client: WeightSyncClient, tensors, size: int, repeats: int) -> Non
     """First push (exports and opens every handle), then warm pushes: the bare update call
     as the trainer sees it, the server's own split, and the whole pause-push-resume cycle."""
     import statistics
+
     from rlserve.weight_transfer.client import post_update
     url, sender = client.urls[0], client.group[0]
 

@@ -10,8 +10,9 @@ Each step:
 2. Samples not produced entirely by the weights the trainer holds are refused.
 3. Reward 1 when the last number in the answer is the sum; advantages normalised per group.
 4. A clipped policy-gradient loss with the rollout logprobs as the behaviour policy; one AdamW step.
-5. The new weights go to the server as version `step` (with `--lora`, only the adapter's). A failed push is logged and retried at
-   the start of the next step; until one succeeds no rollout is trained on.
+5. The new weights go to the server as version `step` (with `--lora`, only the adapter's). A failed
+   push is logged and retried at the start of the next step; until one succeeds no rollout is
+   trained on.
 
 The loss never sees a token the trainer cannot attribute to its own weights, and the log shows
 how far the server's logprobs are from the trainer's for the same tokens (|dlogp|).
@@ -92,7 +93,9 @@ def make_problems(cfg: Config) -> tuple[list[tuple[str, int]], list[tuple[str, i
     held, train = pairs[:cfg.heldout], pairs[cfg.heldout:]
     held = [(b, a) if rng.random() < 0.5 else (a, b) for a, b in held]
     train = train + [(b, a) for a, b in train if a != b]
-    as_question = lambda pairs: [(QUESTION.format(a=a, b=b), a + b) for a, b in pairs]
+
+    def as_question(pairs):
+        return [(QUESTION.format(a=a, b=b), a + b) for a, b in pairs]
     return as_question(held), as_question(train)
 
 
@@ -229,8 +232,10 @@ def train(cfg: Config, base_url: str, model_path: str, admin_key: str | None = N
                     timeout=600)
     # --lora: rollouts name the adapter, which the first push creates on the server
     served = LORA_NAME if cfg.lora else client.models.list().data[0].id
-    chat = lambda q: tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                                   tokenize=False, add_generation_prompt=True)
+
+    def chat(q):
+        return tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                             add_generation_prompt=True)
     heldout, train_set = make_problems(cfg)
     heldout_prompts = [chat(q) for q, _ in heldout]
     pool = ThreadPoolExecutor(1)

@@ -6,7 +6,8 @@ import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rlserve import __version__, envs
 from rlserve.config import EngineConfig
@@ -69,7 +70,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 # `vllm serve` flags accepted so its command lines run, with nothing to do here: (flag,
 # argparse options, the values accepted (None: any), why nothing is done). A value outside
 # those accepted is refused, naming the flag.
-_VLLM_NO_OPS = (
+_VLLM_NO_OPS: tuple[tuple[str, dict[str, Any], tuple[Any, ...] | None, str], ...] = (
     ("--disable-log-requests", {"action": "store_true"}, None, "rlserve does not log requests"),
     ("--enable-log-requests", {"action": "store_true"}, None, "rlserve does not log requests"),
     ("--disable-log-stats", {"action": "store_true"}, None, "rlserve does not log periodic stats (see /metrics)"),
@@ -201,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         parser.print_help()
         return 2
-    serve_parser = parser._subparsers._group_actions[0].choices["serve"]
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    serve_parser = commands.choices["serve"]
     if unknown:  # `rlserve serve`'s usage, not the top level's
         serve_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     for dest in ("api_key", "admin_key"):

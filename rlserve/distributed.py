@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -105,7 +106,7 @@ class TPGroup:
 
     @classmethod
     def join(cls, rank: int, world_size: int, device: str | torch.device, port: int,
-             store: dist.TCPStore | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "TPGroup":
+             store: dist.TCPStore | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
         """Join the group whose store listens on 127.0.0.1:`port` (rank 0 passes the store
         it hosts); blocks until every rank has joined."""
         device = torch.device(device)
@@ -114,17 +115,19 @@ class TPGroup:
             return cls(0, 1, None, device)
         if store is None:
             store = dist.TCPStore("127.0.0.1", port, None, False, timeout)
-        store = dist.PrefixStore("rlserve/tp", store)
+        prefixed = dist.PrefixStore("rlserve/tp", store)
+        pg: dist.ProcessGroupNCCL | dist.ProcessGroupGloo
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
+            # The gloo options class is private in torch's bindings and absent from its stubs.
+            gloo_opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            gloo_opts._timeout = timeout
             # Every rank is on this host: loopback, whatever the hostname resolves to.
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
+            gloo_opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_opts)
         group = cls(rank, world_size, pg, device)
         # Connect now (NCCL builds its communicator lazily) so a broken peer shows at start.
         group.all_reduce(torch.zeros(1, device=device))

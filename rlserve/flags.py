@@ -13,7 +13,8 @@ import argparse
 import dataclasses
 import json
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def flag(help: str, **argparse_options: Any) -> dict[str, Any]:
@@ -57,9 +58,11 @@ def flag_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
             if "help" in f.metadata and getattr(args, f.name) is not None}
 
 
-def _field_type(annotation: str) -> type:
+def _field_type(annotation: object) -> type:
     """The command-line type of a field annotated `annotation` (a string: the modules have
     postponed annotations): the first of bool, int, float, str it names."""
+    if not isinstance(annotation, str):
+        raise TypeError(f"flag fields need postponed annotations (a string), not {annotation!r}")
     names = {part.strip() for part in annotation.split("|")}
     return next(t for t in (bool, int, float, str) if t.__name__ in names)
 

@@ -28,9 +28,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
 
+_prctl: Callable[..., int] | None
 try:  # loaded here, not in a forked child, where loading a library is unsafe
     _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 except OSError:
@@ -90,6 +91,7 @@ def spawn(module: str, *args: str, stdin: bytes | None = None, pass_fds: Sequenc
         if out is not None:
             out.close()  # the child has its own copy
     if stdin is not None:
+        assert proc.stdin is not None  # a pipe: stdin=PIPE above
         proc.stdin.write(stdin)
         proc.stdin.close()
     return proc

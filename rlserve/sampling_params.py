@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -50,7 +51,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
 
     def __post_init__(self) -> None:
-        def bad(field_: str, message: str) -> None:
+        def bad(field_: str, message: str) -> NoReturn:
             param = f"structured_outputs.{field_}" if field_ else "structured_outputs"
             raise InvalidRequestError(f"{param}: {message}", param)
 
@@ -160,7 +161,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(param: str, message: str) -> None:
+        def bad(param: str, message: str) -> NoReturn:
             raise InvalidRequestError(f"{param}: {message}", param)
 
         if not isinstance(self.n, int) or self.n < 1:
@@ -185,7 +186,7 @@ class SamplingParams:
                 bad(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             bad("seed", "must fit in a signed 64-bit integer")
-        if any(not s for s in self.stop):
+        if any(not s for s in self.stop or ()):  # a list once __post_init__ ran
             bad("stop", "stop strings must be non-empty")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -49,7 +49,7 @@ class LogitsProcessors(NamedTuple):
     penalties: tuple[float, float, float] | None  # (repetition, frequency, presence); None: off
 
     @classmethod
-    def of(cls, p: SamplingParams) -> "LogitsProcessors | None":
+    def of(cls, p: SamplingParams) -> LogitsProcessors | None:
         if not p.uses_logits_processors:
             return None
         bias = p.logit_bias or {}
@@ -78,7 +78,7 @@ class SamplingRow(NamedTuple):
     has_processors: bool
 
     @classmethod
-    def of(cls, p: SamplingParams, has_processors: bool) -> "SamplingRow":
+    def of(cls, p: SamplingParams, has_processors: bool) -> SamplingRow:
         # A top_k beyond any vocabulary means all of it, as 0 does. Greedy rows drop
         # top-k/p and min-p, as vLLM does: they cannot change the argmax, and processed
         # logprobs of a greedy row are those of its processed logits at temperature 1.
@@ -109,7 +109,7 @@ class Sequence:
         # Fixed for the request's life, read for every token: computed once.
         p = self.sampling_params
         # Tokens that can end the request (subject to min_tokens).
-        self.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos else self.eos_token_ids)
+        self.stop_ids = frozenset(p.stop_token_ids or ()).union(() if p.ignore_eos else self.eos_token_ids)
         self.processors = LogitsProcessors.of(p)
         self.sampling_row = SamplingRow.of(p, self.processors is not None)
 

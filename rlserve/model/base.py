@@ -13,12 +13,13 @@ required themselves; the names they cover count as sent (`missing_weights`).
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Mapping, NamedTuple, Protocol, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
-from rlserve.model.parallel import ShardedModule
+from rlserve.model.parallel import ParallelLMHead, ShardedModule
 from rlserve.weight_transfer.receiver import ExpectedParam  # what an update is checked against, too
 
 
@@ -31,7 +32,11 @@ class Piece(NamedTuple):
     offset: int
 
 
-def _pieces_are_whole(slot: "WeightSlot", target: torch.Tensor) -> bool:
+# A name's full shape and the (target view, the piece of the source it takes) pairs it copies.
+CopyViews = tuple[tuple[int, ...], tuple[tuple[torch.Tensor, Piece | None], ...]]
+
+
+def _pieces_are_whole(slot: WeightSlot, target: torch.Tensor) -> bool:
     """Whether the pieces tile the whole source onto the whole target at the same offsets
     (a stacked gate_up_proj without tensor parallelism)."""
     dims = {p.dim for p in slot.pieces}
@@ -99,6 +104,8 @@ def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 class CausalLM(nn.Module):
+    config: Any  # the model's transformers config, as its subclasses set it
+    lm_head: ParallelLMHead
     packed_modules: dict[str, list[str]] = {}
     # HF names that may appear in checkpoints but carry nothing we use.
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
@@ -236,7 +243,7 @@ class CausalLM(nn.Module):
             for target, p in targets:
                 yield name, target, tensor if p is None else tensor.narrow(p.dim, p.start, p.size)
 
-    def _copy_table(self) -> dict[str, tuple[tuple[int, ...], tuple[tuple[torch.Tensor, Piece | None], ...]]]:
+    def _copy_table(self) -> dict[str, CopyViews]:
         """name -> (its full shape, [(target view, the piece of the source it takes, None: all
         of it)]), made once for the current parameter storage (sleep and wake replace it):
         resolving a name is then one dict lookup, however many thousand expert tensors an
@@ -246,7 +253,7 @@ class CausalLM(nn.Module):
         cached = getattr(self, "_views", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        table = {}
+        table: dict[str, CopyViews] = {}
         for name, slot in self._fused_lookup().items():
             target = params[slot.param].data
             if slot.expert is not None:

@@ -60,12 +60,15 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed cos/sin table (float32)."""
 
     kernels: Kernels = TORCH
+    cos: torch.Tensor  # buffers, registered in __init__
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        scaling = scaling or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type not in ("default", None):
@@ -79,29 +82,37 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None):
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
         """q: [T, Hq, D], k: [T, Hkv, D]; with q_norm/k_norm (Qwen3), each head is
         RMS-normalised first. With the fused kernel one launch does both, in place."""
-        if self.kernels.fuses_rope(q):
-            rope = self.kernels.rope
+        rope = self.kernels.rope
+        if rope is not None and self.kernels.fuses_rope(q):
             if q_norm is None:
                 return rope(q, k, positions, self.cos, self.sin)
+            assert k_norm is not None  # the per-head norms come as a pair
             return rope(q, k, positions, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
         if q_norm is not None:
+            assert k_norm is not None
             q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def forward_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor, attn: "PagedAttention", slot_mapping: torch.Tensor,
-                          q_norm: "RMSNorm | None" = None, k_norm: "RMSNorm | None" = None) -> None:
+                          v: torch.Tensor, attn: PagedAttention, slot_mapping: torch.Tensor,
+                          q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> None:
         """As forward, in place, and also writes the rotated k and v [T, Hkv, D] into `attn`'s
         paged cache at slot_mapping: one kernel. Only where fuse_rope_and_store(q, attn)."""
-        qw, kw, eps = (None, None, 1e-6) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
-        self.kernels.rope(q, k, positions, self.cos, self.sin, qw, kw, eps,
-              v=v, k_cache=attn.k_cache, v_cache=attn.v_cache, slot_mapping=slot_mapping,
-              k_scale=attn.k_scale, v_scale=attn.v_scale)
+        rope = self.kernels.rope
+        assert rope is not None  # fuse_rope_and_store(q, attn) holds
+        qw = kw = None
+        eps = 1e-6
+        if q_norm is not None:
+            assert k_norm is not None  # the per-head norms come as a pair
+            qw, kw, eps = q_norm.weight, k_norm.weight, q_norm.eps
+        rope(q, k, positions, self.cos, self.sin, qw, kw, eps,
+             v=v, k_cache=attn.k_cache, v_cache=attn.v_cache, slot_mapping=slot_mapping,
+             k_scale=attn.k_scale, v_scale=attn.v_scale)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,23 @@ from torch import nn
 
 from rlserve.distributed import current_tp_group, partition_heads, split_evenly
 from rlserve.model.base import CausalLM
-from rlserve.model.layers import (AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, act_and_mul,
-                                  fuse_rope_and_store, linear_add_norm)
-from rlserve.model.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
-                                    VocabParallelEmbedding)
+from rlserve.model.layers import (
+    AttentionMetadata,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    act_and_mul,
+    fuse_rope_and_store,
+    linear_add_norm,
+)
+from rlserve.model.moe import SparseMoeBlock
+from rlserve.model.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+)
 from rlserve.ops.kernels import TORCH, Kernels
 
 
@@ -39,6 +52,8 @@ class LlamaAttention(nn.Module):
         kv = Shard(0, heads.kv_start * d, self.kv_size, total_kv_heads * d)
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q, kv, kv], bias=qkv_bias)
         self.o_proj = RowParallelLinear(q, config.hidden_size, bias=o_bias)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -98,7 +113,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, attention: LlamaAttention, mlp: nn.Module, config):
+    def __init__(self, attention: LlamaAttention, mlp: LlamaMLP | SparseMoeBlock, config):
         """`mlp`: a LlamaMLP, or a sparse MoE block (model/moe.py); both end in the next norm."""
         super().__init__()
         self.self_attn = attention
@@ -157,7 +172,7 @@ class LlamaForCausalLM(CausalLM):
         o_bias = attention_bias if self.o_bias is None else self.o_bias
         return LlamaAttention(config, qkv_bias, o_bias, self.qk_norm)
 
-    def mlp(self, config, layer: int) -> nn.Module:
+    def mlp(self, config, layer: int) -> LlamaMLP | SparseMoeBlock:
         """Decoder layer `layer`'s MLP (the MoE architectures make some of them sparse)."""
         return LlamaMLP(config)
 

@@ -6,7 +6,7 @@ import glob
 import json
 import logging
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -21,7 +21,8 @@ A rank below max_rank leaves the rest of the slot's rows zero.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -69,7 +70,7 @@ class LoRATarget(NamedTuple):
     full A / B this rank keeps (None: all of it)."""
 
     layer: LoRALayer
-    index: int
+    index: int  # type: ignore[assignment]  # the field hides tuple.index, which nothing calls
     in_features: int  # full, as A [r, in_features]
     out_features: int  # full, as B [out_features, r]
     a_shard: Shard | None  # columns of A (row-parallel layers)
@@ -100,7 +101,7 @@ class LoRAModel:
         self.run(self.plan(slot, pairs, scaling))
 
     def plan(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-             scaling: Callable[[str], float]) -> "LoadPlan":
+             scaling: Callable[[str], float]) -> LoadPlan:
         """Check an adapter against the model and work out the copies that put it in `slot`.
         A plan stays valid while its source tensors do (a trainer's IPC views are the same
         tensors push after push), so a caller may keep it and `run` it again."""
@@ -152,7 +153,7 @@ class LoRAModel:
         return out
 
     @torch.no_grad()
-    def run(self, plan: "LoadPlan") -> None:
+    def run(self, plan: LoadPlan) -> None:
         """Clear what of the slot the copies leave, copy A, copy B times its scaling (a
         float32 product, rounded once into the layer's dtype). Multi-tensor ops: a handful
         of launches for the hundreds of small tensors an adapter has, where one copy each

@@ -17,7 +17,8 @@ are stored, so every update lands on the layout the next step reads.
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ class MoEConfig(NamedTuple):
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
 
     @classmethod
-    def read(cls, config, renormalize: bool | None = None) -> "MoEConfig":
+    def read(cls, config, renormalize: bool | None = None) -> MoEConfig:
         """`renormalize`: fixed by the architecture (Mixtral always), else norm_topk_prob."""
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
@@ -180,7 +181,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)  # the router, replicated
         self.experts = FusedMoE(moe.num_experts, config.hidden_size, moe.intermediate_size, names)
-        self.shared_expert = self.shared_expert_gate = None
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_intermediate_size:
             self.shared_expert = SharedExpert(config.hidden_size, moe.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
@@ -188,9 +190,10 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, routing.weights, routing.ids)
-        if self.shared_expert is not None:
+        shared, gate = self.shared_expert, self.shared_expert_gate
+        if shared is not None and gate is not None:
             # Scaling each rank's partial by the same per-token gate commutes with the sum.
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(gate(x)) * shared(x)
         return self.tp.all_reduce(out)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:

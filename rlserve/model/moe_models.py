@@ -7,8 +7,6 @@ decoder_sparse_step) keep a dense MLP of `intermediate_size`.
 
 from __future__ import annotations
 
-from torch import nn
-
 from rlserve.distributed import current_tp_group
 from rlserve.model.layers import AttentionMetadata, RMSNorm
 from rlserve.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -19,7 +17,7 @@ class _MoEForCausalLM(LlamaForCausalLM):
     expert_names = ExpertNames()
     renormalize: bool | None = None  # None: the config's norm_topk_prob
 
-    def mlp(self, config, layer: int) -> nn.Module:
+    def mlp(self, config, layer: int) -> LlamaMLP | SparseMoeBlock:
         moe = MoEConfig.read(config, self.renormalize)
         if moe.num_experts and moe.is_sparse(layer):
             return SparseMoeBlock(config, moe, self.expert_names)
@@ -55,6 +53,9 @@ class MixtralForCausalLM(_MoEForCausalLM):
 class OlmoeAttention(LlamaAttention):
     """OLMoE's q/k norms span the whole projection (every head at once), not each head,
     and clip_qkv clamps the projections."""
+
+    q_norm: RMSNorm  # always present here
+    k_norm: RMSNorm
 
     def __init__(self, config):
         super().__init__(config, False, False, qk_norm=False)

@@ -9,8 +9,13 @@ from torch import nn
 from rlserve.distributed import current_tp_group, partition_heads, split_evenly
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import AttentionMetadata, PagedAttention
-from rlserve.model.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
-                                    VocabParallelEmbedding)
+from rlserve.model.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+)
 
 _POSITION_OFFSET = 2  # OPT's learned position table starts two rows in
 
@@ -81,9 +86,8 @@ class OPTDecoder(nn.Module):
         self.project_out = nn.Linear(config.hidden_size, proj_dim, bias=False) if differs else None
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         # OPT-350m (post-norm) has no final layer norm.
-        self.final_layer_norm = (nn.LayerNorm(config.hidden_size, elementwise_affine=affine)
-                                 if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
-                                 else None)
+        final_norm = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, elementwise_affine=affine) if final_norm else None
         self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
 
     def forward(self, input_ids, positions, meta):

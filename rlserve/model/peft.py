@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -27,9 +28,9 @@ PEFT_PREFIX = "base_model.model."
 # ".lora_A.weight", also with PEFT's in-memory adapter name (".lora_A.default.weight")
 _PEFT_NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.[^.]+)?\.weight$")
 # Features of PEFT's LoRA that change the computation beyond y += s * B A x: refused.
-_UNSUPPORTED = {"use_dora": (False, None), "modules_to_save": (None, []), "bias": ("none", None),
-                "trainable_token_indices": (None, {}), "lora_bias": (False, None),
-                "layer_replication": (None, [])}
+_UNSUPPORTED: dict[str, tuple[Any, Any]] = {
+    "use_dora": (False, None), "modules_to_save": (None, []), "bias": ("none", None),
+    "trainable_token_indices": (None, {}), "lora_bias": (False, None), "layer_replication": (None, [])}
 
 
 def peft_name(module: str, kind: str) -> str:
@@ -119,7 +120,7 @@ class LoRAConfig:
         return max([self.r, *self.rank_pattern.values()])
 
     @classmethod
-    def parse(cls, data: Any, where: str, max_rank: int) -> "LoRAConfig":
+    def parse(cls, data: Any, where: str, max_rank: int) -> LoRAConfig:
         """From adapter_config.json (or an update's lora_config): every problem named,
         `where` saying which input it is."""
         if not isinstance(data, Mapping):
@@ -160,6 +161,7 @@ class LoRAConfig:
                 problems.append(f"{key}={data[key]!r} is not supported (LoRA's y += B A x only)")
         if problems:
             raise InvalidRequestError(f"{where}: " + "; ".join(problems), where)
+        assert isinstance(r, int)  # checked above
         config = cls(r, float(alpha), rslora, tuple(targets) if isinstance(targets, list) else targets,
                      patterns["rank_pattern"], patterns["alpha_pattern"])
         if config.max_rank > max_rank:

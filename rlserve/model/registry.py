@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from rlserve.model.base import CausalLM
 from rlserve.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
-from rlserve.model.moe_models import (MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM,
-                                      Qwen3MoeForCausalLM)
+from rlserve.model.moe_models import MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from rlserve.model.opt import OPTForCausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {

@@ -39,6 +39,7 @@ def fp8_max(dtype: torch.dtype) -> float | None:
 def quantize_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] -> (rows in fp8 `dtype`, float32 scales [...]); see the module doc."""
     limit = fp8_max(dtype)
+    assert limit is not None, f"{dtype} is not an fp8 type"
     x = x.float()
     # Times the reciprocal, not divided: torch's CUDA division by a number multiplies by
     # its reciprocal, its CPU one divides, the kernels do either; one way keeps them equal.

@@ -162,8 +162,8 @@ def widen_values(v, dtype: tl.constexpr, ASM: tl.constexpr):
     if ASM:
         if v.dtype == tl.float8e5:
             cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2"
-        else:
-            cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2"
+        else:  # Triton reads the constexpr annotation on each assignment: both keep it
+            cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2"  # type: ignore[no-redef]
         # Four bytes in, two f16x2 out; not pure, or the conversion is folded back.
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; " + cvt + " $0, lo; " + cvt + " $1, hi; }",
@@ -385,12 +385,12 @@ def _merge_splits_kernel(
              mask=d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_fp8_cvt(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 

@@ -115,7 +115,7 @@ def _bm(rows: int) -> int:
     return max(16, min(64, triton.next_power_of_2(rows)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plan_o_down(rows: int, k: int, n: int) -> GemmPlan | None:
     """Tiles for a projection whose output feeds an RMSNorm (o_proj, down_proj), or None
     where cuBLAS and a separate norm are as fast. About one program a SM: a narrow output
@@ -135,7 +135,7 @@ def plan_o_down(rows: int, k: int, n: int) -> GemmPlan | None:
     return plan if _fits(plan, k, n) else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plan_gate_up(rows: int, k: int, n: int) -> GemmPlan | None:
     """Tiles for gate_up_proj with SiLU-and-mul fused (n: the intermediate size), or None
     where cuBLAS and the activation kernel are faster (above 32 rows: the two products

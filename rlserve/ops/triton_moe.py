@@ -3,11 +3,11 @@
 Five launches a layer (and the sum), each of a shape fixed by the token count (so a decode step replays
 inside a CUDA graph; nothing here reads a device value on the host):
 
-1. `align` (three small launches, two of them over chunks of pairs in parallel) sorts the (token, slot) pairs by expert, stably, and
-   cuts each expert's run of pairs into blocks of BLOCK_M rows: `order` (pair ids in
-   expert order) and, per block, its expert and first and last row. The block table has
-   room for the most blocks any routing can need (cdiv(M, BLOCK_M) + min(E, M)); the rest
-   are marked empty and their programs return at once.
+1. `align` (three small launches, two of them over chunks of pairs in parallel) sorts the
+   (token, slot) pairs by expert, stably, and cuts each expert's run of pairs into blocks of
+   BLOCK_M rows: `order` (pair ids in expert order) and, per block, its expert and first and
+   last row. The block table has room for the most blocks any routing can need
+   (cdiv(M, BLOCK_M) + min(E, M)); the rest are marked empty and their programs return at once.
 2. `_gate_up_kernel`: per block and tile of I, x[tokens] @ w13[e, gate rows].T and
    @ w13[e, up rows].T with SiLU-and-mul on the float32 accumulators, into `h` (rows in
    expert order).
@@ -159,7 +159,7 @@ def _block_rows(order_ptr, table_ptr, stride_t, BLOCK_M: tl.constexpr):
 
 # The block table's row stride follows the token count: not a reason to compile again.
 @triton.jit(do_not_specialize=["stride_t"])
-def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, table_ptr, H, I, TOP_K,
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, table_ptr, H, INTER, TOP_K,
                     stride_t, stride_xm, stride_we, stride_wn, stride_hm,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PRECISION: tl.constexpr, WIDEN: tl.constexpr):
@@ -168,7 +168,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, table_ptr, H, I, TOP_K,
         return
     token = pair // TOP_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < I
+    mask_n = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
     w = w_ptr + e * stride_we
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -180,7 +180,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, table_ptr, H, I, TOP_K,
                      mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         wmask = mask_k[:, None] & mask_n[None, :]
         wg = tl.load(w + offs_n[None, :] * stride_wn + kk[:, None], mask=wmask, other=0.0)
-        wu = tl.load(w + (I + offs_n[None, :]) * stride_wn + kk[:, None], mask=wmask, other=0.0)
+        wu = tl.load(w + (INTER + offs_n[None, :]) * stride_wn + kk[:, None], mask=wmask, other=0.0)
         gate = _mma(xt, wg, gate, PRECISION, WIDEN)
         up = _mma(xt, wu, up, PRECISION, WIDEN)
     h = gate * tl.sigmoid(gate) * up
@@ -189,7 +189,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, table_ptr, H, I, TOP_K,
 
 
 @triton.jit(do_not_specialize=["stride_t"])
-def _down_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, order_ptr, table_ptr, H, I,
+def _down_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, order_ptr, table_ptr, H, INTER,
                  stride_t, stride_hm, stride_we, stride_wn, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, WIDEN: tl.constexpr):
@@ -201,9 +201,9 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, weights_ptr, order_ptr, table_ptr, H, I,
     offs_k = tl.arange(0, BLOCK_K)
     w = w_ptr + e * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(0, INTER, BLOCK_K):
         kk = k0 + offs_k
-        mask_k = kk < I
+        mask_k = kk < INTER
         ht = tl.load(h_ptr + rows[:, None] * stride_hm + kk[None, :],
                      mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         wt = tl.load(w + offs_n[None, :] * stride_wn + kk[:, None],
@@ -245,13 +245,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # Longer K tiles pay off while blocks are short (decode); measured in RESULTS.md.
     block_k = cfg["BLOCK_K"] or (128 if blocks.block_m <= 32 else 64)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w13, h, blocks.order, blocks.table, hidden, inter, top_k, blocks.table.stride(0), x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        x, w13, h, blocks.order, blocks.table, hidden, inter, top_k,
+        blocks.table.stride(0), x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         WIDEN=_WIDEN, num_warps=cfg["warps"], num_stages=cfg["stages"])
     out = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float()
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        h, w2, out, weights, blocks.order, blocks.table, hidden, inter, blocks.table.stride(0), h.stride(0), w2.stride(0), w2.stride(1), hidden,
+        h, w2, out, weights, blocks.order, blocks.table, hidden, inter,
+        blocks.table.stride(0), h.stride(0), w2.stride(0), w2.stride(1), hidden,
         BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         WIDEN=_WIDEN, num_warps=cfg["warps"], num_stages=cfg["stages"])
     return out.sum(dim=1).to(x.dtype)

@@ -28,7 +28,7 @@ from rlserve import envs
 ENABLED = envs.RLSERVE_PDL.get()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 

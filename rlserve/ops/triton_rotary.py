@@ -129,7 +129,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
     assert dim & (dim - 1) == 0, "head_dim must be a power of two"
     norm = q_weight is not None
     store = k_cache is not None
-    if store:
+    if k_cache is not None:
         assert v is not None and v_cache is not None and slot_mapping is not None
         assert v.shape == k.shape and v.stride(-1) == 1
         assert k_cache.shape[2:] == (nk, dim), "cache/key shape mismatch"
@@ -139,15 +139,16 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
         assert slot_mapping.shape[0] >= num_tokens
         cache_args = (v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1),
                       *k_cache.stride()[:3], *scale_args(k_cache, k_scale, v_scale, k))
+        block_size, limit = k_cache.shape[1], fp8_limit(k_cache)
     else:
         assert v is None and v_cache is None and slot_mapping is None
         # Never read: any pointers, zero strides.
         cache_args = (k, k, k, positions, 0, 0, 0, 0, 0, k, k, 0, 0)
+        block_size, limit = 1, 0.0
     if num_tokens:
         _rope_kernel[(num_tokens,)](
             q, k, positions, cos, sin, q_weight if norm else q, k_weight if norm else k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps, *cache_args,
             NQ=nq, NK=nk, BLOCK_Q=triton.next_power_of_2(nq), BLOCK_K=triton.next_power_of_2(nk),
-            HALF=dim // 2, NORM=norm, STORE=store, BLOCK_SIZE=k_cache.shape[1] if store else 1,
-            LIMIT=fp8_limit(k_cache) if store else 0.0, num_warps=4)
+            HALF=dim // 2, NORM=norm, STORE=store, BLOCK_SIZE=block_size, LIMIT=limit, num_warps=4)
     return q, k

@@ -29,14 +29,15 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import requests
 import torch
 
 from rlserve import envs
 from rlserve.weight_transfer.address import get_ip, get_open_port
+from rlserve.weight_transfer.client import WeightSyncClient
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class RolloutCluster:
         self._session = requests.Session()
         if admin_key:
             self._session.headers["Authorization"] = f"Bearer {admin_key}"
-        self._sync = None
+        self._sync: WeightSyncClient | None = None
         self._synced_restarts: tuple | None = None
         self._restarts = [0] * num_replicas
         self._stop = threading.Event()
@@ -105,7 +106,7 @@ class RolloutCluster:
         ray.get([pg.ready() for pg in self.groups], timeout=timeout_s)
         self.actors, self.holders = [], []
         for i, pg in enumerate(self.groups):
-            def on(bundle: int):
+            def on(bundle: int, pg=pg):
                 return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
             actor = remote_replica.options(
                 num_cpus=1 if gpu else num_cpus_per_replica, num_gpus=1 if gpu else 0,
@@ -192,7 +193,6 @@ class RolloutCluster:
         """Send the trainer's weights to every rank of every replica in one broadcast
         group (formed on first use, and again after a replica was replaced). Returns the
         WeightSyncClient's PushResult; per replica in `result.answers[0]["replicas"]`."""
-        from rlserve.weight_transfer import WeightSyncClient
         restarts = tuple(r["restarts"] for r in self.replicas())
         if self._sync is None or restarts != self._synced_restarts:
             self.wait_until_serving()
@@ -226,7 +226,7 @@ class RolloutCluster:
         for pg in self.groups:
             remove_placement_group(pg)
 
-    def __enter__(self) -> "RolloutCluster":
+    def __enter__(self) -> RolloutCluster:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,13 +22,16 @@ plane), packing (the bucket plan), checksum, ipc (the CUDA IPC wire format), add
 (master_address), errors.
 """
 
+from .address import get_ip, get_open_port, rendezvous_address
+from .client import PushResult, WeightSyncClient
 from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
 from .gloo import GlooWeightTransferEngine
-from .address import get_ip, get_open_port, rendezvous_address
 from .group import DEFAULT_TIMEOUT_S, TransferGroup
+from .handshake import refuse
+from .http_client import HTTPVLLMWeightSyncClient
 from .ipc import IPCHandles
 from .ipc_receiver import IPCReceiver
-from .ipc_sender import IPCSender, IPCWeightTransferEngine
+from .ipc_sender import IPCSender, IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
 from .nccl import NCCLWeightTransferEngine
 from .packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
@@ -39,14 +42,16 @@ from .packing import (
     plan_buckets,
     plan_digest,
 )
-from .client import PushResult, WeightSyncClient
-from .http_client import HTTPVLLMWeightSyncClient
-from .trainer import GlooTrainerSendWeightsArgs, NCCLTrainerSendWeightsArgs
-from .ipc_sender import IPCTrainerSendWeightsArgs
-from .trainer_factory import (GlooTrainerInitInfo, IPCTrainerInitInfo, ModuleSource, NCCLTrainerInitInfo,
-                              TrainerWeightTransferEngine, WeightTransferTrainerFactory)
-from .handshake import refuse
 from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, receiver_init
+from .trainer import GlooTrainerSendWeightsArgs, NCCLTrainerSendWeightsArgs
+from .trainer_factory import (
+    GlooTrainerInitInfo,
+    IPCTrainerInitInfo,
+    ModuleSource,
+    NCCLTrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightTransferTrainerFactory,
+)
 
 __all__ = [
     "DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "DEFAULT_TIMEOUT_S",

@@ -18,8 +18,9 @@ another GPU forms a new group there.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any
 
 import requests
 import torch
@@ -71,7 +72,7 @@ class WeightSyncClient:
         self.session = requests.Session()
         if admin_key:
             self.session.headers["Authorization"] = f"Bearer {admin_key}"
-        self.group = None
+        self.group: Any = None  # a TransferGroup (nccl, gloo); one IPCSender per server (ipc)
         self.device = None if device is None else torch.device(device)
         self._sizes: list[int] | None = None  # the servers' world sizes, once asked
 
@@ -103,6 +104,7 @@ class WeightSyncClient:
             self.group.close()
             self.group = None
         sizes = self._sizes
+        assert sizes is not None  # init asked the servers
         world_size = 1 + sum(sizes)
         address = self.master_address or rendezvous_address(self.urls)
         port = self.master_port or get_open_port()

@@ -22,7 +22,7 @@ import time
 import traceback
 import uuid
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,16 @@ _DATA_PORT_KEY = "data_port"
 VOID = "void"  # a turn one side gave up on (handshake.py)
 BROKEN = "broken:"  # prefix of a value that says the writer's group failed
 _POLL_S = 0.2  # how often a long wait looks at the store for a peer's failure
+
+T = TypeVar("T")
+
+
+def _attached(part: T | None, what: str) -> T:
+    """A part the connect made; before it, or once torn down, an error that the caller's
+    handler turns into the group's failure."""
+    if part is None:
+        raise WeightTransferError(f"the group's {what} is closed")
+    return part
 
 
 def broken_key(rank: int) -> str:
@@ -80,8 +90,16 @@ class TransferGroup:
         self.posted_plans: set[str] = set()  # trainer: digests whose plan is in the store (handshake.py)
         self.broken: str | None = None
         self.session = ""
-        self.pg = self.hub = self.link = self._store = self._base = None
-        self.stream = self.side_stream = None  # CUDA: this group's work never runs on the caller's stream
+        # What the connect makes (None before it, and once torn down). The NCCL group is Any:
+        # torch's stubs give its Backend base class no collectives.
+        self.pg: Any = None
+        self.hub: TcpHub | None = None
+        self.link: TcpLink | None = None
+        self._store: dist.Store | None = None
+        self._base: dist.TCPStore | None = None
+        # CUDA: this group's work never runs on the caller's stream
+        self.stream: torch.cuda.Stream | None = None
+        self.side_stream: torch.cuda.Stream | None = None
         self.host_ring: list[torch.Tensor] = []  # the trainer's packing buffers in host memory (pipeline.py)
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
@@ -98,7 +116,7 @@ class TransferGroup:
 
     # --- forming the group ---------------------------------------------------
 
-    def connect(self) -> "TransferGroup":
+    def connect(self) -> TransferGroup:
         """Join the group; returns within timeout_s (+ CONNECT_MARGIN_S) or raises."""
         started = time.monotonic()
         box: dict[str, BaseException] = {}
@@ -223,8 +241,8 @@ class TransferGroup:
                 with torch.cuda.device(self.device):
                     return self.pg.broadcast(tensor, src, self.timeout)
             if self.rank == 0:
-                return self.hub.send(tensor)
-            return self.link.recv(tensor)
+                return _attached(self.hub, "data hub").send(tensor)
+            return _attached(self.link, "data link").recv(tensor)
         except Exception as e:
             raise self.fail(f"broadcast could not start: {e}") from e
 
@@ -263,14 +281,14 @@ class TransferGroup:
 
     def set(self, key: str, value: str) -> None:
         try:
-            self._store.set(key, value)
+            _attached(self._store, "store").set(key, value)
         except Exception as e:
             raise self.fail(f"store set {key!r} failed: {e}") from e
 
     def cas(self, key: str, value: str) -> str:
         """Write `value` unless the key exists; return what the key holds now."""
         try:
-            return self._store.compare_set(key, "", value).decode(errors="replace")
+            return _attached(self._store, "store").compare_set(key, "", value).decode(errors="replace")
         except Exception as e:
             raise self.fail(f"store compare_set {key!r} failed: {e}") from e
 
@@ -280,8 +298,9 @@ class TransferGroup:
         self.check_usable()
         started = time.monotonic()
         try:
-            self._store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
-            value = self._store.get(key).decode(errors="replace")
+            store = _attached(self._store, "store")
+            store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
+            value = store.get(key).decode(errors="replace")
         except dist.DistStoreError:
             return None  # timed out: the caller decides what a no-show means
         except Exception as e:
@@ -298,9 +317,10 @@ class TransferGroup:
     def peer_failure(self) -> str | None:
         """A peer's reported failure, if any (one store round trip per peer)."""
         try:
+            store = _attached(self._store, "store")
             for r in self.peers:
-                if self._store.check([broken_key(r)]):
-                    return self._store.get(broken_key(r)).decode(errors="replace")
+                if store.check([broken_key(r)]):
+                    return store.get(broken_key(r)).decode(errors="replace")
         except Exception as e:
             return self._store_lost(e)
         return None
@@ -314,7 +334,7 @@ class TransferGroup:
 
     def delete(self, key: str) -> None:
         try:
-            self._store.delete_key(key)
+            _attached(self._store, "store").delete_key(key)
         except Exception:
             pass  # housekeeping only
 

@@ -95,6 +95,7 @@ def _parse_plan(text: str) -> TrainerPlan | str:
         problems.append(f"checksum must be true or false, got {checksum!r}"[:120])
     if problems:
         return "the trainer's plan message is malformed: " + "; ".join(problems)
+    assert isinstance(digest, str)  # checked above
     return TrainerPlan(digest, checksum)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import requests
@@ -14,7 +15,7 @@ class BackgroundCall(threading.Thread):
     """A control call that blocks until the matching collective completes: it runs on a
     thread while this process broadcasts. `result()` is its answer (a response's JSON)."""
 
-    def __init__(self, fn, *args):
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
         super().__init__(daemon=True)
         self.fn, self.args = fn, args
         self.value: Any = None

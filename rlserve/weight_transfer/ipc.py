@@ -108,7 +108,7 @@ class SharedStorage:
                 "event_sync_required": self.event_sync_required}
 
     @classmethod
-    def parse(cls, data: Any, where: str) -> "SharedStorage":
+    def parse(cls, data: Any, where: str) -> SharedStorage:
         _check_fields(data, _STORAGE_FIELDS, where)
 
         def raw(field: str, allow_empty: bool = False) -> bytes:
@@ -163,7 +163,7 @@ class IPCHandles:
                 "tensors": [t.to_json() for t in self.tensors]}
 
     @classmethod
-    def parse(cls, data: Any, metas: Sequence[TensorMeta]) -> "IPCHandles":
+    def parse(cls, data: Any, metas: Sequence[TensorMeta]) -> IPCHandles:
         """Validate `update_info.ipc_handles` against the update's names, dtypes and shapes."""
         where = "update_info.ipc_handles"
         if data is None:

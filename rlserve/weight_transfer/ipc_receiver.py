@@ -38,9 +38,8 @@ class IPCReceiver:
         `validate`, as receiver.receive_weights does) and open it."""
         if not isinstance(update_info, Mapping):
             raise InvalidUpdateError("update_info must be a JSON object")
-        handles = update_info.get("ipc_handles")
         if is_reference(update_info):
-            return self._reference(update_info, handles, expected, validate)
+            return self._reference(update_info, expected, validate)
         body = {k: v for k, v in update_info.items() if k != "weight_version"}
         if self._last is not None and self._last[0] == body:
             return self._vetted(expected, validate)
@@ -55,6 +54,7 @@ class IPCReceiver:
 
     def _vetted(self, expected: Mapping[str, Any], validate: Callable | None) -> list[tuple[str, torch.Tensor]]:
         """The last document's views, checked again unless against these very checks."""
+        assert self._last is not None  # the callers found an accepted document
         body, views, metas, (last_expected, last_validate) = self._last
         if expected is not last_expected or validate is not last_validate:
             check_against_model(metas, expected)
@@ -63,10 +63,11 @@ class IPCReceiver:
             self._last = (body, views, metas, (expected, validate))
         return views
 
-    def _reference(self, update_info: Mapping[str, Any], handles: Mapping[str, Any],
-                   expected: Mapping[str, Any], validate: Callable | None) -> list[tuple[str, torch.Tensor]]:
+    def _reference(self, update_info: Mapping[str, Any], expected: Mapping[str, Any],
+                   validate: Callable | None) -> list[tuple[str, torch.Tensor]]:
         """The views of the last accepted document, which `handles.same_as` names."""
         where = "update_info.ipc_handles"
+        handles = update_info["ipc_handles"]
         if len(handles) != 1:
             raise InvalidUpdateError(f"{where}: same_as comes alone (got {', '.join(sorted(handles))})")
         extra = [k for k in ("names", "dtype_names", "shapes") if k in update_info]

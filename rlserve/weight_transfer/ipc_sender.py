@@ -54,12 +54,13 @@ class IPCSender:
         if reference and ch.accepted:
             info: dict[str, Any] = {"ipc_handles": {"same_as": ch.doc_id}}
         else:
+            assert ch.doc is not None  # built with the signature
             info = {**ch.doc, "ipc_handles": {**ch.doc["ipc_handles"], "id": ch.doc_id}}
         if weight_version is not None:
             info["weight_version"] = weight_version
         return info
 
-    def _build(self, ch: "_Channel", named: list[tuple[str, torch.Tensor]]) -> None:
+    def _build(self, ch: _Channel, named: list[tuple[str, torch.Tensor]]) -> None:
         """Export what is new and write the channel's document."""
         names, dtypes, shapes, tensors = [], [], [], []
         storages: list[dict[str, Any]] = []
@@ -83,7 +84,7 @@ class IPCSender:
             names.append(name)
             dtypes.append(dtype_name(t.dtype))
             shapes.append(list(t.shape))
-            tensors.append(SharedTensor(index[ptr], t.storage_offset(), tuple(t.stride())).to_json())
+            tensors.append(SharedTensor(index[ptr], int(t.storage_offset()), tuple(t.stride())).to_json())
         ch.exports = exports
         self.exported_last = exported
         doc: dict[str, Any] = {"names": names, "dtype_names": dtypes, "shapes": shapes,
@@ -174,7 +175,7 @@ class IPCWeightTransferEngine:
         vLLM's `mode`/`send_mode` are accepted, as keywords or in trainer_args, and ignored:
         nothing is packed, the server reads in place.
         """
-        args = dict(group=group, url=url, admin_key=admin_key, weight_version=weight_version,
+        args: dict[str, Any] = dict(group=group, url=url, admin_key=admin_key, weight_version=weight_version,
                     send=send, timeout_s=timeout_s)
         given = {**ignored, **trainer_args_dict(trainer_args)}
         unknown = set(given) - set(args) - _IGNORED_ARGS

@@ -48,7 +48,7 @@ class TensorMeta(NamedTuple):
     shape: tuple[int, ...]
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> "TensorMeta":
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
         return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
 
     @property
@@ -67,7 +67,7 @@ class TensorMeta(NamedTuple):
 class Slot(NamedTuple):
     """Where tensor `index` (position in the meta list) lives inside its bucket."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field hides tuple.index, which nothing calls
     offset: int
     nbytes: int
 

@@ -34,7 +34,8 @@ _NAMES_SHOWN = 4
 
 def describe(k: int, n: int, bucket: Bucket, metas: Sequence[TensorMeta]) -> str:
     names = [metas[s.index].name for s in bucket.slots]
-    shown = ", ".join(names[:_NAMES_SHOWN]) + (f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else "")
+    more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+    shown = ", ".join(names[:_NAMES_SHOWN]) + more
     return f"bucket {k + 1}/{n} ({bucket.nbytes} bytes: {shown})"
 
 
@@ -131,7 +132,7 @@ def _send_buckets(group: TransferGroup, metas: Sequence[TensorMeta], tensors: Se
     used = 0
     cuda = lanes.side is not None
     with torch.no_grad(), group.streams():
-        if caller is not None:  # the tensors were written on the caller's stream
+        if lanes.side is not None and caller is not None:  # the tensors were written on the caller's stream
             lanes.side.wait_stream(caller)
             torch.cuda.current_stream(dev).wait_stream(caller)
         ring = _ring(group, ring_buffer_bytes(live), ring_size)
@@ -144,7 +145,7 @@ def _send_buckets(group: TransferGroup, metas: Sequence[TensorMeta], tensors: Se
                 else:
                     slot, used = used % ring_size, used + 1
                     if free[slot] is not None:
-                        if cuda:
+                        if lanes.side is not None:  # CUDA
                             lanes.side.wait_event(free[slot])
                         else:
                             group.wait(free[slot], "sending an earlier bucket")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import operator
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -61,7 +62,7 @@ class InitInfo:
     world_size: int
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any], num_workers: int = 1) -> "InitInfo":
+    def parse(cls, data: Mapping[str, Any], num_workers: int = 1) -> InitInfo:
         """Validate the seed's init_info for a server with `num_workers` receiving ranks."""
         if not isinstance(data, Mapping):
             raise InvalidUpdateError("init_info must be a JSON object")
@@ -121,7 +122,7 @@ class UpdateInfo:
     lora_config: Mapping[str, Any] | None = None
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> "UpdateInfo":
+    def parse(cls, data: Mapping[str, Any]) -> UpdateInfo:
         """Validate the seed's update_info JSON; every problem found is reported at once."""
         if not isinstance(data, Mapping):
             raise InvalidUpdateError("update_info must be a JSON object")
@@ -193,12 +194,13 @@ def _tensor_list_problems(names: list, dtypes: list, shapes: list) -> list[str]:
         problems.append(f"dtype_names: unknown dtype for {_listing(bad_dtypes)} "
                         f"(known: {', '.join(DTYPES)})")
     bad_shapes = [f"{label[i]} ({s!r})"[:200] for i, s in enumerate(shapes)
-                  if not (isinstance(s, list) and len(s) <= MAX_RANK and all(_is_int(d) and 0 <= d <= MAX_DIM for d in s))]
+                  if not (isinstance(s, list) and len(s) <= MAX_RANK
+                          and all(_is_int(d) and 0 <= d <= MAX_DIM for d in s))]
     if bad_shapes:
         problems.append(f"shapes must be lists of at most {MAX_RANK} int64 non-negative integers: "
                         f"{_listing(bad_shapes)}")
-    seen: set = set()
-    dups = sorted({n for n in label if isinstance(n, str) and (n in seen or seen.add(n))})
+    counts = Counter(n for n in label if isinstance(n, str))
+    dups = sorted(n for n, count in counts.items() if count > 1)
     if dups:
         problems.append(f"names: duplicates {_listing(dups)}")
     return problems
@@ -307,7 +309,7 @@ class Vetted:
 _last_vetted: list[Vetted] = []  # the previous update's, per process
 
 
-def vet(info: UpdateInfo, expected: Mapping[str, "ExpectedParam"],
+def vet(info: UpdateInfo, expected: Mapping[str, ExpectedParam],
         validate: Callable[[Sequence[TensorMeta]], None] | None = None) -> Vetted:
     """Check the tensor list against the model and plan its buckets (InvalidUpdateError
     if it does not fit). A trainer sends the same list every step: when it equals the
@@ -385,20 +387,26 @@ def receive_weights(
     update and names the bucket and its tensors.
     """
     refusal = None
-    info = metas = vetted = None
+    info: UpdateInfo | None = None
+    vetted: Vetted | None = None
     try:
         info = update_info if isinstance(update_info, UpdateInfo) else UpdateInfo.parse(update_info)
         if info.ipc_handles is not None:
             raise InvalidUpdateError(f"update_info.ipc_handles: only the ipc backend takes handles; "
                                      f"this server receives over {group.backend}")
         vetted = vet(info, expected, validate)
-        metas = vetted.metas
     except InvalidUpdateError as e:
         refusal = str(e)
-    plan = receiver_handshake(group, refusal, lambda plan: _plan_problem(group, info, vetted, plan))
+
+    def judge(plan: TrainerPlan) -> str | None:
+        assert info is not None and vetted is not None  # judged only where nothing was refused
+        return _plan_problem(group, info, vetted, plan)
+
+    plan = receiver_handshake(group, refusal, judge)
+    assert vetted is not None  # a refusal raised in the handshake
+    metas = vetted.metas
     device = group.device if device is None else torch.device(device)
     staging = [expected[m.name].dtype or target_dtype or m.dtype for m in metas]
-    buckets = vetted.buckets
-    staged = receive_buckets(group, metas, buckets, staging, device, plan.checksum)
+    staged = receive_buckets(group, metas, vetted.buckets, staging, device, plan.checksum)
     report_done(group, plan.turn)
     return staged

@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -37,7 +38,8 @@ class FrameError(RuntimeError):
 def _memoryview(buf: torch.Tensor) -> memoryview:
     if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
         raise TypeError("frames carry contiguous uint8 CPU tensors")
-    return memoryview(buf.numpy()).cast("B")
+    # numpy's stubs declare ndarray's buffer protocol only from Python 3.12 on.
+    return memoryview(buf.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -165,7 +167,7 @@ class TcpHub:
             sock.settimeout(min(max(left, 0.1), 10.0))
             try:
                 hello = _recv_json(sock, 0)
-                rank = hello.get("rank")
+                rank: Any = hello.get("rank")  # the peer's JSON, checked next
                 if hello.get("session") != session or rank not in ranks or rank in self.conns:
                     raise FrameError(f"unexpected hello {hello!r}")
                 _send_frame(sock, 0, json.dumps({"ok": True}).encode())

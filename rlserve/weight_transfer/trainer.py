@@ -35,7 +35,8 @@ from .pipeline import send_buckets
 
 def trainer_init(backend: str, init_info: Mapping[str, Any] | Any, device: torch.device | str) -> TransferGroup:
     """Rank 0: host the store at master_address:master_port and wait for every receiver."""
-    get = init_info.get if isinstance(init_info, Mapping) else lambda k, d=None: getattr(init_info, k, d)
+    get: Callable[..., Any] = (init_info.get if isinstance(init_info, Mapping)
+                               else lambda k, d=None: getattr(init_info, k, d))
     missing = [k for k in ("master_address", "master_port", "world_size") if get(k) is None]
     if missing:
         raise InvalidUpdateError(f"init_info: missing {', '.join(missing)}")
@@ -163,9 +164,9 @@ class TrainerEngine:
     ) -> None:
         """Keywords as in the seed; `trainer_args` (a dict of the same keywords, or an args
         dataclass, as vLLM's examples pass) also works."""
-        kwargs = dict(group=group, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes,
-                      packed_num_buffers=packed_num_buffers, post_iter_func=post_iter_func, src=src,
-                      checksum=checksum)
+        kwargs: dict[str, Any] = dict(
+            group=group, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes,
+            packed_num_buffers=packed_num_buffers, post_iter_func=post_iter_func, src=src, checksum=checksum)
         given = trainer_args_dict(trainer_args)
         given.pop("stream", None)
         kwargs.update(given)

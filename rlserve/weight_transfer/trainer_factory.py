@@ -32,7 +32,10 @@ class VLLMWeightSyncClient(Protocol):
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> Any: ...
     def start_weight_update(self) -> Any: ...
     def update_weights(self, update_info: dict[str, Any]) -> Any: ...
-    def finish_weight_update(self) -> Any: ...
+    # Called without the version where send_weights is given none.
+    def finish_weight_update(self, weight_version: str | int | None = None) -> Any: ...
+    # Asked only where the init info leaves world_size out.
+    def get_world_size(self) -> int: ...
 
 
 class ModuleSource:
@@ -86,18 +89,18 @@ class TrainerWeightTransferEngine:
         if isinstance(self.group, IPCSender):
             self.client.update_weights(self.group.update_info(tensors))
         else:
-            self._send_collective(tensors)
+            self._send_collective(self.group, tensors)
         finish = self.client.finish_weight_update
         finish(weight_version) if weight_version is not None else finish()
 
-    def _send_collective(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def _send_collective(self, group: TransferGroup, tensors: list[tuple[str, torch.Tensor]]) -> None:
         packed = self.init_info.packed
         info = dict(names=[n for n, _ in tensors], dtype_names=[dtype_name(t.dtype) for _, t in tensors],
                     shapes=[list(t.shape) for _, t in tensors], packed=packed)
         call = BackgroundCall(self.client.update_weights, info)
-        engine = NCCLWeightTransferEngine if self.group.backend == "nccl" else GlooWeightTransferEngine
+        engine = NCCLWeightTransferEngine if group.backend == "nccl" else GlooWeightTransferEngine
         try:
-            engine.trainer_send_weights(iterator=iter(tensors), group=self.group, packed=packed)
+            engine.trainer_send_weights(iterator=iter(tensors), group=group, packed=packed)
         finally:
             call.result()
 
