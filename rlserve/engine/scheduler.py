@@ -8,6 +8,7 @@ its blocks are freed and it is recomputed later from its prompt and the tokens i
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from rlserve.engine.kv_cache import KVCacheManager
@@ -30,6 +31,7 @@ class Scheduler:
         self.no_weights = False  # dropped by a level-2 sleep: nothing runs until an update
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.finished_ids: list[str] = []  # finished since the last step that ran
+        self.num_deferred = 0  # waiting requests the last schedule passed over for a LoRA slot
 
     # -- queue management -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -137,6 +139,8 @@ class Scheduler:
             if req.num_cached_tokens == 0:
                 req.num_cached_tokens = num_computed
             req.status = RequestStatus.RUNNING
+            if not req.scheduled_time:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
