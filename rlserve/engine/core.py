@@ -120,11 +120,11 @@ class EngineCore:
         self.lora = None  # rlserve.engine.lora.LoRAManager, with enable_lora
         if config.enable_lora:
             from rlserve.engine.lora import LoRAManager
-            self.lora = LoRAManager(self.executor, config.max_loras, config.max_lora_rank)
+            self.lora = LoRAManager(self.executor, config.max_loras, config.max_cpu_loras, config.max_lora_rank)
             for name, path in config.lora_modules.items():
                 self.lora.load(name, path)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.lora)
         # Overlapped scheduling needs a device that runs ahead of the host, and one rank.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda") and self.world_size == 1
@@ -166,17 +166,16 @@ class EngineCore:
         """Validate one prompt and expand it into its n sample requests. `stream`: every
         step reports the request's new token; otherwise it reports everything once, when
         the request finishes. `cache_salt`: prefix-cache blocks are shared only with
-        requests of the same salt. `lora_name`: a loaded LoRA adapter to run with."""
+        requests of the same salt. `lora_name`: a loaded LoRA adapter to run with (its slot
+        is given when the request is scheduled)."""
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
-        slot = -1
         if lora_name is not None:
             if self.lora is None:
                 raise ModelNotFoundError(f"model: {lora_name!r} is not served (LoRA adapters need "
                                          "--enable-lora)")
-            adapter = self.lora.resolve(lora_name)
-            slot, cache_salt = adapter.slot, adapter.cache_salt(cache_salt)
+            cache_salt = self.lora.resolve(lora_name).cache_salt(cache_salt)
         grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
-        reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, sample_index=i, lora_slot=slot,
+        reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, sample_index=i,
                         max_model_len=self.max_model_len, group_id=request_id if params.n > 1 else None,
                         stream=stream, cache_salt=cache_salt, lora_name=lora_name)
                 for i, rid in enumerate(sample_ids(request_id, params.n))]
@@ -279,6 +278,8 @@ class EngineCore:
         if self.compiling:
             self._admit_compiled(early)
         sched = self.scheduler.schedule()
+        if self.scheduler.refused:
+            self._end_refused(early)
         launched = None
         masked = False
         if not sched.empty:
@@ -301,6 +302,18 @@ class EngineCore:
         if early.rejected:
             outputs = _merge(early.build(self.weight_version), outputs)
         return outputs
+
+    def _end_refused(self, out: "_StepOut") -> None:
+        """Requests the scheduler could not give their LoRA adapter end here, refused."""
+        told = set()
+        for req, error in self.scheduler.refused:
+            self._finish(req, FinishReason.ABORT)
+            group = req.group_id or req.request_id
+            if group not in told:  # the front end fails the whole prompt
+                told.add(group)
+                out.rejected.append(Rejected(group, str(error), error.param,
+                                             404 if isinstance(error, ModelNotFoundError) else 400))
+        self.scheduler.refused.clear()
 
     def _sample_masked(self, handle) -> None:
         """Sample a launched step under its rows' grammar masks (their matchers have taken
