@@ -87,7 +87,8 @@ def _histogram_family(name: str, documentation: str, labels: Iterable[str], boun
 
 class ServerMetrics:
     """One registry per app, so several apps in one process never clash. Also the engine's
-    latency observer (output_processor.LatencyObserver): it times tokens as they arrive."""
+    latency observer (output_processor.LatencyObserver): it takes each sample's timings as its
+    outputs arrive."""
 
     def __init__(self, model_name: str, max_model_len: int = 1 << 20, config: "EngineConfig | None" = None):
         self.model_name = model_name
