@@ -208,7 +208,11 @@ class EngineConfig:
     enable_lora: bool = field(default=False, metadata=flag(
         "serve LoRA adapters (PEFT format), chosen per request by `model`", group=_LORA))
     max_loras: int = field(default=1, metadata=flag(
-        "adapters loaded at once (their slots are allocated at start)", type=positive_int, group=_LORA))
+        "adapters on the device at once, the most one batch uses (their slots are allocated at "
+        "start)", type=positive_int, group=_LORA))
+    max_cpu_loras: int | None = field(default=None, metadata=flag(
+        "adapters kept in host memory, swapped into the --max-loras slots least recently used "
+        "first (default: --max-loras)", type=positive_int, group=_LORA))
     max_lora_rank: int = field(default=16, metadata=flag(
         "the largest adapter rank served", type=positive_int, group=_LORA))
     lora_modules: dict[str, str] = field(default_factory=dict, metadata=flag(
@@ -273,12 +277,13 @@ class EngineConfig:
             raise ValueError(f"max_loras: must be an integer in 1..256, got {self.max_loras!r}")
         if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= 512:
             raise ValueError(f"max_lora_rank: must be an integer in 1..512, got {self.max_lora_rank!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be >= max_loras ({self.max_loras})")
         self.lora_modules = dict(self.lora_modules or {})
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules: adapters need enable_lora (--enable-lora)")
-        if len(self.lora_modules) > self.max_loras:
-            raise ValueError(f"lora_modules: {len(self.lora_modules)} adapters, but max_loras is "
-                             f"{self.max_loras} (raise --max-loras)")
         for name in self.lora_modules:
             if not name or name == self.name:
                 raise ValueError(f"lora_modules: adapter name {name!r} must be non-empty and differ "

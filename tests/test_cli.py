@@ -29,7 +29,8 @@ FLAGS = [
     "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
     "--no-enable-chunked-prefill", "--enforce-eager", "--tensor-parallel-size", "-tp", "--data-parallel-size",
     "-dp", "--dp-retry-on-failure", "--dp-max-restarts", "--weight-transfer-config", "--enable-lora",
-    "--max-loras", "--max-lora-rank", "--lora-modules", "--reject-while-asleep", "--enable-sleep-mode",
+    "--max-loras", "--max-cpu-loras", "--max-lora-rank", "--lora-modules", "--reject-while-asleep",
+    "--enable-sleep-mode",
     "--disable-custom-all-reduce",
 ]
 
@@ -94,6 +95,14 @@ def test_flags_set_their_fields(tmp_path):
     # Booleans also take vLLM's --no- form.
     assert not _config("--enforce-eager", "--no-enforce-eager").enforce_eager
     assert _config("--chat-template", "{{ inline }}").chat_template == "{{ inline }}"
+
+
+def test_max_cpu_loras_defaults_to_max_loras_and_is_no_fewer():
+    assert _config("--enable-lora", "--max-loras", "2").max_cpu_loras == 2
+    assert _config("--enable-lora", "--max-loras", "2", "--max-cpu-loras", "5").max_cpu_loras == 5
+    with pytest.raises(SystemExit) as e:  # as vLLM refuses it
+        _config("--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2")
+    assert str(e.value) == "rlserve serve: max_cpu_loras (2) must be >= max_loras (4)"
 
 
 @pytest.mark.parametrize("flags, message", [

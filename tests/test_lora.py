@@ -1,7 +1,9 @@
 """LoRA adapters offline (CPU, float32) against transformers + peft on the demo model: greedy
 output with an adapter equals the merged model's, token for token; a batch mixing adapters
 and the base model gives each request its own model's output; refused adapters change
-nothing; tensor parallelism serves the same tokens."""
+nothing; more adapters than host memory holds are read again from disk; tensor parallelism
+serves the same tokens. Over HTTP: more adapters than device slots take turns in them,
+pushed ones too."""
 
 from __future__ import annotations
 
@@ -160,19 +162,22 @@ def test_refused_adapters_change_nothing(llm, adapters, tmp_path):
     assert _tokens(llm, PROMPTS, "a8") == before
 
 
-def test_more_adapters_than_slots_are_refused_and_slots_are_reused(llm, adapters):
+def test_more_adapters_than_host_memory_are_read_again_from_disk(llm, adapters):
+    """Host memory holds --max-cpu-loras adapters (here --max-loras, 3), as in vLLM: a fourth
+    evicts the least recently used one read from disk, which stays loaded and is read again
+    when a request needs it (evicting the next)."""
     llm.load_lora_adapter("b16", adapters["b16"].path)
     llm.load_lora_adapter("pat", adapters["pat"].path)
-    with pytest.raises(InvalidRequestError, match="max_loras is 3"):
-        llm.load_lora_adapter("extra", adapters["b16"].path)
-    llm.unload_lora_adapter("b16")
-    llm.load_lora_adapter("again", adapters["b16"].path)  # takes the freed slot
+    llm.load_lora_adapter("extra", adapters["b16"].path)
     try:
-        assert _tokens(llm, PROMPTS[:1], "again") == [adapters["b16"].reference[PROMPTS[0]]]
-        assert _tokens(llm, PROMPTS[:1], "pat") == [adapters["pat"].reference[PROMPTS[0]]]
+        table = llm.engine.lora.adapters
+        assert sum(a.in_memory for a in table.values()) == 3 and not table["a8"].in_memory
+        assert {a["name"] for a in llm.list_lora_adapters()} == {"a8", "b16", "pat", "extra"}
+        for name, ref in [("a8", "a8"), ("extra", "b16"), ("pat", "pat"), ("b16", "b16"), ("a8", "a8")]:
+            assert _tokens(llm, PROMPTS[:1], name) == [adapters[ref].reference[PROMPTS[0]]], name
     finally:
-        llm.unload_lora_adapter("again")
-        llm.unload_lora_adapter("pat")
+        for name in ("extra", "b16", "pat"):
+            llm.unload_lora_adapter(name)
 
 
 def test_unload_is_refused_while_a_request_runs_with_the_adapter(llm, adapters):
@@ -293,9 +298,19 @@ def test_server_adapters_over_http_and_live_pushes_over_gloo(lora_server, adapte
         sync.push_lora("live", good, lora_config={**config, "r": 32})
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "b16", "lora_path": adapters["b16"].path})
     assert r.status_code == 200, r.text
-    with pytest.raises(WeightTransferError, match="max_loras is 3"):  # a8, live and b16 fill the slots
-        sync.push_lora("fourth", live.peft_model)
-    assert tokens("live", version + 5) == want(new)
+
+    # a8, live and b16 fill host memory (--max-cpu-loras: --max-loras, 3). A new adapter evicts
+    # one read from disk; one a trainer pushed exists only in memory and is never evicted.
+    sync.push_lora("fourth", live.peft_model)
+    version = sync.push_lora("fifth", live.peft_model).weight_versions[0]
+    with pytest.raises(WeightTransferError, match="max-cpu-loras 3"):
+        sync.push_lora("sixth", live.peft_model)
+    assert tokens("live", version) == want(new)  # the refusal changed nothing
+    r = httpx.post(f"{url}/v1/completions", json={"model": "a8", "prompt": prompts, "max_tokens": n})
+    assert r.status_code == 400 and "max-cpu-loras" in r.json()["error"]["message"], r.text
+    for name in ("fourth", "fifth"):
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+    assert tokens("a8") == want(adapters["a8"].reference)  # read from its directory again
     for name in ("live", "b16"):  # leave room for the next test's adapter
         assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
 
@@ -330,3 +345,61 @@ def httpx_get(url: str) -> dict:
     r = httpx.get(url, timeout=60)
     r.raise_for_status()
     return r.json()
+
+
+# -- more adapters than device slots: --max-loras 1 --max-cpu-loras 2 ------------------------
+
+@pytest.fixture(scope="module")
+def swap_server(demo_model, adapters, tmp_path_factory):
+    from conftest import start_server, stop_server
+    log = tmp_path_factory.mktemp("lora-swap") / "server.log"
+    srv = start_server(demo_model, log, "--served-model-name", "base", "--enable-lora", "--max-loras", "1",
+                       "--max-cpu-loras", "2", "--max-lora-rank", "16", "--lora-modules", f"a8={adapters['a8'].path}",
+                       "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 60}))
+    yield srv
+    stop_server(srv)
+
+
+def test_adapters_take_turns_in_one_slot_and_a_push_reaches_the_one_outside(swap_server, adapters, hf,
+                                                                             base_reference, tmp_path):
+    """Both adapters stay loaded on the host and the one a request needs is copied into the
+    one device slot: each request gets its own adapter's output. A push to the adapter
+    outside the slot lands in its host copy and is served once it swaps in; one pushed into
+    the slot is kept when it swaps out."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from rlserve.weight_transfer import WeightSyncClient
+    url = swap_server.url
+    prompts, n = PROMPTS[:2], 6
+
+    def tokens(model: str) -> list[list[int]]:
+        r = httpx.post(f"{url}/v1/completions", timeout=600, json={
+            "model": model, "prompt": prompts, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    def want(reference: dict) -> list[list[int]]:
+        return [reference[p][:n] for p in prompts]
+
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "b16", "lora_path": adapters["b16"].path})
+    assert r.status_code == 200, r.text
+    for name in ("a8", "b16", "a8", "b16"):
+        assert tokens(name) == want(adapters[name].reference), name
+    # at once: one adapter's requests wait for the slot while the other's run, the base model's beside
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(tokens, ["a8", "b16", "base"]))
+    assert got == [want(adapters["a8"].reference), want(adapters["b16"].reference), want(base_reference)]
+
+    model, tok = hf
+    pushed = make_adapter(model, tok, str(tmp_path / "pushed"), 8, ["q_proj", "v_proj", "o_proj", "up_proj",
+                                                                    "down_proj"], seed=21)
+    sync = WeightSyncClient(url, backend="gloo", timeout_s=120)
+    sync.init()
+    assert tokens("b16") == want(adapters["b16"].reference)  # b16 holds the slot
+    sync.push_lora("a8", pushed.peft_model)  # a8 is outside the slot: its host copy takes the push
+    assert tokens("a8") == want(pushed.reference)
+    sync.push_lora("a8", adapters["a8"].peft_model)  # a8 is in the slot now: the push goes there
+    assert tokens("b16") == want(adapters["b16"].reference)  # a8 leaves the slot, its push kept
+    assert tokens("a8") == want(adapters["a8"].reference)

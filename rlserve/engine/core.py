@@ -9,17 +9,19 @@ the engine-core process's busy loop, core_proc.py).
 
 from __future__ import annotations
 
+import bisect
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
 from rlserve.config import EngineConfig
 from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, FinalTokens, Finished, Rejected, Started
+from rlserve.engine.outputs import (ITERATION_TOKENS_BUCKETS, EngineCoreOutputs, EngineStats, FinalTokens, Finished,
+                                    Rejected, RequestTiming, Started)
 from rlserve.engine.request import (EngineUnavailableError, FinishReason, Request, RequestStatus, sample_ids,
                                     validate_prompt, version_spans)
 from rlserve.engine.scheduler import Scheduler
@@ -68,6 +70,7 @@ class _InFlight:
     handle: StepHandle
     index: list[int]  # per sampling row: where its placeholder sits in the request's token_ids
     version: int  # the weights it ran on
+    first: list[Request] = field(default_factory=list)  # rows sampling their request's first token
 
 
 class _StepOut:
@@ -84,12 +87,12 @@ class _StepOut:
         self.finished: list[Finished] = []
         self.rejected: list[Rejected] = []
 
-    def build(self, version: int) -> EngineCoreOutputs | None:
+    def build(self, version: int, timestamp: float = 0.0) -> EngineCoreOutputs | None:
         if not (self.ids or self.finished or self.started or self.rejected):
             return None
         return EngineCoreOutputs(version, self.ids, self.tokens,
                                  self.logprobs if self.any_logprobs else None,
-                                 self.started, self.finished, self.rejected)
+                                 self.started, self.finished, self.rejected, timestamp=timestamp)
 
 
 class EngineCore:
@@ -117,11 +120,11 @@ class EngineCore:
         self.lora = None  # rlserve.engine.lora.LoRAManager, with enable_lora
         if config.enable_lora:
             from rlserve.engine.lora import LoRAManager
-            self.lora = LoRAManager(self.executor, config.max_loras, config.max_lora_rank)
+            self.lora = LoRAManager(self.executor, config.max_loras, config.max_cpu_loras, config.max_lora_rank)
             for name, path in config.lora_modules.items():
                 self.lora.load(name, path)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.lora)
         # Overlapped scheduling needs a device that runs ahead of the host, and one rank.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda") and self.world_size == 1
@@ -135,6 +138,9 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.aborted_total = 0
+        # vllm:iteration_tokens_total, kept here: most steps send the front end nothing
+        self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
         self.load_seconds = time.perf_counter() - t0
         # Everything built so far lives as long as the engine: keep it out of the cyclic
         # collector's scans, which otherwise cost milliseconds per step at large batches.
@@ -160,17 +166,16 @@ class EngineCore:
         """Validate one prompt and expand it into its n sample requests. `stream`: every
         step reports the request's new token; otherwise it reports everything once, when
         the request finishes. `cache_salt`: prefix-cache blocks are shared only with
-        requests of the same salt. `lora_name`: a loaded LoRA adapter to run with."""
+        requests of the same salt. `lora_name`: a loaded LoRA adapter to run with (its slot
+        is given when the request is scheduled)."""
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
-        slot = -1
         if lora_name is not None:
             if self.lora is None:
                 raise ModelNotFoundError(f"model: {lora_name!r} is not served (LoRA adapters need "
                                          "--enable-lora)")
-            adapter = self.lora.resolve(lora_name)
-            slot, cache_salt = adapter.slot, adapter.cache_salt(cache_salt)
+            cache_salt = self.lora.resolve(lora_name).cache_salt(cache_salt)
         grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
-        reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, sample_index=i, lora_slot=slot,
+        reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, sample_index=i,
                         max_model_len=self.max_model_len, group_id=request_id if params.n > 1 else None,
                         stream=stream, cache_salt=cache_salt, lora_name=lora_name)
                 for i, rid in enumerate(sample_ids(request_id, params.n))]
@@ -273,6 +278,8 @@ class EngineCore:
         if self.compiling:
             self._admit_compiled(early)
         sched = self.scheduler.schedule()
+        if self.scheduler.refused:
+            self._end_refused(early)
         launched = None
         masked = False
         if not sched.empty:
@@ -281,7 +288,8 @@ class EngineCore:
             handle = self.executor.launch(sched, self._tables(sched),
                                           self.inflight.handle if overlapped else None,
                                           sample=not masked)
-            launched = _InFlight(handle, self._advance(sched), self.weight_version)
+            placeholders, first = self._advance(sched)
+            launched = _InFlight(handle, placeholders, self.weight_version, first)
         if not self.async_scheduling:
             if masked:
                 self._sample_masked(launched.handle)
@@ -294,6 +302,18 @@ class EngineCore:
         if early.rejected:
             outputs = _merge(early.build(self.weight_version), outputs)
         return outputs
+
+    def _end_refused(self, out: "_StepOut") -> None:
+        """Requests the scheduler could not give their LoRA adapter end here, refused."""
+        told = set()
+        for req, error in self.scheduler.refused:
+            self._finish(req, FinishReason.ABORT)
+            group = req.group_id or req.request_id
+            if group not in told:  # the front end fails the whole prompt
+                told.add(group)
+                out.rejected.append(Rejected(group, str(error), error.param,
+                                             404 if isinstance(error, ModelNotFoundError) else 400))
+        self.scheduler.refused.clear()
 
     def _sample_masked(self, handle) -> None:
         """Sample a launched step under its rows' grammar masks (their matchers have taken
@@ -310,12 +330,14 @@ class EngineCore:
             return self.kv.block_table_array([item.request for item in sched.scheduled])
         return [self.kv.block_table(item.request) for item in sched.scheduled]
 
-    def _advance(self, sched) -> list[int]:
+    def _advance(self, sched) -> tuple[list[int], list[Request]]:
         """The scheduled tokens are computed. Each request that samples this step gets a
         PLACEHOLDER for its token, which is not known until the step is collected; the
-        placeholders' indexes are returned, in step order."""
+        placeholders' indexes are returned, in step order, with the requests whose first
+        token this is."""
         caching, bs = self.kv.enable_prefix_caching, self.kv.block_size
         placeholders: list[int] = []
+        first: list[Request] = []
         for item in sched.scheduled:
             req = item.request
             start = req.num_computed_tokens
@@ -328,7 +350,9 @@ class EngineCore:
             if end == len(token_ids):  # the chunk reached the end: it samples
                 placeholders.append(end)
                 token_ids.append(PLACEHOLDER)
-        return placeholders
+                if end == req.num_prompt_tokens:
+                    first.append(req)
+        return placeholders, first
 
     def _add_prompt_logprobs(self, req: Request, start: int, logprobs) -> None:
         if not req.prompt_logprobs:
@@ -339,6 +363,7 @@ class EngineCore:
     def _process(self, inflight: "_InFlight") -> EngineCoreOutputs | None:
         """Bring a launched step's tokens back and turn them into request state and outputs."""
         result = self.executor.collect(inflight.handle)
+        now = time.monotonic()  # when these tokens were produced, as far as anyone can see
         for rid, logprobs in result.prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)
             if req is not None:
@@ -347,11 +372,18 @@ class EngineCore:
         version, finished = inflight.version, RequestStatus.FINISHED
         bs = self.kv.block_size
         recorded = 0
+        produced = self.generation_tokens_total
+        prompts = 0  # of requests whose first token this is (vLLM counts them in the step)
+        for req in inflight.first:
+            if req.status is not finished:
+                req.first_token_time = now
+                prompts += req.num_prompt_tokens
         for item, token, logprob, index in zip(result.sample_requests, result.token_ids,
                                                result.logprobs, inflight.index):
             req = item.request
             if req.status is finished:  # finished or aborted meanwhile: the token is discarded
                 continue
+            req.last_token_time = now
             # Most tokens of a non-streamed request only need recording: not a stop token,
             # not its last, and completing no KV block.
             if (not req.stream and index < req.last_index and (index + 1) % bs
@@ -364,7 +396,11 @@ class EngineCore:
                 continue
             self._accept(req, token, logprob, version, index, out)
         self.generation_tokens_total += recorded
-        return out.build(version)
+        produced = self.generation_tokens_total - produced
+        if produced:
+            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, prompts + produced)] += 1
+            self.iteration_tokens_sum += prompts + produced
+        return out.build(version, now)
 
     def _accept(self, req: Request, token: int, logprob, version: int, index: int,
                 out: _StepOut) -> None:
@@ -422,7 +458,7 @@ class EngineCore:
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.scheduler.finish(req)
         return Finished(req.request_id, reason.value, stop_reason,
-                        None if req.stream else self._final(req))
+                        None if req.stream else self._final(req), _timing(req, time.monotonic()))
 
     @staticmethod
     def _final(req: Request) -> FinalTokens:
@@ -556,7 +592,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.held),
+            num_waiting=len(self.scheduler.waiting) + len(self.held) + len(self.compiling),
             kv_cache_usage=self.kv.usage,
             kv_cache_capacity_tokens=self.kv.capacity_tokens,
             prompt_tokens_total=self.prompt_tokens_total,
@@ -567,12 +603,27 @@ class EngineCore:
             prefix_cache_hit_tokens=self.kv.prefix_hits,
             weight_version=self.weight_version,
             paused=self.paused,
-            sleeping=self.sleeping)
+            sleeping=self.sleeping,
+            sleep_level=(2 if self.scheduler.no_weights else 1) if self.sleeping else 0,
+            num_waiting_deferred=len(self.compiling) + self.scheduler.num_deferred,
+            iteration_tokens=list(self.iteration_tokens),
+            iteration_tokens_sum=self.iteration_tokens_sum)
 
     def shutdown(self) -> None:
         if self._grammars is not None:
             self._grammars.shutdown()
         self.executor.shutdown()
+
+
+def _timing(req: Request, now: float) -> RequestTiming:
+    """vLLM's phases of a request that ends now; those it never reached take no time."""
+    arrived, scheduled, first, last = req.arrival_time, req.scheduled_time, req.first_token_time, req.last_token_time
+    n = req.num_preemptions
+    if not scheduled:  # ended in the queue
+        return RequestTiming(now - arrived, 0.0, 0.0, 0.0, -1.0, n)
+    if not first:  # ended before its first token
+        return RequestTiming(scheduled - arrived, now - scheduled, 0.0, now - scheduled, -1.0, n)
+    return RequestTiming(scheduled - arrived, first - scheduled, last - first, last - scheduled, now - first, n)
 
 
 def _merge(a: EngineCoreOutputs | None, b: EngineCoreOutputs | None) -> EngineCoreOutputs | None:

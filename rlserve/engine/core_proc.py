@@ -117,7 +117,8 @@ class EngineCoreProc:
             client = owners.get(rid, 0)
             p = parts.get(client)
             if p is None:
-                p = parts[client] = EngineCoreOutputs(out.version, [], [], [] if out.logprobs is not None else None)
+                p = parts[client] = EngineCoreOutputs(out.version, [], [], [] if out.logprobs is not None else None,
+                                                      timestamp=out.timestamp)
             return p
 
         for i, (rid, token) in enumerate(zip(out.request_ids, out.token_ids)):

@@ -443,7 +443,11 @@ class DPEngineClient:
             prefix_cache_queries=total("prefix_cache_queries"),
             prefix_cache_hit_tokens=total("prefix_cache_hit_tokens"),
             weight_version=min(s.weight_version for s in serving),
-            paused=any(s.paused for _, s in stats), sleeping=any(s.sleeping for _, s in stats))
+            paused=any(s.paused for _, s in stats), sleeping=any(s.sleeping for _, s in stats),
+            sleep_level=max(s.sleep_level for _, s in stats),
+            num_waiting_deferred=total("num_waiting_deferred"),
+            iteration_tokens=[sum(c) for c in zip(*(s.iteration_tokens for _, s in stats))],
+            iteration_tokens_sum=total("iteration_tokens_sum"))
 
     def _group_has(self, r: Replica) -> bool:
         return self._group is not None and self._group.get(r.index) == r.incarnation

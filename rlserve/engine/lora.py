@@ -1,6 +1,16 @@
-"""The engine's LoRA adapters: its table of loaded adapters (name -> slot), and the calls
-that load, update and remove them on every tensor-parallel rank. The adapters' format
-(PEFT's config, tensor names, files) is rlserve.model.peft.
+"""The engine's LoRA adapters: which are loaded (by name), which of them sit in the device's
+slots, and the calls that put them there on every tensor-parallel rank.
+
+As in vLLM, `--max-loras` is the number of device slots and `--max-cpu-loras` the number of
+adapters kept in host memory (each rank a copy of its shards, rlserve.model.lora). A
+request whose adapter no slot holds takes, when it is scheduled, the least recently used
+slot whose adapter no running request uses; when every slot is in use it waits. An
+adapter that must make room in host memory is the least recently used one read from a
+directory and used by no running request: it stays loaded (listed, served) and is read
+again when a request needs it. An adapter a trainer pushed lives only in memory and is
+never evicted; when only such adapters (or ones in use) fill host memory, a new one is
+refused by name. The adapters' format (PEFT's config, tensor names, files) is
+rlserve.model.peft.
 """
 
 from __future__ import annotations
@@ -8,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
 
+from rlserve.errors import ModelNotFoundError
 from rlserve.model.peft import LoRAConfig, pair_tensors, read_adapter
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.worker import calls as rank
@@ -26,59 +37,22 @@ class LoRARequest(NamedTuple):
 @dataclass
 class LoRAAdapter:
     name: str
-    slot: int
     config: LoRAConfig
-    path: str | None  # None: pushed by a trainer
+    path: str | None  # None: pushed by a trainer, so it lives only in memory
     generation: int  # changes with every load or update: the adapter's prefix-cache salt
+    slot: int | None = None  # the device slot it sits in
+    in_memory: bool = True  # False: evicted from host memory, read from `path` again on use
+    host_stale: bool = False  # a push changed its slot since its host copy was written
+    users: int = 0  # requests holding its slot (scheduled, or first in line for room)
+    last_used: int = 0
 
     def cache_salt(self, salt: str | None) -> str:
         """Prefix-cache blocks are shared only among requests of the same adapter contents."""
         return f"\x00lora:{self.name}:{self.generation}\x00{salt or ''}"
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.name, "slot": self.slot, "path": self.path, "r": self.config.r,
-                "lora_alpha": self.config.lora_alpha}
-
-
-class LoRARegistry:
-    """The engine's loaded adapters (engine thread only)."""
-
-    def __init__(self, max_loras: int, max_rank: int):
-        self.max_loras = max_loras
-        self.max_rank = max_rank
-        self.adapters: dict[str, LoRAAdapter] = {}
-        self._generation = 0
-
-    def get(self, name: str, param: str = "model") -> LoRAAdapter:
-        """Raises ModelNotFoundError (a 404, as vLLM answers) naming `param`."""
-        adapter = self.adapters.get(name)
-        if adapter is None:
-            from rlserve.engine.messages import ModelNotFoundError
-            known = ", ".join(sorted(self.adapters)) or "none"
-            raise ModelNotFoundError(f"{param}: LoRA adapter {name!r} is not loaded (loaded: {known})", param)
-        return adapter
-
-    def free_slot(self, name: str) -> int:
-        """`name`'s slot if loaded, else a free one; refuses when every slot is taken."""
-        if name in self.adapters:
-            return self.adapters[name].slot
-        used = {a.slot for a in self.adapters.values()}
-        free = [s for s in range(self.max_loras) if s not in used]
-        if not free:
-            raise InvalidRequestError(
-                f"lora_name: {self.max_loras} adapters are loaded, max_loras is {self.max_loras}; unload "
-                f"one first ({', '.join(sorted(self.adapters))})", "lora_name")
-        return free[0]
-
-    def put(self, name: str, slot: int, config: LoRAConfig, path: str | None) -> LoRAAdapter:
-        self._generation += 1
-        adapter = self.adapters[name] = LoRAAdapter(name, slot, config, path, self._generation)
-        return adapter
-
-    def remove(self, name: str) -> LoRAAdapter:
-        adapter = self.get(name, "lora_name")
-        del self.adapters[name]
-        return adapter
+        return {"name": self.name, "slot": -1 if self.slot is None else self.slot, "path": self.path,
+                "r": self.config.r, "lora_alpha": self.config.lora_alpha}
 
 
 def check_lora_name(name: Any, param: str = "lora_name") -> str:
@@ -89,68 +63,188 @@ def check_lora_name(name: Any, param: str = "lora_name") -> str:
 
 
 class LoRAManager:
-    """The engine's side of adapters: the registry, and the calls that put adapters into
-    (or take them out of) every tensor-parallel rank's slots. Engine thread only."""
+    """The engine's side of adapters: the table, the slots, host memory, and the calls that
+    move adapters between them on every rank. Engine thread only."""
 
-    def __init__(self, executor, max_loras: int, max_rank: int):
+    def __init__(self, executor, max_loras: int, max_cpu_loras: int, max_rank: int):
         self.executor = executor
-        self.registry = LoRARegistry(max_loras, max_rank)
+        self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.slots: list[str | None] = [None] * max_loras  # the adapter in each slot
+        self._generation = 0
+        self._clock = 0  # uses, for least-recently-used choices
 
     def resolve(self, name: str | None, param: str = "model") -> LoRAAdapter | None:
-        return None if name is None else self.registry.get(name, param)
+        """None for the base model; raises ModelNotFoundError (a 404, as vLLM answers) naming `param`."""
+        if name is None:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            known = ", ".join(self.adapters) or "none"
+            raise ModelNotFoundError(f"{param}: LoRA adapter {name!r} is not loaded (loaded: {known})", param)
+        return adapter
 
+    # -- loading and unloading ------------------------------------------------------------
     def load(self, name: str, path: str, load_inplace: bool = False) -> tuple[LoRAAdapter, bool]:
-        """Read a PEFT directory and put it in a slot. Returns the adapter and whether it
-        replaced one of the same name (whose requests now run on the new weights)."""
+        """Read a PEFT directory into host memory (and a free slot, if any). Returns the
+        adapter and whether it replaced one of the same name (whose requests now run on the
+        new weights)."""
         check_lora_name(name)
-        replaced = name in self.registry.adapters
-        if replaced and not load_inplace:
+        old = self.adapters.get(name)
+        if old is not None and not load_inplace:
             raise InvalidRequestError(f"lora_name: an adapter named {name!r} is already loaded "
                                       "(unload it first, or pass load_inplace)", "lora_name")
-        config, tensors = read_adapter(path, self.registry.max_rank)
-        # Names and pairs, before any rank is called (rank 0's model says what takes none).
-        pair_tensors(tensors, config, "adapter_model", self.executor.driver.lora.exempt)
-        slot = self.registry.free_slot(name)
+        config, tensors = read_adapter(path, self.max_rank)
+        # Names, pairs and shapes, before anything moves (rank 0's model answers for all).
+        lora = self.executor.driver.lora
         try:
-            self.executor.load_tensors(rank.LoadLoRA(slot, config.to_wire()), tensors)
-        except ValueError as e:  # what the model refuses (unknown modules, shapes): nothing written
+            lora.check(pair_tensors(tensors, config, "adapter_model", lora.exempt))
+        except ValueError as e:
             raise InvalidRequestError(f"lora_path: {path}: {e}", "lora_path") from None
-        return self.registry.put(name, slot, config, path), replaced
+        self._make_room(name)
+        slot = old.slot if old is not None and old.slot is not None else self._empty_slot()
+        self.executor.load_tensors(rank.LoadLoRA(name, slot, config.to_wire()), tensors)
+        adapter = self._put(name, config, path, slot)
+        adapter.host_stale = False
+        return adapter, old is not None
 
     def unload(self, name: str) -> LoRAAdapter:
-        adapter = self.registry.remove(name)
+        adapter = self.resolve(name, "lora_name")
+        del self.adapters[name]
+        if adapter.slot is not None:
+            self.slots[adapter.slot] = None
         self.executor.collective_rpc(rank.RemoveLoRA(adapter.slot, name))
         return adapter
 
+    def list(self) -> list[dict[str, Any]]:
+        return [a.info() for a in self.adapters.values()]
+
+    # -- live updates (engine/weight_updates.py) ------------------------------------------
     def update_config(self, update_info: Mapping[str, Any]) -> dict[str, Any]:
         """An adapter update's config for the workers: the one it brings, else the loaded
         adapter's. Refuses what cannot be applied before any byte moves."""
         name = check_lora_name(update_info.get("lora_name"), "update_info.lora_name")
         data = update_info.get("lora_config")
         if data is None:
-            if name not in self.registry.adapters:
+            if name not in self.adapters:
                 raise InvalidRequestError(
                     f"update_info.lora_config: required for {name!r}, which is not loaded "
                     "(PEFT's adapter_config: r, lora_alpha, target_modules, ...)", "update_info")
-            return self.registry.adapters[name].config.to_wire()
-        config = LoRAConfig.parse(data, "update_info.lora_config", self.registry.max_rank)
-        self.registry.free_slot(name)  # room for it, unless already loaded
+            return self.adapters[name].config.to_wire()
+        config = LoRAConfig.parse(data, "update_info.lora_config", self.max_rank)
+        self._make_room(name, evict=False)
         return config.to_wire()
 
     def apply_update(self, name: str, config: Mapping[str, Any]) -> bool:
-        """Copy a received adapter update into its slot (between steps). Returns whether
-        it replaced a loaded adapter."""
-        replaced = name in self.registry.adapters
+        """Copy a received adapter update into its slot, or its host copy when no slot holds
+        it (between steps). Returns whether it replaced a loaded adapter."""
+        adapter = self.adapters.get(name)
         try:
-            slot = self.registry.free_slot(name)  # taken meanwhile by a load from disk: refused
+            self._make_room(name)  # filled meanwhile by loads from disk: refused
         except InvalidRequestError:
             self.executor.collective_rpc(rank.DropStaged())
             raise
-        self.executor.collective_rpc(rank.ApplyStaged(slot))
+        slot = adapter.slot if adapter is not None else self._empty_slot()
+        self.executor.collective_rpc(rank.ApplyStaged(slot, name))
         # path None: its weights are the trainer's now, not a directory's
-        self.registry.put(name, slot, LoRAConfig.parse(config, "update_info.lora_config", self.registry.max_rank),
-                          None)
-        return replaced
+        updated = self._put(name, LoRAConfig.parse(config, "update_info.lora_config", self.max_rank), None, slot)
+        updated.host_stale = slot is not None
+        return adapter is not None
 
-    def list(self) -> list[dict[str, Any]]:
-        return [a.info() for a in sorted(self.registry.adapters.values(), key=lambda a: a.slot)]
+    # -- slots, as the scheduler admits requests -------------------------------------------
+    def acquire(self, req) -> bool:
+        """Give a request being scheduled its adapter's slot (req.lora_slot), swapping the
+        adapter in if no slot holds it; False when every slot is in use by other adapters'
+        requests (it waits). Raises when the adapter cannot be brought back into memory."""
+        adapter = self.resolve(req.lora_name)
+        self._clock += 1
+        adapter.last_used = self._clock
+        if adapter.slot is None:
+            slot = self._slot_to_take()
+            if slot is None:
+                return False
+            self._swap_in(adapter, slot)
+        adapter.users += 1
+        req.lora_slot = adapter.slot
+        return True
+
+    def release(self, req) -> None:
+        """A request gives its slot back (finished, or preempted: it acquires one again)."""
+        adapter = self.adapters.get(req.lora_name)
+        if adapter is not None:
+            adapter.users -= 1
+        req.lora_slot = -1
+
+    def _slot_to_take(self) -> int | None:
+        """An empty slot, else the least recently used one whose adapter nobody uses."""
+        empty = self._empty_slot()
+        if empty is not None:
+            return empty
+        idle = [self.adapters[n] for n in self.slots if not self.adapters[n].users]
+        return min(idle, key=lambda a: a.last_used).slot if idle else None
+
+    def _swap_in(self, adapter: LoRAAdapter, slot: int) -> None:
+        if not adapter.in_memory:
+            self._make_room(adapter.name, param="model")  # may take the slot's adapter out of memory
+        out = self.slots[slot]
+        leaving = self.adapters[out] if out is not None else None
+        save = out if leaving is not None and leaving.host_stale else None
+        if leaving is not None:
+            leaving.slot, leaving.host_stale = None, False
+        self.slots[slot] = None
+        if adapter.in_memory:
+            self.executor.collective_rpc(rank.SwapLoRA(slot, save, adapter.name))
+        else:  # evicted from host memory: read from its directory again
+            if save is not None:
+                self.executor.collective_rpc(rank.SwapLoRA(slot, save))
+            try:
+                config, tensors = read_adapter(adapter.path, self.max_rank)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"model: LoRA adapter {adapter.name!r} was evicted from host "
+                                          f"memory and cannot be read again: {e}", "model") from None
+            self.executor.load_tensors(rank.LoadLoRA(adapter.name, slot, config.to_wire()), tensors)
+            adapter.in_memory = True
+        adapter.slot, self.slots[slot] = slot, adapter.name
+
+    # -- host memory -----------------------------------------------------------------------
+    def _empty_slot(self) -> int | None:
+        return next((i for i, n in enumerate(self.slots) if n is None), None)
+
+    def _make_room(self, name: str, evict: bool = True, param: str = "lora_name") -> None:
+        """Room in host memory for adapter `name` (nothing to do if it is there): evict the
+        least recently used adapter read from a directory that no request uses, or refuse,
+        naming `param`."""
+        adapter = self.adapters.get(name)
+        if adapter is not None and adapter.in_memory:
+            return
+        resident = [a for a in self.adapters.values() if a.in_memory]
+        if len(resident) < self.max_cpu_loras:
+            return
+        evictable = [a for a in resident if a.path is not None and not a.users]
+        if not evictable:
+            raise InvalidRequestError(
+                f"{param}: no room for LoRA adapter {name!r}: host memory holds --max-cpu-loras "
+                f"{self.max_cpu_loras} adapters ({', '.join(a.name for a in resident)}), none of which "
+                "can be evicted (an adapter pushed by a trainer exists only in memory; one whose "
+                "requests run stays); unload one, or raise --max-cpu-loras", param)
+        if not evict:
+            return
+        victim = min(evictable, key=lambda a: a.last_used)
+        self.executor.collective_rpc(rank.RemoveLoRA(victim.slot, victim.name))
+        if victim.slot is not None:
+            self.slots[victim.slot] = None
+        victim.slot, victim.in_memory, victim.host_stale = None, False, False
+
+    def _put(self, name: str, config: LoRAConfig, path: str | None, slot: int | None) -> LoRAAdapter:
+        """The adapter `name` now has these contents (a new generation), in memory and in
+        `slot` if given; its users and recency carry over."""
+        self._generation += 1
+        self._clock += 1
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            adapter = self.adapters[name] = LoRAAdapter(name, config, path, self._generation)
+        adapter.config, adapter.path, adapter.generation, adapter.in_memory = config, path, self._generation, True
+        adapter.last_used = self._clock
+        if slot is not None:
+            adapter.slot, self.slots[slot] = slot, name
+        return adapter

@@ -13,18 +13,22 @@ import time
 from typing import Callable, Protocol
 
 from rlserve.engine.detokenizer import IncrementalDetokenizer
-from rlserve.engine.outputs import EngineCoreOutputs, FinalTokens, Finished, Started
+from rlserve.engine.outputs import EngineCoreOutputs, FinalTokens, Finished, RequestTiming, Started
 from rlserve.engine.request import CompletionOutput, RequestOutput, sample_ids
 from rlserve.sampling_params import SamplingParams
 from rlserve.sequence import TokenLogprob
 
 
 class LatencyObserver(Protocol):
-    """Where per-token timings go (the server's Prometheus histograms)."""
+    """Where a sample's timings go (the server's Prometheus histograms). Latencies from
+    arrival are the front end's; the gaps between tokens and a request's phases in the engine
+    are the engine's (stamped when a step's tokens are read back, whether or not anyone
+    streams them)."""
 
     def first_token(self, seconds: float) -> None: ...
     def inter_token(self, seconds: float, count: int) -> None: ...
     def finished(self, reason: str, seconds: float) -> None: ...
+    def request_phases(self, timing: RequestTiming, num_tokens: int) -> None: ...
 
 
 class SampleDelta:
@@ -55,7 +59,7 @@ class SampleState:
         self.detok: IncrementalDetokenizer | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.last_time = 0.0  # when its latest token arrived
+        self.last_time = 0.0  # the engine's stamp of its latest streamed token (0: none yet)
         self.sent_tokens = 0  # tokens the consumer has seen
         self.started = False  # the consumer has seen something of it
         self.sent_all = False  # the consumer has seen its end
@@ -92,7 +96,6 @@ class RequestState:
         self.weight_version = 0
         self.num_finished = 0
         self.error: BaseException | None = None
-        self.first_token_seen = False
 
     @property
     def finished(self) -> bool:
@@ -129,6 +132,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.observer = observer
         self.samples: dict[str, SampleState] = {}  # engine id of every unfinished sample
+        # Samples a stop string ended here: their phases in the engine come with the engine's
+        # Finished for them (the abort, or their own end if it came first)
+        self.ending: dict[str, SampleState] = {}
 
     def add(self, state: RequestState) -> None:
         p = state.params
@@ -150,6 +156,7 @@ class OutputProcessor:
         """Take one step's outputs; returns the engine ids of samples a stop string ended,
         which the engine must abort."""
         now = time.monotonic()
+        stamp = out.timestamp
         samples = self.samples
         version = out.version
         touched: dict[int, RequestState] = {}
@@ -165,7 +172,7 @@ class OutputProcessor:
             s.token_versions.append(version)
             if logprobs is not None and s.logprobs is not None:
                 s.logprobs.append(logprobs[i])
-            self._timing(s, 1, now)
+            self._token_time(s, stamp, now)
             req = s.request
             req.weight_version = version
             touched[id(req)] = req
@@ -177,15 +184,18 @@ class OutputProcessor:
         for f in out.finished:
             s = samples.get(f.request_id)
             if s is None:
+                s = self.ending.pop(f.request_id, None)
+                if s is not None and f.timing is not None:
+                    self.observer.request_phases(f.timing, len(s.token_ids))
                 continue
             if f.final is not None:
-                self._absorb(s, f.final, now)
+                self._absorb(s, f.final, now, f.timing)
             req = s.request
             req.weight_version = max(req.weight_version, version)
             touched[id(req)] = req
             if s.detok is not None:
                 s.detok.finish()
-            self._finish(s, f.reason, f.stop_reason, now)
+            self._finish(s, f.reason, f.stop_reason, now, f.timing)
         for req in touched.values():
             if req.notify is not None and (req.stream or req.finished):
                 req.notify()
@@ -199,8 +209,8 @@ class OutputProcessor:
             if st.prompt_logprobs is not None and req.prompt_logprobs is None:
                 req.prompt_logprobs = st.prompt_logprobs
 
-    def _absorb(self, s: SampleState, final: FinalTokens, now: float) -> None:
-        """A non-streamed sample's tokens, all at once."""
+    def _absorb(self, s: SampleState, final: FinalTokens, now: float, timing: RequestTiming | None) -> None:
+        """A non-streamed sample's tokens, all at once, timed by the engine."""
         s.token_ids.extend(final.token_ids)
         if s.logprobs is not None and final.logprobs is not None:
             s.logprobs.extend(final.logprobs)
@@ -215,34 +225,43 @@ class OutputProcessor:
         if s.detok is not None:
             for token in final.token_ids:
                 s.detok.add(token)
-        self._timing(s, len(final.token_ids), now)
+        if self.observer is not None and timing is not None and timing.since_first_token >= 0:
+            # The first token came since_first_token before the engine sent this; the gaps
+            # between the others are known by their mean (the engine keeps no time per token).
+            self.observer.first_token(max(now - req.arrival - timing.since_first_token, 0.0))
+            n = len(final.token_ids)
+            if n > 1:
+                self.observer.inter_token(timing.decode / (n - 1), n - 1)
 
-    def _timing(self, s: SampleState, count: int, now: float) -> None:
-        if self.observer is None or not count:
+    def _token_time(self, s: SampleState, stamp: float, now: float) -> None:
+        """A streamed token: TTFT on arrival here, a gap between the engine's stamps after."""
+        if self.observer is None:
             return
-        req = s.request
-        if not req.first_token_seen:
-            req.first_token_seen = True
-            self.observer.first_token(now - req.arrival)
-            count -= 1
-            s.last_time = now
-        if count and s.last_time:
-            self.observer.inter_token((now - s.last_time) / count, count)
-        s.last_time = now
+        if s.last_time:
+            self.observer.inter_token(stamp - s.last_time, 1)
+        else:
+            self.observer.first_token(now - s.request.arrival)
+        s.last_time = stamp
 
-    def _finish(self, s: SampleState, reason: str, stop_reason, now: float) -> None:
+    def _finish(self, s: SampleState, reason: str, stop_reason, now: float,
+                timing: RequestTiming | None = None) -> None:
         s.finish_reason, s.stop_reason = reason, stop_reason
         self.samples.pop(s.request_id, None)
         req = s.request
         req.num_finished += 1
         if self.observer is not None:
             self.observer.finished(reason, now - req.arrival)
+            if timing is not None:
+                self.observer.request_phases(timing, len(s.token_ids))
+            else:  # ended here: the engine's Finished (for the abort) brings its phases
+                self.ending[s.request_id] = s
 
     def fail(self, state: RequestState, error: BaseException) -> None:
         """End a request with an error (the engine refused it, or died)."""
         state.error = error
         for s in state.samples:
             self.samples.pop(s.request_id, None)
+            self.ending.pop(s.request_id, None)
         if state.notify is not None:
             state.notify()
 

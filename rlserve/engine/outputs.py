@@ -13,6 +13,10 @@ import msgspec
 
 from rlserve.sequence import TokenLogprob
 
+# vllm:iteration_tokens_total's buckets (tokens a step produced, prompts counted whole at
+# their first token), as vLLM's.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
 
 class Started(msgspec.Struct, array_like=True, omit_defaults=True):
     """A streamed request's first token came this step: what the prompt cost."""
@@ -33,11 +37,26 @@ class FinalTokens(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
+class RequestTiming(msgspec.Struct, array_like=True):
+    """Where a finished request's time went in the engine (vLLM's request phases), in
+    seconds on the engine's clock. Sent once, with Finished: nothing per token."""
+
+    queued: float  # arrived at the engine -> first scheduled
+    prefill: float  # first scheduled -> first token
+    decode: float  # first token -> last token
+    inference: float  # first scheduled -> last token
+    # first token -> when this was sent (-1: no token): the front end's TTFT of a request
+    # whose tokens come all at once is its latency less this
+    since_first_token: float
+    num_preemptions: int
+
+
 class Finished(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     reason: str  # stop | length | abort
     stop_reason: int | None = None  # the stop token id, when one ended it (not eos)
     final: FinalTokens | None = None  # non-streamed requests only
+    timing: RequestTiming | None = None
 
 
 class Rejected(msgspec.Struct, array_like=True):
@@ -63,6 +82,13 @@ class EngineStats(msgspec.Struct, array_like=True):
     weight_version: int
     paused: bool
     sleeping: bool
+    sleep_level: int = 0  # 0 awake; 1: weights offloaded; 2: weights dropped
+    # Of num_waiting, those held back by something other than room (vLLM's "deferred"):
+    # a grammar still compiling, or no LoRA slot free.
+    num_waiting_deferred: int = 0
+    # vllm:iteration_tokens_total: per-bucket counts (ITERATION_TOKENS_BUCKETS, then +Inf), sum
+    iteration_tokens: list[int] = []
+    iteration_tokens_sum: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="step"):
@@ -74,6 +100,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="step"):
     finished: list[Finished] = []
     rejected: list[Rejected] = []
     stats: EngineStats | None = None
+    timestamp: float = 0.0  # the engine's clock when the step's tokens were read back
 
     def __bool__(self) -> bool:
         return bool(self.request_ids or self.started or self.finished or self.rejected)

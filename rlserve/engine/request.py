@@ -88,6 +88,10 @@ class Request(Sequence):
         self.prompt_logprobs: list[TokenLogprob | None] = []
         self.token_versions: list[int] = []  # weight version that produced each output token
         self.num_preemptions = 0
+        # The engine's clock (arrival_time's): first scheduled, first and latest token read back.
+        self.scheduled_time = 0.0
+        self.first_token_time = 0.0
+        self.last_token_time = 0.0
         self.paused_kept = False
         self.kv_capacity = 0  # tokens its KV blocks hold (KVCacheManager keeps it)
         # Structured outputs: the grammar's compile (a Future), then the request's matcher.

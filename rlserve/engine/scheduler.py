@@ -4,20 +4,25 @@ Each step, running requests go first (a decode is one token, an unfinished prefi
 the next chunk), then waiting requests are admitted while budget, sequence slots and KV
 blocks last. When blocks run out, the most recently admitted running request is preempted:
 its blocks are freed and it is recomputed later from its prompt and the tokens it had.
+A request with a LoRA adapter is admitted once its adapter has a slot (engine/lora.py);
+while every slot is in use by other adapters' requests it is passed over, and waits.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.request import Request, RequestStatus
+from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, lora=None):
         self.kv = kv
+        self.lora = lora  # rlserve.engine.lora.LoRAManager: the slots adapters take
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -30,6 +35,10 @@ class Scheduler:
         self.no_weights = False  # dropped by a level-2 sleep: nothing runs until an update
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.finished_ids: list[str] = []  # finished since the last step that ran
+        self.num_deferred = 0  # waiting requests the last schedule passed over for a LoRA slot
+        # Requests whose adapter could not be brought back (engine/lora.py), with why: the
+        # engine ends them
+        self.refused: list[tuple[Request, InvalidRequestError]] = []
 
     # -- queue management -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -45,6 +54,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        if req.lora_slot >= 0:
+            self.lora.release(req)
 
     def drop_kv(self, req: Request) -> None:
         """Forget a request's KV so it is recomputed (keep-mode pause with clear_cache)."""
@@ -63,6 +74,8 @@ class Scheduler:
     # -- the step ----------------------------------------------------------------------
     def _preempt(self, req: Request, count: bool = True) -> None:
         self.kv.free(req)
+        if req.lora_slot >= 0:  # its adapter's slot may go to another while it waits
+            self.lora.release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         if count:
@@ -78,6 +91,15 @@ class Scheduler:
             return False
         leader = self.requests.get(f"{req.group_id}-0")
         return leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
+
+    def _lora_slot(self, req: Request) -> bool:
+        """Give the first waiting request its adapter's slot. False if none is free, or if
+        its adapter cannot be had: then it leaves the queue, for the engine to end."""
+        try:
+            return self.lora.acquire(req)
+        except InvalidRequestError as e:
+            self.refused.append((self.waiting.popleft(), e))
+            return False
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Blocks for `n` more tokens of running `req`, preempting the most recently
@@ -119,10 +141,16 @@ class Scheduler:
 
         # Admitting new work right after a preemption would only thrash.
         skipped: list[Request] = []
+        self.num_deferred = 0
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if self._waiting_on_sibling(req):
                 skipped.append(self.waiting.popleft())
+                continue
+            if req.lora_name is not None and req.lora_slot < 0 and not self._lora_slot(req):
+                if self.waiting and self.waiting[0] is req:  # no slot free: it waits
+                    skipped.append(self.waiting.popleft())
+                    self.num_deferred += 1
                 continue
             cached: list[int] = []
             if req.num_computed_tokens == 0:
@@ -137,6 +165,8 @@ class Scheduler:
             if req.num_cached_tokens == 0:
                 req.num_cached_tokens = num_computed
             req.status = RequestStatus.RUNNING
+            if not req.scheduled_time:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n

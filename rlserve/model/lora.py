@@ -8,6 +8,11 @@ allocated once, at start: loading, updating or removing an adapter copies into t
 CUDA graphs captured over them stay valid. A fused layer (qkv_proj, gate_up_proj) has one
 slice per projection it fuses, each with its own A and its rows of B.
 
+More adapters than slots stay in host memory (`LoRAModel.host`, by name): each a copy of a
+slot's tensors, swapped into a slot (`restore`) when the engine says, and out of it again
+(`save`) when a push changed it there. A load or an update goes to a slot or to a host copy
+alike (a `Target`).
+
 Tensor parallelism: a column-parallel layer keeps A whole and its rows of each slice's B;
 a row-parallel one keeps its columns of A and all of B. Each rank then adds its partial
 delta before the layer's all-reduce, which sums them (the delta is linear in A's input
@@ -21,8 +26,7 @@ A rank below max_rank leaves the rest of the slot's rows zero.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import Callable, Mapping, NamedTuple, Union
 
 import torch
 
@@ -65,6 +69,9 @@ class LoRALayer:
             self.context.kernels.lora(y, x, self.a, self.b, self.slices, self.slice_table, batch)
 
 
+Target = Union[int, str]  # a device slot, or the name of an adapter's host copy
+
+
 class LoRATarget(NamedTuple):
     """Where one HF module's adapter goes: slice `index` of `layer`, and which part of the
     full A / B this rank keeps (None: all of it)."""
@@ -88,25 +95,50 @@ class LoRAModel:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.layers = list({id(t.layer): t.layer for t in targets.values()}.values())
+        self._index = {id(layer): i for i, layer in enumerate(self.layers)}
+        self.host: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # name -> (A, B) per layer
+
+    def storage(self, target: Target) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (A, B) of a slot, or of an adapter's host copy (made on first use:
+        pinned on CUDA, so copies to and from slots are plain DMA)."""
+        if isinstance(target, str):
+            copy = self.host.get(target)
+            if copy is None:
+                copy = self.host[target] = [(_host_like(layer.a[0]), _host_like(layer.b[0])) for layer in self.layers]
+            return copy
+        if not 0 <= target < self.max_loras:
+            raise ValueError(f"lora slot {target} is outside 0..{self.max_loras - 1}")
+        return [(layer.a[target], layer.b[target]) for layer in self.layers]
+
+    @torch.no_grad()
+    def save(self, slot: int, name: str) -> None:
+        """The host copy of `name` takes what its slot holds (a push changed it there)."""
+        host, device = self.storage(name), self.storage(slot)
+        torch._foreach_copy_([t for pair in host for t in pair], [t for pair in device for t in pair])
+
+    @torch.no_grad()
+    def restore(self, name: str, slot: int) -> None:
+        """`slot` takes the host copy of `name`, in place (CUDA graphs read the slots)."""
+        host, device = self.storage(name), self.storage(slot)
+        torch._foreach_copy_([t for pair in device for t in pair], [t for pair in host for t in pair])
+
+    def drop(self, name: str) -> None:
+        self.host.pop(name, None)
 
     def module_shapes(self, module: str, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """The full shapes of `module`'s A and B at `rank`."""
         t = self.targets[module]
         return (rank, t.in_features), (t.out_features, rank)
 
-    def load(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    def load(self, target: Target, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
              scaling: Callable[[str], float]) -> None:
-        """Put an adapter in `slot`: modules absent from `pairs` get zeros. Every module,
+        """Put an adapter in `target`: modules absent from `pairs` get zeros. Every module,
         shape and rank is checked before anything is written, so a refusal changes nothing."""
-        self.run(self.plan(slot, pairs, scaling))
+        self.run(self.plan(target, pairs, scaling))
 
-    def plan(self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-             scaling: Callable[[str], float]) -> LoadPlan:
-        """Check an adapter against the model and work out the copies that put it in `slot`.
-        A plan stays valid while its source tensors do (a trainer's IPC views are the same
-        tensors push after push), so a caller may keep it and `run` it again."""
-        if not 0 <= slot < self.max_loras:
-            raise ValueError(f"lora slot {slot} is outside 0..{self.max_loras - 1}")
+    def check(self, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Raise ValueError unless the model can take these (A, B) pairs: known modules,
+        ranks within max_rank, shapes that match."""
         unknown = sorted(m for m in pairs if m not in self.targets)
         if unknown:
             raise ValueError(f"LoRA modules this model cannot adapt: {', '.join(unknown[:10])} "
@@ -120,6 +152,14 @@ class LoRAModel:
             if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
                 raise ValueError(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not "
                                  f"match the model (expected {list(want_a)} and {list(want_b)})")
+
+    def plan(self, target: Target, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+             scaling: Callable[[str], float]) -> "LoadPlan":
+        """Check an adapter against the model and work out the copies that put it in
+        `target`. A plan stays valid while its source tensors do (a trainer's IPC views are
+        the same tensors push after push), so a caller may keep it and `run` it again."""
+        self.check(pairs)
+        store = self.storage(target)
         plan = LoadPlan([], [], [], [], [], [])
         ranks: dict[tuple[int, int], int] = {}  # (layer, slice) -> the rank its copies fill
         for module, (a, b) in pairs.items():
@@ -131,29 +171,31 @@ class LoRAModel:
             if t.b_shard is not None:
                 b = b.narrow(0, t.b_shard.start, t.b_shard.size)
             offset, size = t.layer.slices[t.index]
-            plan.a_dst.append(t.layer.a[slot, t.index, :rank])
+            a_dst, b_dst = store[self._index[id(t.layer)]]
+            plan.a_dst.append(a_dst[t.index, :rank])
             plan.a_src.append(a)
-            plan.b_dst.append(t.layer.b[slot, offset:offset + size, :rank])
+            plan.b_dst.append(b_dst[offset:offset + size, :rank])
             plan.b_src.append(b)
             plan.b_scales.append(scaling(module))
-        plan.zero.extend(self._uncovered(slot, ranks))
+        plan.zero.extend(self._uncovered(store, ranks))
         return plan._replace(b_in_place=_exact_in_place(plan.b_dst, plan.b_src, plan.b_scales))
 
-    def _uncovered(self, slot: int, ranks: Mapping[tuple[int, int], int]) -> list[torch.Tensor]:
-        """The parts of `slot` a load's copies leave (slices it has no module for, rows
-        past each module's rank), which it clears: the copies and these cover the slot once.
+    def _uncovered(self, store: list[tuple[torch.Tensor, torch.Tensor]],
+                   ranks: Mapping[tuple[int, int], int]) -> list[torch.Tensor]:
+        """The parts of a target a load's copies leave (slices it has no module for, rows
+        past each module's rank), which it clears: the copies and these cover it once.
         An adapter on every module at the full rank leaves nothing, so a push clears nothing."""
         out = []
-        for layer in self.layers:
+        for layer, (a, b) in zip(self.layers, store):
             for i, (offset, size) in enumerate(layer.slices):
                 rank = ranks.get((id(layer), i), 0)
                 if rank < self.max_rank:
-                    out.append(layer.a[slot, i, rank:])
-                    out.append(layer.b[slot, offset:offset + size, rank:])
+                    out.append(a[i, rank:])
+                    out.append(b[offset:offset + size, rank:])
         return out
 
     @torch.no_grad()
-    def run(self, plan: LoadPlan) -> None:
+    def run(self, plan: "LoadPlan") -> None:
         """Clear what of the slot the copies leave, copy A, copy B times its scaling (a
         float32 product, rounded once into the layer's dtype). Multi-tensor ops: a handful
         of launches for the hundreds of small tensors an adapter has, where one copy each
@@ -171,7 +213,7 @@ class LoRAModel:
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
-        torch._foreach_zero_([t for layer in self.layers for t in (layer.a[slot], layer.b[slot])])
+        torch._foreach_zero_([t for pair in self.storage(slot) for t in pair])
 
 
 class LoadPlan(NamedTuple):
@@ -185,6 +227,10 @@ class LoadPlan(NamedTuple):
     b_scales: list[float]
     # B copied as it is (cast to the slot's dtype), then scaled in place: see _exact_in_place.
     b_in_place: bool = False
+
+
+def _host_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
 
 
 def _exact_in_place(dst: list[torch.Tensor], src: list[torch.Tensor], scales: list[float]) -> bool:

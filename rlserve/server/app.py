@@ -47,7 +47,7 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     """Build the app around an engine whose process is starting: the app's start-up waits
     until the model has loaded, and its shutdown stops the engine. `enable_sleep_mode`:
     /sleep, /wake_up and /is_sleeping exist without a weight-transfer backend too."""
-    metrics = ServerMetrics(config.name)
+    metrics = ServerMetrics(config.name, config=config)
     lifespan = _lifespan(engine, config, metrics, serving or ServingOptions(), url)
     app = FastAPI(title="rlserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible rollout server for RL post-training.")

@@ -1,8 +1,10 @@
 """Prometheus metrics under vLLM's names, so vLLM's dashboards and alerts work unchanged:
-`vllm:*` with the `model_name` and `engine` labels. Engine gauges and counters are read
-at scrape time (EngineStats); latency and per-request histograms are observed by the HTTP
-layer as outputs stream out. rlserve's own metrics (weight updates, pause and sleep state)
-sit beside them as `rlserve_*`, with the same labels.
+`vllm:*` with vLLM's labels (`model_name` and `engine`, and their own where vLLM has them)
+and buckets. Engine gauges, counters and the per-step histogram are read at scrape time
+(EngineStats); latency and per-request histograms are observed by the HTTP layer as outputs
+arrive, from the engine's own stamps (outputs.RequestTiming, EngineCoreOutputs.timestamp).
+rlserve's own metrics (weight updates, pause and sleep state) sit beside them as
+`rlserve_*`, with the same labels.
 
 With --api-server-count N, the histograms and the counters the HTTP layer keeps are per
 API server process; the engine's numbers are the same in every one.
@@ -16,9 +18,12 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from rlserve.engine.outputs import ITERATION_TOKENS_BUCKETS
+
 if TYPE_CHECKING:
+    from rlserve.config import EngineConfig
     from rlserve.engine.output_processor import RequestState
-    from rlserve.engine.outputs import EngineStats
+    from rlserve.engine.outputs import EngineStats, RequestTiming
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -33,6 +38,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+_PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 _UPDATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -64,22 +70,30 @@ class _Histogram:
         self.sum += value * count
 
     def family(self, labels: tuple[str, ...]) -> HistogramMetricFamily:
-        cumulative, total = [], 0
-        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts):
-            total += n
-            cumulative.append((bound, total))
-        family = HistogramMetricFamily(self.name, self.documentation, labels=LABELS)
-        family.add_metric(list(labels), cumulative, sum_value=self.sum)
-        return family
+        return _histogram_family(self.name, self.documentation, labels, self.bounds, self.counts, self.sum)
+
+
+def _histogram_family(name: str, documentation: str, labels: Iterable[str], bounds: Iterable[float],
+                      counts: Iterable[int], total_sum: float) -> HistogramMetricFamily:
+    """Per-bucket counts (the last one above every bound) as a Prometheus histogram."""
+    cumulative, total = [], 0
+    for bound, n in zip([*map(str, bounds), "+Inf"], counts):
+        total += n
+        cumulative.append((bound, total))
+    family = HistogramMetricFamily(name, documentation, labels=LABELS)
+    family.add_metric(list(labels), cumulative, sum_value=total_sum)
+    return family
 
 
 class ServerMetrics:
     """One registry per app, so several apps in one process never clash. Also the engine's
-    latency observer (output_processor.LatencyObserver): it times tokens as they arrive."""
+    latency observer (output_processor.LatencyObserver): it takes each sample's timings as its
+    outputs arrive."""
 
-    def __init__(self, model_name: str, max_model_len: int = 1 << 20):
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20, config: "EngineConfig | None" = None):
         self.model_name = model_name
         self.labels = (model_name, "0")
+        self.config = config  # its cache settings label vllm:cache_config_info
         self.stats: EngineStats | None = None  # fetched by the /metrics handler
         self.ttft = _Histogram("vllm:time_to_first_token_seconds",
                                "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
@@ -87,6 +101,21 @@ class ServerMetrics:
                               "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
         self.e2e = _Histogram("vllm:e2e_request_latency_seconds",
                               "Histogram of e2e request latency in seconds.", _E2E_BUCKETS)
+        # A finished request's phases in the engine (vLLM's definitions, outputs.RequestTiming).
+        self.queue_time = _Histogram("vllm:request_queue_time_seconds",
+                                     "Histogram of time spent in WAITING phase for request.", _E2E_BUCKETS)
+        self.inference_time = _Histogram("vllm:request_inference_time_seconds",
+                                         "Histogram of time spent in RUNNING phase for request.", _E2E_BUCKETS)
+        self.prefill_time = _Histogram("vllm:request_prefill_time_seconds",
+                                       "Histogram of time spent in PREFILL phase for request.", _E2E_BUCKETS)
+        self.decode_time = _Histogram("vllm:request_decode_time_seconds",
+                                      "Histogram of time spent in DECODE phase for request.", _E2E_BUCKETS)
+        self.time_per_output_token = _Histogram("vllm:request_time_per_output_token_seconds",
+                                                "Histogram of time_per_output_token_seconds per request.",
+                                                _ITL_BUCKETS)
+        self.preemptions = _Histogram("vllm:request_num_preemptions",
+                                      "Histogram of the number of preemptions per finished request.",
+                                      _PREEMPTION_BUCKETS)
         self.set_max_model_len(max_model_len)
         self.update_seconds = _Histogram(
             "rlserve_weight_update_seconds", "Time a weight update took (receive and apply).",
@@ -125,6 +154,15 @@ class ServerMetrics:
         self.e2e.observe(seconds)
         self.finished_samples[reason] = self.finished_samples.get(reason, 0) + 1
 
+    def request_phases(self, timing: "RequestTiming", num_tokens: int) -> None:
+        self.queue_time.observe(timing.queued)
+        self.prefill_time.observe(timing.prefill)
+        self.decode_time.observe(timing.decode)
+        self.inference_time.observe(timing.inference)
+        # as vLLM: the first token is the prefill's, so the mean is over the others (0 if none)
+        self.time_per_output_token.observe(timing.decode / (num_tokens - 1) if num_tokens > 1 else 0.0)
+        self.preemptions.observe(timing.num_preemptions)
+
     def client_left(self) -> None:
         self.disconnects += 1
 
@@ -149,13 +187,16 @@ class ServerMetrics:
         labels = list(self.labels)
         if self.stats is not None:
             yield from _engine_families(self.stats, labels)
+            if self.config is not None:
+                yield _cache_config_info(self.config, self.stats)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=(*LABELS, "finished_reason"))
         for reason, n in self.finished_samples.items():
             success.add_metric([*labels, reason], n)
         yield success
-        for h in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens,
-                  self.params_n, self.params_max_tokens, self.update_seconds):
+        for h in (self.ttft, self.itl, self.e2e, self.queue_time, self.inference_time, self.prefill_time,
+                  self.decode_time, self.time_per_output_token, self.preemptions, self.prompt_tokens,
+                  self.generation_tokens, self.params_n, self.params_max_tokens, self.update_seconds):
             yield h.family(self.labels)
         yield _counter("rlserve_client_disconnects", "Requests whose client left before the end.",
                        labels, self.disconnects)
@@ -198,6 +239,46 @@ def _engine_families(stats: "EngineStats", labels: list[str]) -> Iterator[Metric
         yield family
     for name, doc, attr in _ENGINE_COUNTERS:
         yield _counter(name, doc, labels, getattr(stats, attr))
+    yield _labelled_gauge(
+        "vllm:num_requests_waiting_by_reason",
+        "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+        "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, "
+        "blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+        labels, "reason", {"capacity": stats.num_waiting - stats.num_waiting_deferred,
+                           "deferred": stats.num_waiting_deferred})
+    level = stats.sleep_level
+    yield _labelled_gauge(
+        "vllm:engine_sleep_state",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+        "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+        labels, "sleep_state", {"awake": int(level == 0), "weights_offloaded": int(level == 1),
+                                "discard_all": int(level == 2)})
+    if stats.iteration_tokens:
+        yield _histogram_family("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                labels, ITERATION_TOKENS_BUCKETS, stats.iteration_tokens,
+                                stats.iteration_tokens_sum)
+
+
+def _labelled_gauge(name: str, doc: str, labels: list[str], label: str, values: dict[str, float]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=(*LABELS, label))
+    for key, value in values.items():
+        family.add_metric([*labels, key], value)
+    return family
+
+
+def _cache_config_info(config: "EngineConfig", stats: "EngineStats") -> GaugeMetricFamily:
+    """vLLM's info gauge (always 1): its labels are the KV cache's settings, named and
+    written (str of the value) as vLLM's CacheConfig fields, and the engine; no model_name."""
+    info = {"block_size": config.block_size, "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
+            "num_cpu_blocks": None, "num_gpu_blocks": stats.kv_cache_capacity_tokens // config.block_size,
+            "num_gpu_blocks_override": config.num_kv_blocks, "engine": 0}
+    family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                               labels=list(info))
+    family.add_metric([str(v) for v in info.values()], 1)
+    return family
 
 
 def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:

@@ -54,11 +54,25 @@ class WakeUp(RankCall):
 
 
 class RemoveLoRA(RankCall):
-    slot: int
+    """Clear a slot (if given) and forget the adapter `name`'s host copy (if given)."""
+
+    slot: int | None
     name: str | None = None
 
     def run(self, worker) -> None:
         worker.remove_lora(self.slot, self.name)
+
+
+class SwapLoRA(RankCall):
+    """Save a slot into the host copy of the adapter leaving it (a push changed it there),
+    then copy the host copy of the adapter coming in into the slot (either may be absent)."""
+
+    slot: int
+    save: str | None = None
+    restore: str | None = None
+
+    def run(self, worker) -> None:
+        worker.swap_lora(self.slot, self.save, self.restore)
 
 
 # -- weight updates (rlserve/worker/weight_receiver.py) ------------------------------------
@@ -93,10 +107,14 @@ class RefuseUpdate(RankCall):
 
 
 class ApplyStaged(RankCall):
+    """Apply what is staged: an adapter's update goes to its slot, or (None) to the host
+    copy of `lora_name`."""
+
     lora_slot: int | None = None
+    lora_name: str | None = None
 
     def run(self, worker) -> None:
-        worker.receiver.apply(self.lora_slot)
+        worker.receiver.apply(self.lora_slot if self.lora_slot is not None else self.lora_name)
 
 
 class DropStaged(RankCall):
@@ -146,13 +164,16 @@ class LoadWeights(TensorCall):
 
 
 class LoadLoRA(TensorCall):
-    slot: int
+    """An adapter read from disk: into its host copy, and into `slot` if given."""
+
+    name: str
+    slot: int | None
     config: dict
 
     def run_with(self, worker, tensors: list) -> None:
-        worker.load_lora(tensors, self.slot, self.config)
+        worker.load_lora(tensors, self.name, self.slot, self.config)
 
 
-AnyRankCall = Union[DetermineNumBlocks, InitKVCache, CaptureCudaGraphs, Sleep, WakeUp, RemoveLoRA,
+AnyRankCall = Union[DetermineNumBlocks, InitKVCache, CaptureCudaGraphs, Sleep, WakeUp, RemoveLoRA, SwapLoRA,
                     JoinTransfer, ReceiveWeights, RefuseUpdate, ApplyStaged, DropStaged, CloseTransfer,
                     Checksums, WeightsLayout, CopyPeer, LoadWeights, LoadLoRA]

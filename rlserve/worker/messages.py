@@ -119,7 +119,9 @@ class StepEncoder:
     """Executor side: scheduler output -> a step message, remembering what workers hold."""
 
     def __init__(self) -> None:
-        self.known: dict[str, tuple[Sequence, int]] = {}  # id -> (request, tokens sent)
+        # id -> (request, tokens sent, its LoRA slot then: a preempted request may come back
+        # to another slot)
+        self.known: dict[str, tuple[Sequence, int, int]] = {}
 
     def encode(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> dict[str, Any]:
         finished = [rid for rid in sched.finished_ids if self.known.pop(rid, None) is not None]
@@ -127,14 +129,14 @@ class StepEncoder:
         for item, table in zip(sched.scheduled, block_tables):
             req = item.request
             entry = self.known.get(req.request_id)
-            if entry is None or entry[0] is not req or entry[1] > req.num_tokens:
+            if entry is None or entry[0] is not req or entry[1] > req.num_tokens or entry[2] != req.lora_slot:
                 new.append(_request_to_wire(req))
                 sent = req.num_prompt_tokens
             else:
                 sent = entry[1]
             items.append([req.request_id, req.num_computed_tokens, item.num_new_tokens,
                           req.token_ids[sent:], list(table)])
-            self.known[req.request_id] = (req, req.num_tokens)
+            self.known[req.request_id] = (req, req.num_tokens, req.lora_slot)
         return {"op": "step", "new": new, "items": items, "finished": finished}
 
 

@@ -39,7 +39,7 @@ class WeightReceiver:
         self._connecting = None  # a transfer group whose init is under way (abortable)
         self.ipc: IPCReceiver | None = None
         self.lora_ipc: dict[str, IPCReceiver] = {}  # adapter name -> its own handles (kept open)
-        self._lora_plans: dict = {}  # slot -> (staged tensors, LoRAConfig, LoadPlan) of its last update
+        self._lora_plans: dict = {}  # target -> (staged tensors, LoRAConfig, LoadPlan) of its last update
         self._lora_memo = None  # (wire config, what _lora_expected made of it)
         self._ipc_plan = None  # (staged views, [(target, source)]) while the trainer's storage stays put
         self.staged: list | None = None
@@ -182,16 +182,16 @@ class WeightReceiver:
             logger.warning("could not pass the refusal of an update to the trainer: %s", e)
 
     # -- apply ---------------------------------------------------------------------------
-    def apply(self, lora_slot: int | None = None) -> None:
+    def apply(self, lora_target: int | str | None = None) -> None:
         """Copy the staged update (or every staged part) into the model; an adapter update
-        goes to `lora_slot`."""
+        goes to `lora_target` (a slot, or the name of a host copy: rlserve.model.lora)."""
         staged, self.staged = self.staged, None
         lora, self.staged_lora = self.staged_lora, None
         parts, self.parts = self.parts, []
         if staged is None and not parts:
             raise RuntimeError("no staged weights to apply")
         if lora is not None:
-            self._apply_lora(staged, lora, lora_slot)
+            self._apply_lora(staged, lora, lora_target)
         elif parts:
             for part in parts:  # in order: a later part may send what an earlier one did
                 copy_all(self.model.copy_pairs(part))
@@ -204,16 +204,16 @@ class WeightReceiver:
             # the copies out of it finish before it is handed out again, or the trainer hears.
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _apply_lora(self, staged: list, lora: LoRAConfig, slot: int | None) -> None:
-        if slot is None:
-            raise RuntimeError("a staged LoRA update needs its slot")
+    def _apply_lora(self, staged: list, lora: LoRAConfig, target: int | str | None) -> None:
+        if target is None:
+            raise RuntimeError("a staged LoRA update needs its slot or host copy")
         # A trainer's IPC views are the same list push after push: its plan is kept.
         # Staging buffers (gloo, NCCL) are new each time, and not kept alive by a plan.
-        cached = self._lora_plans.get(slot)
+        cached = self._lora_plans.get(target)
         if cached is None or cached[0] is not staged or cached[1] != lora:
-            cached = (staged, lora, self.lora.plan(slot, pair_tensors(staged, lora, "update_info"), lora.scaling))
+            cached = (staged, lora, self.lora.plan(target, pair_tensors(staged, lora, "update_info"), lora.scaling))
             if self.ipc is not None:
-                self._lora_plans[slot] = cached
+                self._lora_plans[target] = cached
         self.lora.run(cached[2])
 
     def _apply_ipc(self, staged: list) -> None:
@@ -233,10 +233,13 @@ class WeightReceiver:
         """The model's storage is being given back or replaced (sleep, wake-up)."""
         self._ipc_plan = None
 
-    def forget_adapter(self, slot: int, name: str | None) -> None:
-        self._lora_plans.pop(slot, None)
-        if name is not None:
-            self.lora_ipc.pop(name, None)
+    def forget_plan(self, target: int | str) -> None:
+        self._lora_plans.pop(target, None)
+
+    def forget_adapter(self, name: str) -> None:
+        """An adapter unloaded, or evicted from host memory: its plan and IPC handles go."""
+        self._lora_plans.pop(name, None)
+        self.lora_ipc.pop(name, None)
 
     # -- what the model serves -------------------------------------------------------------
     def checksums(self) -> dict[str, str]:

@@ -140,13 +140,27 @@ class Worker:
         return self.model.load_weights(weights)
 
     # -- LoRA adapters -------------------------------------------------------------------
-    def load_lora(self, tensors: list, slot: int, config: dict) -> None:
-        """Put an adapter's full PEFT tensors (this rank keeps its shards) in `slot`."""
+    def load_lora(self, tensors: list, name: str, slot: int | None, config: dict) -> None:
+        """Put an adapter's full PEFT tensors (this rank keeps its shards) in its host copy,
+        and in `slot` if given."""
         if self.lora is None:
             raise ValueError("LoRA is not enabled on this server (--enable-lora)")
         cfg = LoRAConfig.parse(config, "adapter_config", self.lora.max_rank)
-        self.lora.load(slot, pair_tensors(tensors, cfg, "adapter"), cfg.scaling)
+        self.lora.load(name, pair_tensors(tensors, cfg, "adapter"), cfg.scaling)
+        if slot is not None:
+            self.swap_lora(slot, None, name)
 
-    def remove_lora(self, slot: int, name: str | None = None) -> None:
-        self.lora.clear(slot)
-        self.receiver.forget_adapter(slot, name)
+    def swap_lora(self, slot: int, save: str | None, restore: str | None) -> None:
+        if save is not None:
+            self.lora.save(slot, save)
+        if restore is not None:
+            self.lora.restore(restore, slot)
+            self.receiver.forget_plan(slot)  # the slot holds another adapter now
+
+    def remove_lora(self, slot: int | None, name: str | None = None) -> None:
+        if slot is not None:
+            self.lora.clear(slot)
+            self.receiver.forget_plan(slot)
+        if name is not None:
+            self.lora.drop(name)
+            self.receiver.forget_adapter(name)
