@@ -13,6 +13,7 @@ implement are refused with the reason (rlserve/server/unimplemented.py).
 from __future__ import annotations
 
 import time
+from http import HTTPStatus
 from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -234,7 +235,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Deprecated alias.")
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Bounded by --max-logprobs (a 400 naming `logprobs`, as vLLM names it).
+    top_logprobs: int | None = Field(None, ge=0)
     tools: Annotated[list[ToolDefinition], Field(min_length=1)] | None = None
     tool_choice: ToolChoice | None = Field(
         None, description="Default: auto when tools are given, else none.")
@@ -276,11 +278,25 @@ class DetokenizeRequest(_Request):
 # ---------------------------------------------------------------- responses
 
 
+# vLLM's error types by status; others take the status's phrase, as vLLM's HTTP errors do.
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+               501: "NotImplementedError", 503: "ServiceUnavailableError"}
+
+
+def error_type(status: int, phrase: bool = False) -> str:
+    """vLLM's type for an error of `status`; `phrase`: the status's phrase, as vLLM types
+    the errors of its HTTP layer (unknown route, wrong method)."""
+    try:
+        return (None if phrase else ERROR_TYPES.get(status)) or HTTPStatus(status).phrase
+    except ValueError:  # not a status http.HTTPStatus knows
+        return "Error"
+
+
 class ErrorInfo(_Response):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    code: int | str | None = None  # the HTTP status, as vLLM sends it (401: OpenAI's string)
 
 
 class ErrorResponse(_Response):
@@ -480,11 +496,12 @@ class VersionResponse(_Response):
 class APIError(Exception):
     """Raised anywhere in the HTTP layer; the app turns it into an OpenAI-shaped error."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+    def __init__(self, status: int, message: str, type: str | None = None,
                  param: str | None = None, code: int | str | None = None):
         super().__init__(message)
         self.status = status
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.info = ErrorInfo(message=message, type=type or error_type(status), param=param,
+                              code=status if code is None else code)
 
     @property
     def body(self) -> ErrorResponse:

@@ -104,8 +104,7 @@ async def _unless_stopping(request: Request, call: Awaitable, what: str):
     if task.done():
         return task.result()
     task.cancel()
-    raise APIError(503, f"{what}: the server is shutting down; nothing was changed",
-                   type="service_unavailable")
+    raise APIError(503, f"{what}: the server is shutting down; nothing was changed")
 
 
 @router.get("/get_world_size")
@@ -210,7 +209,7 @@ async def weight_checker(body: WeightCheckerRequest, request: Request) -> dict:
         raise APIError(400, "baseline: action 'compare' needs the checksums to compare with", param="baseline")
     stats = await engine.stats()
     if stats.paused or stats.sleeping:
-        raise APIError(409, "weight_checker requires an awake, unpaused engine", type="conflict_error")
+        raise APIError(409, "weight_checker requires an awake, unpaused engine")
     checksums = combine_checksums(await engine.weight_checksums())
     if body.action == "checksum":
         return {"checksums": checksums}

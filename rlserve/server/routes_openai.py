@@ -34,7 +34,7 @@ async def require_awake(request: Request) -> None:
     """With --reject-while-asleep, generation during /sleep is a 503 instead of a wait."""
     if request.app.state.reject_while_asleep and (await request.app.state.engine.stats()).sleeping:
         raise APIError(503, "the server is asleep (POST /wake_up first); it was started with "
-                            "--reject-while-asleep", type="service_unavailable")
+                            "--reject-while-asleep")
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {

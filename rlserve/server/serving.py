@@ -173,7 +173,7 @@ class OpenAIServing:
         if self.config.enable_lora:
             return model
         raise APIError(404, f"model: {model!r} does not exist; this server serves "
-                            f"{self.model_name!r}", param="model", code="model_not_found")
+                            f"{self.model_name!r}", param="model")
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         for t in ids:
@@ -256,15 +256,21 @@ class OpenAIServing:
         if body.stop and not body.detokenize:
             raise InvalidRequestError("stop: stop strings need detokenize (leave it true, or use "
                                       "stop_token_ids)", "stop")
-        if body.prompt_logprobs is not None and body.stream:
+        if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
+            raise InvalidRequestError("stream_options: stream options can only be defined when "
+                                      "`stream=True` (as in vLLM)", "stream_options")
+        if body.prompt_logprobs and body.stream:
             raise InvalidRequestError("prompt_logprobs: not available with stream (as in vLLM); "
                                       "send the request without stream", "prompt_logprobs")
         limit = self.options.max_logprobs
-        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        # vLLM names `logprobs` for chat's top_logprobs too: both are the sampled tokens'.
+        for name, param in (("logprobs", "logprobs"), ("top_logprobs", "logprobs"),
+                            ("prompt_logprobs", "prompt_logprobs")):
             value = getattr(body, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > limit:
-                raise InvalidRequestError(f"{name}: {value} is more than this server's "
-                                          f"--max-logprobs ({limit})", name)
+                field = name if name == param else f"{param}: {name}"
+                raise InvalidRequestError(f"{field}: {value} is more than this server's "
+                                          f"--max-logprobs ({limit})", param)
 
     def as_token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
         """Whether logprob tokens are written 'token_id:<id>'."""
@@ -376,12 +382,12 @@ class OpenAIServing:
                     yield event
             except Exception as e:  # the 200 is already sent: report in-band, as OpenAI does
                 if isinstance(e, InvalidRequestError):
-                    err = APIError(400, str(e), param=e.param, code=400)
+                    err = APIError(400, str(e), param=e.param)
                 elif type(e).__name__ in ("EngineDeadError", "EngineUnavailableError"):
-                    err = APIError(503, str(e), type="service_unavailable", code=503)
+                    err = APIError(503, str(e))
                 else:
                     logging.getLogger(__name__).exception("stream failed")
-                    err = APIError(500, f"internal error: {e}", type="server_error", code=500)
+                    err = APIError(500, f"internal error: {e}")
                 yield sse(err.body)
             ended = True
             yield "data: [DONE]\n\n"
