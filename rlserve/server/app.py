@@ -115,6 +115,8 @@ def _add_routers(app: FastAPI, engine: "AsyncEngine", config: EngineConfig, enab
 
 
 def _add_service_routes(app: FastAPI) -> None:
+    # /ping is SageMaker's health check (vLLM serves it with /invocations).
+    @app.api_route("/ping", methods=["GET", "POST"], tags=["service"], response_class=Response)
     @app.get("/health", tags=["service"], response_class=Response)
     async def health() -> Response:
         # Down once the engine loop died, or (even while idle) a tensor-parallel worker did.

@@ -15,14 +15,14 @@ from pydantic import BaseModel
 from rlserve import json_depth
 from rlserve.config import EngineConfig
 from rlserve.engine.bad_words import convert_bad_words
-from rlserve.engine.output_processor import RequestState
-from rlserve.engine.request import validate_prompt
+from rlserve.engine.output_processor import RequestState, SampleDelta
+from rlserve.engine.request import validate_prompt, version_spans
 from rlserve.engine.structured_output import StructuredOutputCompiler
 from rlserve.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from rlserve.server.metrics import ServerMetrics
-from rlserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                     PromptLogprob, PromptLogprobs, PromptTokensDetails,
-                                     TokenizeChatRequest, Usage, WeightVersionSpan)
+from rlserve.server.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionRequest, ChatMessage,
+                                     CompletionRequest, CompletionStreamChoice, PromptLogprob, PromptLogprobs,
+                                     PromptTokensDetails, TokenizeChatRequest, Usage, WeightVersionSpan)
 from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
 from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
@@ -54,8 +54,9 @@ def json_response(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def sse(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
+def sse(model: BaseModel, exclude_unset: bool = False) -> str:
+    """One server-sent event. `exclude_unset`: only the fields set (vLLM's chat chunks)."""
+    return f"data: {model.model_dump_json(exclude_unset=exclude_unset)}\n\n"
 
 
 def usage(prompts: Sequence[Prompt], completion_tokens: int, cached: int) -> Usage:
@@ -65,9 +66,18 @@ def usage(prompts: Sequence[Prompt], completion_tokens: int, cached: int) -> Usa
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def version_spans(token_versions: list[int]) -> list[WeightVersionSpan]:
-    from rlserve.engine.request import version_spans as spans
-    return [WeightVersionSpan(version=s.version, start=s.start, end=s.end) for s in spans(token_versions)]
+def finish_choice(choice: CompletionStreamChoice | ChatChoice | ChatChunkChoice,
+                  body: CompletionRequest | ChatCompletionRequest, state: RequestState, delta: SampleDelta) -> None:
+    """What a choice's last body or chunk adds: its stop reason and, when asked for, which
+    weights made which tokens, as vLLM's `weight_versions` (the version as the string
+    /weight_info reports) and rlserve's older `weight_version_spans` (an integer)."""
+    choice.stop_reason = delta.stop_reason
+    if body.return_weight_versions:
+        spans = version_spans(state.samples[delta.index].token_versions)
+        choice.weight_versions = [WeightVersionSpan(version=str(s.version), start=s.start, end=s.end)
+                                  for s in spans]
+        choice.weight_version_spans = [WeightVersionSpan(version=s.version, start=s.start, end=s.end)
+                                       for s in spans]
 
 
 class Generation:
