@@ -267,7 +267,7 @@ def test_server_adapters_over_http_and_live_pushes_over_gloo(lora_server, adapte
     with pytest.raises(NotFoundError, match="not loaded"):
         tokens("nope")
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nonexistent"})
-    assert r.status_code == 400 and "lora_path" in r.json()["error"]["message"]
+    assert r.status_code == 404 and "lora_path" in r.json()["error"]["message"]  # vLLM: not found
     assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "b16"}).status_code == 200
     assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "b16"}).status_code == 404
 

@@ -284,9 +284,12 @@ def _inf(logprob: float) -> float:
 
 
 def _completion_sample(choice: dict, k: int):
-    """A choice's tokens and logprobs as the engine's CompletionOutput carries them."""
+    """A choice's tokens and logprobs as the engine's CompletionOutput carries them. Each
+    position's top_logprobs lists the chosen token first (vLLM's order): the k alternatives
+    are its k largest."""
     lp = choice["logprobs"]
-    logprobs = [TokenLogprob(_token_id(t), _inf(v), 0, tuple((_token_id(a), _inf(b)) for a, b in list(top.items())[:k]))
+    logprobs = [TokenLogprob(_token_id(t), _inf(v), 0, tuple((_token_id(a), _inf(b)) for a, b in
+                                                             sorted(top.items(), key=lambda kv: -kv[1])[:k]))
                 for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])]
     return _Sample(choice["token_ids"], logprobs)
 
@@ -399,7 +402,8 @@ def test_prompt_logprobs_in_vllms_shape(server, offline_llm, tokenizer):
                                                     "return_token_ids": True}))
     assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) and chat["prompt_logprobs"][0] is None
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
-    assert "prompt_logprobs" not in ok(post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}))
+    # Not asked for: null, as vLLM sends it.
+    assert ok(post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}))["prompt_logprobs"] is None
 
 
 # ---------------------------------------------------------------- structured outputs

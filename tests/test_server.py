@@ -489,7 +489,7 @@ def api_schema(server):
     # generation endpoint), unbounded by max_examples: too slow for a CPU model in CI, so
     # the generation endpoints get the bounded fuzzing phase only.
     config = SchemathesisConfig.from_dict({"operations": [
-        {"include-path-regex": "completions$", "phases": {"coverage": {"enabled": False}}}]})
+        {"include-path-regex": "completions(/batch)?$", "phases": {"coverage": {"enabled": False}}}]})
     return schemathesis.openapi.from_url(f"{server.url}/openapi.json", config=config)
 
 
@@ -514,6 +514,9 @@ def _cheap(body: object) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         body["prompt"] = prompt[:2]  # at most two prompts per request
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[0], list):
+        body["messages"] = messages[:2]  # /v1/chat/completions/batch: at most two conversations
 
 
 @openapi.parametrize()

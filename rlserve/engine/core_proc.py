@@ -191,6 +191,13 @@ class EngineCoreProc:
     def _add(self, m: AddRequest) -> None:
         core = self.core
         try:
+            if core.paused and core.pause_mode in ("abort", "wait"):
+                # A pause that ends the requests in flight is a boundary: what arrives after it
+                # is answered at once (vLLM's 503), not run later on other weights. A keep
+                # pause holds new requests with the frozen ones until /resume.
+                raise EngineUnavailableError(
+                    f"generation is paused (mode {core.pause_mode}); send the request again "
+                    "after POST /resume")
             reqs = core.make_requests(m.prompt_token_ids, m.params, m.request_id, m.stream, m.cache_salt,
                                       m.lora_name)
             for req in reqs:
@@ -224,6 +231,8 @@ class EngineCoreProc:
         finished = self.core.pause(body.mode, body.clear_cache)
         if finished:
             self._emit(EngineCoreOutputs(self.core.weight_version, finished=finished))
+        if body.mode == "abort" and body.clear_cache:  # keep: the core did; wait: once drained
+            self.core.reset_prefix_cache()
         if body.mode != "wait":
             return {"mode": body.mode}
         self.waits.append(call)
@@ -240,6 +249,8 @@ class EngineCoreProc:
                 self._answer(call, error=ConflictError(
                     "mode: generation was resumed before the requests in flight finished"))
             elif core.drained:
+                if call.body.clear_cache:
+                    core.reset_prefix_cache()
                 self._answer(call, {"mode": "wait"})
             elif core.pause_mode == "keep" or core.sleeping:
                 self._answer(call, {"mode": "keep", "kept": core.scheduler.num_unfinished})

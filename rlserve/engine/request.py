@@ -24,14 +24,16 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidRequestError("prompt: must contain at least one token", "prompt")
+    # vLLM names `input_tokens` when the prompt leaves no room for the tokens asked for.
     if n >= max_model_len:
         raise InvalidRequestError(
-            f"prompt: {n} tokens, but max_model_len is {max_model_len} (the prompt "
-            "and at least one generated token must fit)", "prompt")
+            f"input_tokens: the prompt has {n} tokens, but max_model_len is {max_model_len} (the "
+            "prompt and at least one generated token must fit)", "input_tokens")
     if params.max_tokens is not None and n + params.max_tokens > max_model_len:
         raise InvalidRequestError(
-            f"max_tokens: the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) "
-            f"exceeds max_model_len ({max_model_len})", "max_tokens")
+            f"input_tokens: the prompt has {n} tokens and max_tokens asks for {params.max_tokens} "
+            f"more, but max_model_len is {max_model_len}; shorten the prompt or lower max_tokens",
+            "input_tokens")
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:  # C speed; then find it
         bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
         raise InvalidRequestError(

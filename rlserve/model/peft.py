@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from rlserve import json_depth
+from rlserve.errors import ModelNotFoundError
 from rlserve.sampling_params import InvalidRequestError
 
 PEFT_PREFIX = "base_model.model."
@@ -218,8 +219,9 @@ def pair_tensors(named: Iterable[tuple[str, torch.Tensor]], config: LoRAConfig, 
 def read_adapter(path: str, max_rank: int) -> tuple[LoRAConfig, list[tuple[str, torch.Tensor]]]:
     """A PEFT adapter directory: its config and tensors (safetensors, or a weights-only
     adapter_model.bin)."""
-    if not os.path.isdir(path):
-        raise InvalidRequestError(f"lora_path: {path!r} is not a directory", "lora_path")
+    if not os.path.isdir(path):  # vLLM's LoRAAdapterNotFoundError: a 404
+        raise ModelNotFoundError(f"lora_path: no adapter found for {path!r} (not a directory on "
+                                 "the server)", "lora_path")
     config_file = os.path.join(path, "adapter_config.json")
     try:
         with open(config_file) as f:

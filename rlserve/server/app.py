@@ -24,7 +24,7 @@ from rlserve.sampling_params import InvalidRequestError
 from rlserve.server import routes_openai
 from rlserve.server.limits import BODY_JSON_DEPTH, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from rlserve.server.protocol import APIError, VersionResponse
+from rlserve.server.protocol import APIError, VersionResponse, error_type
 from rlserve.server.serving import ServingOptions
 from rlserve.server.serving_chat import ChatServing
 from rlserve.server.serving_completion import CompletionServing
@@ -33,11 +33,6 @@ if TYPE_CHECKING:
     from rlserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
-
-_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                 409: "conflict_error", 413: "invalid_request_error", 503: "service_unavailable"}
-
 
 def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | None = None,
                admin_key: str | None = None, url: str | None = None,
@@ -120,6 +115,8 @@ def _add_routers(app: FastAPI, engine: "AsyncEngine", config: EngineConfig, enab
 
 
 def _add_service_routes(app: FastAPI) -> None:
+    # /ping is SageMaker's health check (vLLM serves it with /invocations).
+    @app.api_route("/ping", methods=["GET", "POST"], tags=["service"], response_class=Response)
     @app.get("/health", tags=["service"], response_class=Response)
     async def health() -> Response:
         # Down once the engine loop died, or (even while idle) a tensor-parallel worker did.
@@ -149,9 +146,10 @@ def _add_service_routes(app: FastAPI) -> None:
 
 
 def _error(status: int, message: str, param: str | None = None, type: str | None = None,
-           code: int | str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    err = APIError(status, message, type=type or _STATUS_TYPES.get(status, "error"),
-                   param=param, code=code)
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    """vLLM's error body: the type by status (BadRequestError, NotFoundError, ...), the
+    status as `code`."""
+    err = APIError(status, message, type=type, param=param)
     return JSONResponse(err.body.model_dump(), status_code=status, headers=headers)
 
 
@@ -199,25 +197,27 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+        # vLLM types the errors of its HTTP layer (unknown route, method) by the status's phrase.
+        return _error(exc.status_code, str(exc.detail), type=error_type(exc.status_code, phrase=True),
+                      headers=exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         # Not the caller's fault and not a bug in this request: the engine is gone.
-        return _error(503, str(exc), type="service_unavailable")
+        return _error(503, str(exc))
 
     @app.exception_handler(EngineUnavailableError)
     async def engine_unavailable(_: Request, exc: EngineUnavailableError) -> JSONResponse:
-        return _error(503, str(exc), type="service_unavailable")
+        return _error(503, str(exc))
 
     @app.exception_handler(ConflictError)
     async def conflict(_: Request, exc: ConflictError) -> JSONResponse:
-        return _error(409, str(exc), type="conflict_error")
+        return _error(409, str(exc))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _error(500, f"internal error: {type(exc).__name__}", type="server_error")
+        return _error(500, f"internal error: {type(exc).__name__}")
 
 
 # ---------------------------------------------------------------- schema

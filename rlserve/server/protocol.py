@@ -13,6 +13,7 @@ implement are refused with the reason (rlserve/server/unimplemented.py).
 from __future__ import annotations
 
 import time
+from http import HTTPStatus
 from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -148,7 +149,9 @@ class _SamplingRequest(_Request):
     return_token_ids: bool = Field(
         False, description="Add prompt_token_ids and per-choice token_ids to the response.")
     return_weight_versions: bool = Field(
-        False, description="Add per-choice weight_version_spans: which weights made which tokens.")
+        False, description="Add per-choice weight_versions (vLLM's, versions as strings) and "
+                           "weight_version_spans (rlserve's older name, integers) at the end of "
+                           "each choice: which weights made which tokens.")
     cache_salt: str | None = Field(
         None, min_length=1, description="Prefix-cache isolation: blocks are shared only with "
                                         "requests of the same salt.")
@@ -234,7 +237,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Deprecated alias.")
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Bounded by --max-logprobs (a 400 naming `logprobs`, as vLLM names it).
+    top_logprobs: int | None = Field(None, ge=0)
     tools: Annotated[list[ToolDefinition], Field(min_length=1)] | None = None
     tool_choice: ToolChoice | None = Field(
         None, description="Default: auto when tools are given, else none.")
@@ -247,6 +251,14 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = Field(None, description="Passed to the chat template.")
     chat_template_kwargs: dict[str, Any] | None = None
     return_tokens_as_token_ids: bool | None = None
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: `messages` is a list of conversations, each
+    answered as one choice (index i for conversation i). Not streamed, no tools, n = 1."""
+
+    messages: Annotated[list[Annotated[list[ChatMessage], Field(min_length=1)]],  # type: ignore[assignment]
+                        Field(min_length=1)]
 
 
 class TokenizeRequest(_Request):
@@ -276,11 +288,25 @@ class DetokenizeRequest(_Request):
 # ---------------------------------------------------------------- responses
 
 
+# vLLM's error types by status; others take the status's phrase, as vLLM's HTTP errors do.
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+               501: "NotImplementedError", 503: "ServiceUnavailableError"}
+
+
+def error_type(status: int, phrase: bool = False) -> str:
+    """vLLM's type for an error of `status`; `phrase`: the status's phrase, as vLLM types
+    the errors of its HTTP layer (unknown route, wrong method)."""
+    try:
+        return (None if phrase else ERROR_TYPES.get(status)) or HTTPStatus(status).phrase
+    except ValueError:  # not a status http.HTTPStatus knows
+        return "Error"
+
+
 class ErrorInfo(_Response):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    code: int | str | None = None  # the HTTP status, as vLLM sends it (401: OpenAI's string)
 
 
 class ErrorResponse(_Response):
@@ -299,9 +325,11 @@ class Usage(_Response):
 
 
 class WeightVersionSpan(_Response):
-    """Output tokens [start, end) of a choice were sampled with weights of `version`."""
+    """Output tokens [start, end) of a choice were sampled with weights of `version`: a
+    string in `weight_versions` (vLLM's, the label /weight_info reports), an integer in
+    `weight_version_spans` (rlserve's older field)."""
 
-    version: int
+    version: str | int
     start: int
     end: int
 
@@ -326,26 +354,38 @@ class PromptLogprob(_Response):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionChoice(_Response):
+class CompletionStreamChoice(_Response):
+    """A choice of a streamed chunk; vLLM's fields are sent as null when unset."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
-    stop_reason: int | str | None = Extension(
-        description="The stop string or token id that ended the choice.")
-    prompt_logprobs: PromptLogprobs | None = Extension()
-    prompt_token_ids: list[int] | None = Extension()
-    token_ids: list[int] | None = Extension()
+    stop_reason: int | str | None = Field(
+        None, description="The stop string or token id that ended the choice.")
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpan] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()
 
 
-class CompletionResponse(_Response):
+class CompletionChoice(CompletionStreamChoice):
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionStreamResponse(_Response):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionStreamChoice]
     usage: Usage | None = Extension()
+    weight_version: int
+
+
+class CompletionResponse(CompletionStreamResponse):
+    created: int = Field(default_factory=lambda: int(time.time()))
+    choices: list[CompletionChoice]  # type: ignore[assignment]
     weight_version: int = Field(description="Weight version of the latest tokens in this body.")
 
 
@@ -378,6 +418,8 @@ class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallOut] | None = Extension()
+    reasoning: str | None = Field(None, description="vLLM's; reasoning is not parsed out of the "
+                                                    "output here, so always null")
 
 
 ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
@@ -388,8 +430,9 @@ class ChatChoice(_Response):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReason | None = None
-    stop_reason: int | str | None = Extension()
-    token_ids: list[int] | None = Extension()
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpan] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()
 
 
@@ -400,8 +443,8 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = Extension()
-    prompt_logprobs: PromptLogprobs | None = Extension()
-    prompt_token_ids: list[int] | None = Extension()
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
     weight_version: int
 
 
@@ -427,12 +470,16 @@ class DeltaMessage(_Response):
 
 
 class ChatChunkChoice(_Response):
+    """Chunks are sent with only the fields set (as vLLM sends them): stop_reason in a
+    choice's last chunk, token_ids in each chunk with tokens, as null when not asked for."""
+
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: ChatFinishReason | None = None
-    stop_reason: int | str | None = Extension()
-    token_ids: list[int] | None = Extension()
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpan] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()
 
 
@@ -443,7 +490,7 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = Extension()
-    prompt_token_ids: list[int] | None = Extension()
+    prompt_token_ids: list[int] | None = None  # the first chunk's
     weight_version: int
 
 
@@ -453,7 +500,7 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "rlserve"
     root: str
-    parent: str | None = Extension(None, "a LoRA adapter's base model")
+    parent: str | None = Field(None, description="a LoRA adapter's base model")
     max_model_len: int
 
 
@@ -466,7 +513,7 @@ class TokenizeResponse(_Response):
     count: int
     max_model_len: int
     tokens: list[int]
-    token_strs: list[str] | None = Extension()
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(_Response):
@@ -480,11 +527,12 @@ class VersionResponse(_Response):
 class APIError(Exception):
     """Raised anywhere in the HTTP layer; the app turns it into an OpenAI-shaped error."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+    def __init__(self, status: int, message: str, type: str | None = None,
                  param: str | None = None, code: int | str | None = None):
         super().__init__(message)
         self.status = status
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.info = ErrorInfo(message=message, type=type or error_type(status), param=param,
+                              code=status if code is None else code)
 
     @property
     def body(self) -> ErrorResponse:

@@ -9,7 +9,7 @@ vLLM (paths, bodies and answers as its RLHF routes have them):
     POST /abort_requests                {"request_ids": [...]}   (none or empty: every request)
     POST /update_weight_version {"new_version"}, GET /weight_info, POST /weight_checker,
     POST /shutdown_weight_transfer_engine
-    POST /pause?mode=abort|wait|keep&clear_cache=false
+    POST /pause?mode=abort|wait|keep&clear_cache=true
     POST /resume
     GET  /is_paused, GET /weight_version, POST /reset_prefix_cache
     POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping
@@ -105,8 +105,7 @@ async def _unless_stopping(request: Request, call: Awaitable, what: str):
     if task.done():
         return task.result()
     task.cancel()
-    raise APIError(503, f"{what}: the server is shutting down; nothing was changed",
-                   type="service_unavailable")
+    raise APIError(503, f"{what}: the server is shutting down; nothing was changed")
 
 
 @router.get("/get_world_size")
@@ -211,7 +210,7 @@ async def weight_checker(body: WeightCheckerRequest, request: Request) -> dict:
         raise APIError(400, "baseline: action 'compare' needs the checksums to compare with", param="baseline")
     stats = await engine.stats()
     if stats.paused or stats.sleeping:
-        raise APIError(409, "weight_checker requires an awake, unpaused engine", type="conflict_error")
+        raise APIError(409, "weight_checker requires an awake, unpaused engine")
     checksums = combine_checksums(await engine.weight_checksums())
     if body.action == "checksum":
         return {"checksums": checksums}
@@ -243,12 +242,16 @@ async def pause(request: Request,
                 mode: str = Query("abort", pattern="^(abort|wait|keep)$",
                                   description="abort: end in-flight requests; wait: let them "
                                               "finish; keep: freeze them with their KV cache"),
-                clear_cache: bool = Query(False, description="keep mode: drop frozen requests' "
-                                                             "KV so they re-prefill on resume")) -> dict:
+                clear_cache: bool = Query(True, description="reset the prefix cache (abort: at once; "
+                                                            "wait: once drained); keep: also drop the "
+                                                            "frozen requests' KV, so they re-prefill "
+                                                            "on resume (vLLM's default: true)")) -> dict:
     """Answers once its mode holds. `wait` answers when the requests in flight have
     finished, or with mode `keep` when they cannot run (a sleep came first, or a keep-pause
     while it waited: they are kept and continue after /resume), or 409 if /resume came
-    first; after a keep-pause with requests frozen it is a 409 at once (resume first)."""
+    first; after a keep-pause with requests frozen it is a 409 at once (resume first).
+    Generation requests that arrive during an abort or wait pause are answered 503 at once
+    (as in vLLM); during a keep pause they wait for /resume with the frozen ones."""
     answer = await _engine(request).pause(mode, clear_cache)
     return {"status": "paused", **answer}
 

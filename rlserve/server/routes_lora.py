@@ -4,8 +4,10 @@
     POST /v1/unload_lora_adapter  {"lora_name", "lora_int_id"?}
 
 A request runs with an adapter by naming it in `model`; /v1/models lists the adapters
-with `parent` = the served model. Loading reads files on the server's disk, so these
-routes are guarded as the weight-update control plane is (rlserve/server/security.py).
+with `parent` = the served model. A `lora_path` with no adapter directory is a 404 (vLLM's
+"No adapter found"), and so is an adapter that is not loaded. Loading reads files on the
+server's disk, so these routes are guarded as the weight-update control plane is
+(rlserve/server/security.py).
 Adapters a trainer pushes over the weight-transfer plane (`update_info.lora_name`) need
 no load: the push creates them.
 """
@@ -72,5 +74,5 @@ def add_lora_routes(app: FastAPI) -> None:
 
     @app.exception_handler(ModelNotFoundError)
     async def model_not_found(_: Request, exc: ModelNotFoundError):
-        err = APIError(404, str(exc), type="not_found_error", param=exc.param, code="model_not_found")
+        err = APIError(404, str(exc), param=exc.param)
         return JSONResponse(err.body.model_dump(), status_code=404)

@@ -1,5 +1,6 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, and the
-/tokenize and /detokenize extensions. The serving_* modules do the work."""
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, and vLLM's
+/v1/chat/completions/batch, /invocations (SageMaker's), /tokenize and /detokenize. The
+serving_* modules do the work."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from typing import Any, Awaitable
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from rlserve.server.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse,
-                                     CompletionRequest, CompletionResponse, DetokenizeRequest,
+from rlserve.server.protocol import (APIError, BatchChatCompletionRequest, ChatCompletionRequest,
+                                     ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
                                      DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                                      TokenizeChatRequest, TokenizeRequest, TokenizeResponse)
 from rlserve.server.serving import json_response
@@ -34,7 +35,7 @@ async def require_awake(request: Request) -> None:
     """With --reject-while-asleep, generation during /sleep is a 503 instead of a wait."""
     if request.app.state.reject_while_asleep and (await request.app.state.engine.stats()).sleeping:
         raise APIError(503, "the server is asleep (POST /wake_up first); it was started with "
-                            "--reject-while-asleep", type="service_unavailable")
+                            "--reject-while-asleep")
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -83,6 +84,35 @@ async def create_completion(request: Request) -> Response:
                  responses={200: {"content": {"text/event-stream": {}}}})
 async def create_chat_completion(request: Request) -> Response:
     return await _generate(request, ChatCompletionRequest, request.app.state.chat)
+
+
+@generation.post("/v1/chat/completions/batch", response_model=ChatCompletionResponse,
+                 openapi_extra=json_body(BatchChatCompletionRequest))
+async def create_batch_chat_completion(request: Request) -> Response:
+    return await _generate(request, BatchChatCompletionRequest, request.app.state.chat)
+
+
+_BODY_OBJECT = TypeAdapter(dict[str, Any])
+
+
+@generation.post("/invocations", response_model=ChatCompletionResponse | CompletionResponse,
+                 responses={200: {"content": {"text/event-stream": {}}}})
+async def invocations(request: Request) -> Response:
+    """SageMaker's one route, as vLLM serves it: a body with `messages` is a chat
+    completion, one with `prompt` a completion. Dispatched on that key rather than on
+    which schema validates (vLLM's way), so a bad field gets its own 400, not a guess."""
+    await require_api_key(request)
+    try:
+        keys = _BODY_OBJECT.validate_json(await request.body()).keys()
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False)) from None
+    if "messages" in keys:
+        return await _generate(request, ChatCompletionRequest, request.app.state.chat)
+    if "prompt" in keys:
+        return await _generate(request, CompletionRequest, request.app.state.completions)
+    raise APIError(400, "Cannot find suitable handler for request. Expected one of: "
+                        "['ChatCompletionRequest', 'CompletionRequest'] (a body with `messages` "
+                        "or with `prompt`)", param="body")
 
 
 async def _generate(request: Request, model: type[BaseModel], serving) -> Response:

@@ -16,14 +16,14 @@ from pydantic import BaseModel
 from rlserve import json_depth
 from rlserve.config import EngineConfig
 from rlserve.engine.bad_words import convert_bad_words
-from rlserve.engine.output_processor import RequestState
-from rlserve.engine.request import validate_prompt
+from rlserve.engine.output_processor import RequestState, SampleDelta
+from rlserve.engine.request import validate_prompt, version_spans
 from rlserve.engine.structured_output import StructuredOutputCompiler
 from rlserve.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from rlserve.server.metrics import ServerMetrics
-from rlserve.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                     PromptLogprob, PromptLogprobs, PromptTokensDetails,
-                                     TokenizeChatRequest, Usage, WeightVersionSpan)
+from rlserve.server.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionRequest, ChatMessage,
+                                     CompletionRequest, CompletionStreamChoice, PromptLogprob, PromptLogprobs,
+                                     PromptTokensDetails, TokenizeChatRequest, Usage, WeightVersionSpan)
 from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
 from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
@@ -55,8 +55,9 @@ def json_response(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def sse(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
+def sse(model: BaseModel, exclude_unset: bool = False) -> str:
+    """One server-sent event. `exclude_unset`: only the fields set (vLLM's chat chunks)."""
+    return f"data: {model.model_dump_json(exclude_unset=exclude_unset)}\n\n"
 
 
 def usage(prompts: Sequence[Prompt], completion_tokens: int, cached: int) -> Usage:
@@ -66,9 +67,18 @@ def usage(prompts: Sequence[Prompt], completion_tokens: int, cached: int) -> Usa
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def version_spans(token_versions: list[int]) -> list[WeightVersionSpan]:
-    from rlserve.engine.request import version_spans as spans
-    return [WeightVersionSpan(version=s.version, start=s.start, end=s.end) for s in spans(token_versions)]
+def finish_choice(choice: CompletionStreamChoice | ChatChoice | ChatChunkChoice,
+                  body: CompletionRequest | ChatCompletionRequest, state: RequestState, delta: SampleDelta) -> None:
+    """What a choice's last body or chunk adds: its stop reason and, when asked for, which
+    weights made which tokens, as vLLM's `weight_versions` (the version as the string
+    /weight_info reports) and rlserve's older `weight_version_spans` (an integer)."""
+    choice.stop_reason = delta.stop_reason
+    if body.return_weight_versions:
+        spans = version_spans(state.samples[delta.index].token_versions)
+        choice.weight_versions = [WeightVersionSpan(version=str(s.version), start=s.start, end=s.end)
+                                  for s in spans]
+        choice.weight_version_spans = [WeightVersionSpan(version=s.version, start=s.start, end=s.end)
+                                       for s in spans]
 
 
 class Generation:
@@ -182,7 +192,7 @@ class OpenAIServing:
         if self.config.enable_lora:
             return model
         raise APIError(404, f"model: {model!r} does not exist; this server serves "
-                            f"{self.model_name!r}", param="model", code="model_not_found")
+                            f"{self.model_name!r}", param="model")
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         for t in ids:
@@ -265,15 +275,21 @@ class OpenAIServing:
         if body.stop and not body.detokenize:
             raise InvalidRequestError("stop: stop strings need detokenize (leave it true, or use "
                                       "stop_token_ids)", "stop")
-        if body.prompt_logprobs is not None and body.stream:
+        if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
+            raise InvalidRequestError("stream_options: stream options can only be defined when "
+                                      "`stream=True` (as in vLLM)", "stream_options")
+        if body.prompt_logprobs and body.stream:
             raise InvalidRequestError("prompt_logprobs: not available with stream (as in vLLM); "
                                       "send the request without stream", "prompt_logprobs")
         limit = self.options.max_logprobs
-        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        # vLLM names `logprobs` for chat's top_logprobs too: both are the sampled tokens'.
+        for name, param in (("logprobs", "logprobs"), ("top_logprobs", "logprobs"),
+                            ("prompt_logprobs", "prompt_logprobs")):
             value = getattr(body, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > limit:
-                raise InvalidRequestError(f"{name}: {value} is more than this server's "
-                                          f"--max-logprobs ({limit})", name)
+                field = name if name == param else f"{param}: {name}"
+                raise InvalidRequestError(f"{field}: {value} is more than this server's "
+                                          f"--max-logprobs ({limit})", param)
 
     def as_token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
         """Whether logprob tokens are written 'token_id:<id>'."""
@@ -385,12 +401,12 @@ class OpenAIServing:
                     yield event
             except Exception as e:  # the 200 is already sent: report in-band, as OpenAI does
                 if isinstance(e, InvalidRequestError):
-                    err = APIError(400, str(e), param=e.param, code=400)
+                    err = APIError(400, str(e), param=e.param)
                 elif type(e).__name__ in ("EngineDeadError", "EngineUnavailableError"):
-                    err = APIError(503, str(e), type="service_unavailable", code=503)
+                    err = APIError(503, str(e))
                 else:
                     logging.getLogger(__name__).exception("stream failed")
-                    err = APIError(500, f"internal error: {e}", type="server_error", code=500)
+                    err = APIError(500, f"internal error: {e}")
                 yield sse(err.body)
             ended = True
             yield "data: [DONE]\n\n"

@@ -1,5 +1,5 @@
 """/v1/chat/completions: a conversation through the chat template -> n choices, whole or
-streamed."""
+streamed; /v1/chat/completions/batch (vLLM's): several conversations -> one choice each."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from fastapi.responses import Response
 from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
-from rlserve.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-                                     DeltaMessage, TokenLogprobEntry, TopLogprob)
-from rlserve.server.serving import Generation, OpenAIServing, Prompt, sse, usage, version_spans
+from rlserve.server.protocol import (AssistantMessage, BatchChatCompletionRequest, ChatChoice, ChatChunkChoice,
+                                     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                     ChatLogprobs, DeltaMessage, TokenLogprobEntry, TopLogprob)
+from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage
 from rlserve.server.token_strings import floor_logprob
 from rlserve.server.tool_calls import ChoiceToolCalls
 
@@ -25,26 +25,46 @@ def _finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if reason == "stop" and called else reason
 
 
+def _check_batch(body: BatchChatCompletionRequest) -> None:
+    """What vLLM's batch endpoint leaves out: streaming, tools, prompt logprobs, n > 1."""
+    for name, present in (("stream", body.stream), ("tools", body.tools is not None),
+                          ("tool_choice", body.tool_choice not in (None, "none")),
+                          ("prompt_logprobs", body.prompt_logprobs is not None)):
+        if present:
+            raise InvalidRequestError(f"{name}: not supported by /v1/chat/completions/batch "
+                                      "(as in vLLM); use /v1/chat/completions", name)
+    if body.n != 1:
+        raise InvalidRequestError("n: /v1/chat/completions/batch answers one choice per "
+                                  "conversation; n must be 1 (as in vLLM)", "n")
+
+
 class ChatServing(OpenAIServing):
     async def create(self, body: ChatCompletionRequest, arrival: float) -> Response:
+        """One conversation, or with a BatchChatCompletionRequest one per conversation."""
         lora_name = self.check_model(body.model)
         self.check_request(body)
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.top_logprobs and not body.logprobs:
             raise InvalidRequestError("top_logprobs: needs logprobs set to true", "top_logprobs")
         if body.tool_choice not in (None, "none") and not body.tools:
             raise InvalidRequestError("tool_choice: needs tools", "tool_choice")
-        prompt = await self.chat_prompt_async(body)
+        if isinstance(body, BatchChatCompletionRequest):
+            _check_batch(body)
+            prompts = [await self.chat_prompt_async(body.model_copy(update={"messages": messages}))
+                       for messages in body.messages]
+        else:
+            prompts = [await self.chat_prompt_async(body)]
         k = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = self.sampling_params(body, max_tokens, k, prompt_logprobs=body.prompt_logprobs)
+        params = self.sampling_params(body, max_tokens, k,
+                                      prompt_logprobs=None if body.stream else body.prompt_logprobs)
         engine_id = f"chatcmpl-{uuid.uuid4().hex}"
         request_id = f"chatcmpl-{body.request_id}" if body.request_id else engine_id
         created = int(time.time())
-        generation = Generation(self.engine, engine_id, [prompt], params, arrival, body.stream,
+        generation = Generation(self.engine, engine_id, prompts, params, arrival, body.stream,
                                 body.cache_salt, lora_name, self.metrics)
-        events = self._events(body, request_id, created, prompt, generation) if body.stream else None
+        events = self._events(body, request_id, created, prompts[0], generation) if body.stream else None
         return await self.respond(generation, events,
-                                  lambda: self._body(body, request_id, created, prompt, generation), body)
+                                  lambda: self._body(body, request_id, created, prompts, generation), body)
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob], k: int, as_ids: bool,
                   detokenize: bool) -> ChatLogprobs:
@@ -62,48 +82,50 @@ class ChatServing(OpenAIServing):
 
     def _extras(self, body: ChatCompletionRequest, choice: ChatChoice | ChatChunkChoice,
                 state: RequestState, delta: SampleDelta) -> None:
-        if body.logprobs:
-            choice.logprobs = self._logprobs(delta.logprobs or [], body.top_logprobs or 0,
-                                             self.as_token_ids(body), body.detokenize)
-        if body.return_token_ids:
-            choice.token_ids = delta.token_ids
+        choice.logprobs = (self._logprobs(delta.logprobs or [], body.top_logprobs or 0,
+                                          self.as_token_ids(body), body.detokenize)
+                           if body.logprobs else None)
+        choice.token_ids = delta.token_ids if body.return_token_ids else None
         if delta.finish_reason is not None:
-            choice.stop_reason = delta.stop_reason
-            if body.return_weight_versions:
-                choice.weight_version_spans = version_spans(state.samples[delta.index].token_versions)
+            finish_choice(choice, body, state, delta)
 
-    def _body(self, body: ChatCompletionRequest, request_id: str, created: int, prompt: Prompt,
+    def _body(self, body: ChatCompletionRequest, request_id: str, created: int, prompts: list[Prompt],
               generation: Generation) -> ChatCompletionResponse:
-        (state,) = generation.states
         choices = []
-        for delta in state.deltas():
-            content, calls = ChoiceToolCalls(body, self.options.tool_call_parser).whole(delta.text)
-            choice = ChatChoice(index=delta.index, message=AssistantMessage(content=content,
-                                                                            tool_calls=calls or None),
-                                finish_reason=_finish_reason(delta.finish_reason, bool(calls)))
-            self._extras(body, choice, state, delta)
-            choices.append(choice)
+        for i, state in enumerate(generation.states):
+            for delta in state.deltas():
+                content, calls = ChoiceToolCalls(body, self.options.tool_call_parser).whole(delta.text)
+                choice = ChatChoice(index=i * body.n + delta.index,
+                                    message=AssistantMessage(content=content, tool_calls=calls or None),
+                                    finish_reason=_finish_reason(delta.finish_reason, bool(calls)))
+                self._extras(body, choice, state, delta)
+                choices.append(choice)
+        states = generation.states
+        single = len(states) == 1  # a batch's prompts have no one place in the response
         return ChatCompletionResponse(
             id=request_id, created=created, model=body.model or self.model_name, choices=choices,
-            usage=usage([prompt], sum(len(s.token_ids) for s in state.samples), state.num_cached_tokens),
-            prompt_logprobs=(self.prompt_logprobs(state, body.prompt_logprobs, self.as_token_ids(body))
-                             if body.prompt_logprobs is not None else None),
-            prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
-            weight_version=state.weight_version)
+            usage=usage(prompts, sum(len(s.token_ids) for st in states for s in st.samples),
+                        sum(st.num_cached_tokens for st in states)),
+            prompt_logprobs=(self.prompt_logprobs(states[0], body.prompt_logprobs, self.as_token_ids(body))
+                             if single and body.prompt_logprobs is not None else None),
+            prompt_token_ids=prompts[0].token_ids if single and body.return_token_ids else None,
+            weight_version=max(st.weight_version for st in states))
 
     async def _events(self, body: ChatCompletionRequest, request_id: str, created: int,
                       prompt: Prompt, generation: Generation) -> AsyncIterator[str]:
+        """Chunks carry only the fields set, as vLLM's do (see ChatChunkChoice)."""
         (state,) = generation.states
         version = max(self.engine.weight_version, state.weight_version)
 
         def chunk(choices: list[ChatChunkChoice], **extra: Any) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=body.model or self.model_name,
-                                           choices=choices, weight_version=version, **extra))
+            return sse(ChatCompletionChunk(id=request_id, object="chat.completion.chunk", created=created,
+                                           model=body.model or self.model_name, choices=choices,
+                                           weight_version=version, **extra), exclude_unset=True)
 
         # The role comes first, in a chunk of its own, as OpenAI sends it.
-        yield "".join(chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
-                            prompt_token_ids=(prompt.token_ids if body.return_token_ids and index == 0
-                                              else None))
+        yield "".join(chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""),
+                                             logprobs=None, finish_reason=None)],
+                            prompt_token_ids=prompt.token_ids if body.return_token_ids else None)
                       for index in range(body.n))
         wants_tokens = body.logprobs or body.return_token_ids
         tools = [ChoiceToolCalls(body, self.options.tool_call_parser) for _ in range(body.n)]

@@ -11,8 +11,9 @@ from fastapi.responses import Response
 from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
-from rlserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from rlserve.server.serving import Generation, OpenAIServing, Prompt, sse, usage, version_spans
+from rlserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                     CompletionStreamChoice, CompletionStreamResponse)
+from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage
 from rlserve.server.token_strings import floor_logprob
 
 
@@ -26,8 +27,10 @@ class CompletionServing(OpenAIServing):
             raise InvalidRequestError("best_of: only best_of == n is supported", "best_of")
         prompts = await self._prompts(body.prompt, body.detokenize, body.add_special_tokens)
         k = body.logprobs
-        # Echoed logprobs cover the prompt too: the engine computes the larger top-k.
-        wanted = [x for x in (body.prompt_logprobs, k if body.echo else None) if x is not None]
+        # Echoed logprobs cover the prompt too: the engine computes the larger top-k. A
+        # stream never carries prompt_logprobs (0 is accepted there, as in vLLM).
+        wanted = [x for x in (None if body.stream else body.prompt_logprobs, k if body.echo else None)
+                  if x is not None]
         params = self.sampling_params(body, body.max_tokens, k,
                                       prompt_logprobs=max(wanted) if wanted else None)
         engine_id = f"cmpl-{uuid.uuid4().hex}"
@@ -76,18 +79,21 @@ class CompletionServing(OpenAIServing):
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
                 continue
-            top = {self.tokens.text(t, as_ids): floor_logprob(v) for t, v in lp.top[:k]}
-            top.setdefault(self.tokens.text(tid, as_ids), floor_logprob(lp.logprob))
+            # The chosen token first, then the k most likely (vLLM's order).
+            top = {self.tokens.text(tid, as_ids): floor_logprob(lp.logprob)}
+            for t, v in lp.top[:k]:
+                top.setdefault(self.tokens.text(t, as_ids), floor_logprob(v))
             out.token_logprobs.append(floor_logprob(lp.logprob))
             out.top_logprobs.append(top)
         return out, offset
 
     def _choice(self, body: CompletionRequest, index: int, prompt: Prompt, state: RequestState,
-                delta: SampleDelta, offsets: dict[int, int] | None = None) -> CompletionChoice:
-        """One choice of a body or a chunk: `delta` holds what is new in it."""
+                delta: SampleDelta, offsets: dict[int, int] | None = None) -> CompletionStreamChoice:
+        """One choice of a body or (`offsets` given) a chunk: `delta` holds what is new in it."""
         echo = body.echo and delta.first
         text = (prompt.text if echo else "") + delta.text
-        choice = CompletionChoice(index=index, text=text, finish_reason=delta.finish_reason)
+        cls = CompletionStreamChoice if offsets is not None else CompletionChoice
+        choice = cls(index=index, text=text, finish_reason=delta.finish_reason)
         if body.logprobs is not None:
             ids: list[int] = list(delta.token_ids)
             lps: list[TokenLogprob | None] = list(delta.logprobs or [])
@@ -105,13 +111,11 @@ class CompletionServing(OpenAIServing):
             choice.token_ids = delta.token_ids
             if delta.first:
                 choice.prompt_token_ids = prompt.token_ids
-        if body.prompt_logprobs is not None and delta.first:
+        if body.prompt_logprobs is not None and delta.first and isinstance(choice, CompletionChoice):
             choice.prompt_logprobs = self.prompt_logprobs(state, body.prompt_logprobs,
                                                           self.as_token_ids(body))
         if delta.finish_reason is not None:
-            choice.stop_reason = delta.stop_reason
-            if body.return_weight_versions:
-                choice.weight_version_spans = version_spans(state.samples[delta.index].token_versions)
+            finish_choice(choice, body, state, delta)
         return choice
 
     def _body(self, body: CompletionRequest, request_id: str, created: int, prompts: list[Prompt],
@@ -141,14 +145,14 @@ class CompletionServing(OpenAIServing):
                             or (delta.token_ids and wants_tokens)):
                         continue
                     choice = self._choice(body, i * body.n + delta.index, prompts[i], state, delta, offsets)
-                    parts.append(sse(CompletionResponse(id=request_id, created=created,
-                                                        model=body.model or self.model_name, choices=[choice],
-                                                        weight_version=version)))
+                    parts.append(sse(CompletionStreamResponse(
+                        id=request_id, created=created, model=body.model or self.model_name, choices=[choice],
+                        weight_version=version)))
             if parts:
                 yield "".join(parts)
         if body.stream_options and body.stream_options.include_usage:
             states = generation.states
             u = usage(prompts, sum(len(s.token_ids) for st in states for s in st.samples),
                       sum(st.num_cached_tokens for st in states))
-            yield sse(CompletionResponse(id=request_id, created=created, model=body.model or self.model_name,
-                                         choices=[], usage=u, weight_version=version))
+            yield sse(CompletionStreamResponse(id=request_id, created=created, model=body.model or self.model_name,
+                                               choices=[], usage=u, weight_version=version))

@@ -7,6 +7,10 @@
     required            the text is a JSON array of {"name", "parameters"} (a grammar
                         makes it one): one call per element, no content
 
+Output the grammar did not finish (cut short by max_tokens) is no call, as in vLLM: the
+choice keeps the text as its content and finishes with "length". Streamed, a named call's
+arguments go out as they are generated, so a cut stream has sent part of them.
+
 One `ChoiceToolCalls` per sample. `whole` gives a finished sample's message; `stream`
 gives what a streamed chunk carries, as the text grows, in OpenAI's delta shape: a call's
 first piece carries its id, type and name; its `arguments` pieces concatenate to the JSON.
@@ -33,6 +37,13 @@ def tool_choice_mode(body: ChatCompletionRequest) -> str:
         return "none"
     choice = body.tool_choice or "auto"  # tools without a tool_choice: auto (OpenAI, vLLM)
     return "named" if isinstance(choice, NamedToolChoice) else choice
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json_depth.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _required_calls(text: str) -> list[ParsedToolCall] | None:
@@ -72,6 +83,8 @@ class ChoiceToolCalls:
         if self.mode == "none":
             return text, []
         if self.mode == "named":
+            if not _is_object(text):  # cut short by max_tokens
+                return text or None, []
             calls = [ParsedToolCall(self.name, text)]
             content = ""
         elif self.mode == "required":

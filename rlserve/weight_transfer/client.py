@@ -195,7 +195,9 @@ class WeightSyncClient:
         paused = []
         try:
             for u in self.urls:
-                self._check(self._post(u, "/pause", params={"mode": pause_mode}))
+                # The update resets the prefix cache itself; a keep-pause keeps the frozen
+                # requests' KV (the server's default, vLLM's, would drop it).
+                self._check(self._post(u, "/pause", params={"mode": pause_mode, "clear_cache": "false"}))
                 paused.append(u)
             t1 = time.perf_counter()
             send_seconds = None
