@@ -65,8 +65,8 @@ class LogitsProcessors(NamedTuple):
 
 
 class SamplingRow(NamedTuple):
-    """A request's row of the sampler's per-row parameters (see ModelRunner._sampling_params,
-    which reads the rows of a batch as one float table, in this field order)."""
+    """A request's row of the sampler's per-row parameters (rlserve.worker.sampling_inputs
+    reads a batch's rows as one float table, a column per field)."""
 
     temperature: float
     top_p: float

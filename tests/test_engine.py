@@ -299,14 +299,14 @@ def test_overlapped_scheduling_gives_the_same_outputs(model_path):
 def _check_block_tables(kv, reqs) -> None:
     """The KV manager's block-table array (written as blocks are added) holds each
     request's block list, 0-padded, and rows no request holds are all 0."""
-    from rlserve.worker.model_runner import ModelRunner
+    from rlserve.worker.step_inputs import table_array
     table = kv.block_table_array(reqs)
     lists = [kv.block_table(r) for r in reqs]
     assert table.shape == (len(reqs), max(map(len, lists)))
     for row, blocks in zip(table.tolist(), lists):
         assert row == blocks + [0] * (table.shape[1] - len(blocks))
     # Other ranks get the lists in their step messages: the runner packs them the same way.
-    assert (ModelRunner._table_array(lists) == table).all()
+    assert (table_array(lists) == table).all()
     unused = sorted(set(range(kv.tables.array.shape[0])) - set(kv.rows.values()))
     assert not kv.tables.array[unused].any()
 
@@ -401,13 +401,11 @@ def test_step_upload_keeps_dtypes_shapes_and_alignment():
     """One upload carries the whole step; every part comes back with its dtype and shape,
     starting 64-byte aligned as a fresh tensor does (Triton compiles per pointer alignment)."""
     import numpy as np
-    from rlserve.worker.model_runner import ModelRunner
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.device = torch.device("cpu")
+    from rlserve.worker.upload import upload
     parts = [np.arange(257, dtype=np.int64), np.arange(3, dtype=np.int32), np.empty(0, dtype=np.int64),
              np.arange(12, dtype=np.int32).reshape(3, 4), np.array([0.5, 1.5, 2.5], dtype=np.float32)]
     dtypes = [torch.int64, torch.int32, torch.int64, torch.int32, torch.float32]
-    for a, t, dtype in zip(parts, runner.upload(parts), dtypes):
+    for a, t, dtype in zip(parts, upload(parts, torch.device("cpu")), dtypes):
         assert t.dtype == dtype and tuple(t.shape) == a.shape and (t.numpy() == a).all()
         assert t.data_ptr() % 64 == 0
 

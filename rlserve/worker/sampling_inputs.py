@@ -1,0 +1,324 @@
+"""A batch's sampling inputs: the sampler's per-row parameters and the logits processors'
+arrays, built on the host and carried to the device in the step's one upload.
+
+What depends only on a batch's requests (their SamplingRow and LogitsProcessors, fixed for
+their lives) is computed once and reused while the batch holds the same requests in the
+same order, as it does from one decode step to the next (`SamplingRows`). What depends on
+the step (per-token seeds, bans that follow the output, the penalties' token history) is
+added each step (`SamplingStep`). `SamplingArrays` is the one typed value that travels:
+host arrays before the upload, device tensors of the same names after it; the device half
+turns it into the sampler's SamplingBatch (rlserve/worker/sampler.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from rlserve.sequence import SamplingRow
+from rlserve.worker import sampler as S
+from rlserve.worker.penalties import HistoryArrays, PenaltyHistory, PenaltyPlan
+from rlserve.worker.upload import upload_groups
+
+
+class ProcessorArrays(NamedTuple):
+    """A batch's logits-processor arrays that depend only on its requests; None where no
+    row uses that part."""
+
+    allowed_rows: np.ndarray | None  # int64 rows with an allow-list
+    allowed_r: np.ndarray | None  # int64 (row, token) pairs that keep their logit
+    allowed_t: np.ndarray | None
+    bias_r: np.ndarray | None  # int64 (row, token), float32 bias: added to that logit
+    bias_t: np.ndarray | None
+    bias_v: np.ndarray | None
+    repetition: np.ndarray | None  # float32 per penalty row
+    frequency: np.ndarray | None
+    presence: np.ndarray | None
+    penalty_rows: np.ndarray | None  # int64 rows with penalties; None: every row, in order
+
+
+class SamplingArrays(NamedTuple):
+    """One step's sampling inputs: host arrays in the step's upload, then device tensors
+    under the same names."""
+
+    temperature: np.ndarray  # float32 [R], 0 = greedy
+    top_p: np.ndarray  # float32 [R]
+    min_p: np.ndarray  # float32 [R]
+    top_k: np.ndarray  # int64 [R], 0 = off
+    noise_seeds: np.ndarray | None  # int64 [R] Philox keys (fused sampling only)
+    processors: ProcessorArrays | None  # None: no allow-list, bias or penalty in the batch
+    ban_rows: np.ndarray | None  # int64 (row, token) masked this step; None: no ban
+    ban_tokens: np.ndarray | None
+    ban_after: np.ndarray | None  # int64 per ban (see S.LogitsProcessing.ban_after); None: all hold
+    history: HistoryArrays | None  # the penalties' token history (rlserve.worker.penalties)
+
+    @property
+    def processes(self) -> bool:
+        """Some row's logits are processed this step (S.LogitsProcessing)."""
+        return self.processors is not None or self.ban_rows is not None or self.history is not None
+
+
+class _Processors(NamedTuple):
+    """The logits processors of a batch's rows (Request.processors), as host arrays: what
+    depends only on the requests (see `_processors`)."""
+
+    arrays: ProcessorArrays | None  # uploaded with every step
+    banned_rows: np.ndarray  # int64, with banned_tokens: masked in every step
+    banned_tokens: np.ndarray
+    bad_word_rows: list[int]  # rows with bad words of several tokens (checked per step)
+    penalty_requests: list  # the Request of each penalty row
+    needs_prompt: np.ndarray  # bool per penalty row: it has a repetition penalty
+    any_frequency: bool
+    any_presence: bool
+
+
+class SamplingRows(NamedTuple):
+    """A batch's sampling parameters that depend only on its requests, as host arrays
+    and flags."""
+
+    requests: list  # the Request of each row
+    temperature: np.ndarray  # float32
+    top_p: np.ndarray  # float32
+    min_p: np.ndarray  # float32
+    top_k: np.ndarray  # int64, 0 = off
+    seeded_rows: list[int]
+    min_tokens_rows: list[int]
+    all_greedy: bool
+    any_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    max_logprobs: int
+    processors: _Processors | None  # None: no row has logits processors
+
+
+class SamplingStep(NamedTuple):
+    """One step's sampling inputs on the host."""
+
+    rows: SamplingRows
+    seeds: list[tuple[int, int]]  # (row, per-token seed) of the seeded rows
+    plan: PenaltyPlan | None
+    arrays: SamplingArrays
+
+
+_Bans = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]  # SamplingArrays' ban_rows, ban_tokens, ban_after
+
+
+class _Bitmask(NamedTuple):
+    rows: np.ndarray  # int64 rows with a grammar mask
+    words: np.ndarray  # int32 [rows, ceil(V / 32)]
+
+
+class SamplingInputs:
+    """Builds the sampler's inputs for a batch's sampling rows, step after step; keeps
+    the penalties' token history on the device between steps."""
+
+    def __init__(self, vocab_size: int, device: torch.device, processed_logprobs: bool):
+        self.device = device
+        self.processed_logprobs = processed_logprobs
+        self.penalties = PenaltyHistory(vocab_size, device)
+        self._noise_rng = np.random.default_rng()  # keys of unseeded rows (fused sampling)
+        self._cache: SamplingRows | None = None  # see `_rows`
+
+    def host_step(self, reqs: list, fused: bool) -> SamplingStep:
+        """Host half: this step's sampling arrays for the upload. `fused`: the kernel set
+        samples plain temperature rows (Gumbel-max), which takes a noise key per row."""
+        rows = self._rows(reqs)
+        seeds, bans = _seeds_and_bans(rows)
+        noise = self._noise_keys(len(reqs), seeds) if fused else None
+        plan = self._penalty_plan(rows)
+        arrays = SamplingArrays(
+            rows.temperature, rows.top_p, rows.min_p, rows.top_k, noise,
+            None if rows.processors is None else rows.processors.arrays, *(bans or (None, None, None)),
+            None if plan is None else plan.arrays)
+        return SamplingStep(rows, seeds, plan, arrays)
+
+    def device_batch(self, step: SamplingStep, t: SamplingArrays, last_tokens: torch.Tensor | None
+                     ) -> S.SamplingBatch:
+        """Device half: the SamplingBatch from the step's uploaded arrays `t`;
+        `last_tokens`: each row's newest token, on the device (needed when t.processes)."""
+        rows = step.rows
+        return S.SamplingBatch(
+            temperature=t.temperature, top_p=t.top_p, min_p=t.min_p, top_k=t.top_k,
+            seeds=step.seeds, all_greedy=rows.all_greedy, any_greedy=rows.any_greedy,
+            need_top_k=rows.need_top_k, need_top_p=rows.need_top_p, need_min_p=rows.need_min_p,
+            max_logprobs=rows.max_logprobs, noise_seeds=t.noise_seeds,
+            processing=self._processing(step, t, last_tokens) if t.processes else None,
+            processed_logprobs=self.processed_logprobs)
+
+    def batch(self, reqs: list, fused: bool, last_tokens: torch.Tensor | None = None) -> S.SamplingBatch:
+        """The sampler's inputs for rows `reqs` on their own (a step builds the same within
+        its upload); `last_tokens`: each row's newest token, on the device (by default the
+        newest of its token_ids)."""
+        step = self.host_step(reqs, fused)
+        if last_tokens is None and step.arrays.processes:
+            last_tokens = torch.tensor([r.token_ids[-1] for r in reqs], device=self.device)
+        (t,) = upload_groups((step.arrays,), self.device)
+        return self.device_batch(step, t, last_tokens)
+
+    def with_bitmask(self, batch: S.SamplingBatch, token_bitmask: torch.Tensor | np.ndarray) -> S.SamplingBatch:
+        """`batch` under grammar masks: `token_bitmask` [rows, ceil(V / 32)] int32 on the
+        host, one row per sampling row; rows with every bit set cost nothing."""
+        mask = np.asarray(token_bitmask, dtype=np.int32)
+        rows = np.flatnonzero((mask != -1).any(axis=1))
+        if not rows.size:
+            return batch
+        (t,) = upload_groups((_Bitmask(rows.astype(np.int64), np.ascontiguousarray(mask[rows])),), self.device)
+        return dataclasses.replace(batch, token_bitmask=t.words,
+                                   token_bitmask_rows=None if rows.size == mask.shape[0] else t.rows)
+
+    def _rows(self, reqs: list) -> SamplingRows:
+        """The sampling rows' parameters. A request's never change (Request.sampling_row),
+        so while the batch holds the same requests in the same order, as it does from one
+        decode step to the next, the previous step's arrays are reused."""
+        cached = self._cache
+        if cached is not None and cached.requests == reqs:  # Request compares by identity
+            return cached
+        n, width = len(reqs), len(SamplingRow._fields)
+        table = np.fromiter(itertools.chain.from_iterable(r.sampling_row for r in reqs),
+                            dtype=np.float64, count=n * width).reshape(n, width)
+        col = SamplingRow._make(table.T)  # each field's column, under its name
+        greedy = col.temperature == 0
+        processor_rows = np.flatnonzero(col.has_processors).tolist()
+        self._cache = SamplingRows(
+            reqs, col.temperature.astype(np.float32), col.top_p.astype(np.float32),
+            col.min_p.astype(np.float32), col.top_k.astype(np.int64),
+            np.flatnonzero(col.seeded).tolist(), np.flatnonzero(col.min_tokens).tolist(),
+            bool(greedy.all()), bool(greedy.any()), bool((col.top_k > 0).any()),
+            bool((col.top_p < 1).any()), bool((col.min_p > 0).any()), int(col.logprobs.max()),
+            _processors(reqs, processor_rows) if processor_rows else None)
+        return self._cache
+
+    def _noise_keys(self, num_rows: int, seeds: list[tuple[int, int]]) -> np.ndarray:
+        """One Philox key per row for fused sampling: the row's per-token seed, or a fresh
+        random one."""
+        keys = self._noise_rng.integers(0, 1 << 62, size=num_rows, dtype=np.int64)
+        for i, seed in seeds:
+            keys[i] = seed
+        return keys
+
+    def _penalty_plan(self, rows: SamplingRows) -> PenaltyPlan | None:
+        """The penalty rows' token history for this step (rlserve.worker.penalties)."""
+        proc = rows.processors
+        if proc is None or not proc.penalty_requests:
+            if self.penalties.requests:
+                self.penalties.reset()
+            return None
+        return self.penalties.plan(proc.penalty_requests, proc.needs_prompt)
+
+    def _processing(self, step: SamplingStep, t: SamplingArrays, last_tokens: torch.Tensor) -> S.LogitsProcessing:
+        """The step's LogitsProcessing from its uploaded arrays `t` (see _processors,
+        _seeds_and_bans and _penalty_plan); `last_tokens`: each row's newest token."""
+        out = S.LogitsProcessing(last_tokens=last_tokens)
+        p = t.processors
+        if p is not None and p.allowed_rows is not None:
+            out.allowed_rows, out.allowed = p.allowed_rows, (p.allowed_r, p.allowed_t)
+        if t.ban_rows is not None:
+            out.bans, out.ban_after = (t.ban_rows, t.ban_tokens), t.ban_after
+        if p is not None and p.bias_r is not None:
+            out.bias = (p.bias_r, p.bias_t, p.bias_v)
+        if step.plan is not None:
+            proc = step.rows.processors
+            rows = p.penalty_rows
+            counts, prompt_mask = self.penalties.build(
+                step.plan, t.history, last_tokens if rows is None else last_tokens[rows])
+            out.penalties = S.Penalties(
+                rows=rows, repetition=p.repetition.view(-1, 1), frequency=p.frequency.view(-1, 1),
+                presence=p.presence.view(-1, 1), counts=counts, prompt_mask=prompt_mask,
+                any_repetition=bool(proc.needs_prompt.any()), any_frequency=proc.any_frequency,
+                any_presence=proc.any_presence)
+        return out
+
+
+def _processors(reqs: list, rows: list[int]) -> _Processors:
+    """Batch the logits processors of `rows` (the rows whose request has any)."""
+    def rows_of(i: int, ids: np.ndarray) -> np.ndarray:
+        return np.full(ids.size, i, dtype=np.int64)
+
+    def cat(parts: list[np.ndarray], dtype=np.int64) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
+
+    allowed_rows, allowed_r, allowed_t, bias_r, bias_t, bias_v, ban_r, ban_t = ([] for _ in range(8))
+    bad_word_rows, penalty_rows, penalties = [], [], []
+    for i in rows:
+        proc = reqs[i].processors
+        if proc.allowed is not None:
+            allowed_rows.append(i)
+            allowed_r.append(rows_of(i, proc.allowed))
+            allowed_t.append(proc.allowed)
+        if proc.bias_ids.size:
+            bias_r.append(rows_of(i, proc.bias_ids))
+            bias_t.append(proc.bias_ids)
+            bias_v.append(proc.bias_values)
+        if proc.banned.size:
+            ban_r.append(rows_of(i, proc.banned))
+            ban_t.append(proc.banned)
+        if proc.bad_prefixes:
+            bad_word_rows.append(i)
+        if proc.penalties is not None:
+            penalty_rows.append(i)
+            penalties.append(proc.penalties)
+    allowed = (np.array(allowed_rows, dtype=np.int64), cat(allowed_r), cat(allowed_t)) if allowed_rows else (None,) * 3
+    bias = (cat(bias_r), cat(bias_t), cat(bias_v, np.float32)) if bias_r else (None,) * 3
+    pen = np.array(penalties, dtype=np.float32).reshape(-1, 3)  # repetition, frequency, presence
+    pen_arrays = (None,) * 4
+    if penalty_rows:
+        pen_arrays = (pen[:, 0].copy(), pen[:, 1].copy(), pen[:, 2].copy(),
+                      np.array(penalty_rows, dtype=np.int64) if len(penalty_rows) < len(reqs) else None)
+    arrays = (ProcessorArrays(*allowed, *bias, *pen_arrays) if allowed_rows or bias_r or penalty_rows
+              else None)
+    return _Processors(arrays, cat(ban_r), cat(ban_t), bad_word_rows,
+                       [reqs[i] for i in penalty_rows], pen[:, 0] != 1,
+                       bool((pen[:, 1] != 0).any()), bool((pen[:, 2] != 0).any()))
+
+
+def _seeds_and_bans(rows: SamplingRows) -> tuple[list[tuple[int, int]], _Bans | None]:
+    """What depends on the step: each seeded row's per-token seed, and the tokens masked
+    this step as (rows, tokens, after) (None: no ban): stop tokens in rows still below
+    min_tokens, and bad words. Only rows that have them are looked at.
+
+    A bad word of several tokens is masked when the output ends with all but its last
+    token. The newest of those may still be in flight (a placeholder): the host checks
+    the older ones and the device the newest (`ban_after`)."""
+    seeds = []
+    for i in rows.seeded_rows:
+        req = rows.requests[i]
+        seeds.append((i, S.mix_seed(req.sampling_params.seed, req.sample_index,
+                                    len(req.token_ids) - req.num_prompt_tokens)))
+    ban_rows: list[int] = []
+    toks: list[int] = []
+    after: list[int] = []
+    for i in rows.min_tokens_rows:
+        req = rows.requests[i]
+        if len(req.token_ids) - req.num_prompt_tokens < req.sampling_params.min_tokens:
+            ban_rows.extend(i for _ in req.stop_ids)  # what could end it too early
+            toks.extend(req.stop_ids)
+    proc = rows.processors
+    for i in proc.bad_word_rows if proc is not None else ():
+        req = rows.requests[i]
+        tokens, n = req.token_ids, len(req.token_ids)
+        num_output = n - req.num_prompt_tokens
+        for prefix, last in req.processors.bad_prefixes:
+            k = len(prefix)
+            if k <= num_output and tuple(tokens[n - k:n - 1]) == prefix[:-1]:
+                ban_rows.append(i)
+                toks.append(last)
+                after.append(prefix[-1])
+    static = proc is not None and proc.banned_rows.size
+    if not ban_rows and not static:
+        return seeds, None
+    ban_r, ban_t = np.array(ban_rows, dtype=np.int64), np.array(toks, dtype=np.int64)
+    ban_after = None
+    if after:  # the unconditional ones first, then those that wait for the newest token
+        unconditional = len(ban_rows) - len(after)
+        ban_after = np.array([-1] * unconditional + after, dtype=np.int64)
+    if static:
+        ban_r = np.concatenate([proc.banned_rows, ban_r])
+        ban_t = np.concatenate([proc.banned_tokens, ban_t])
+        if after:
+            ban_after = np.concatenate([np.full(proc.banned_rows.size, -1, dtype=np.int64), ban_after])
+    return seeds, (ban_r, ban_t, ban_after)
