@@ -9,26 +9,35 @@ the engine-core process's busy loop, core_proc.py).
 
 from __future__ import annotations
 
-import bisect
 import gc
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 
 from rlserve.config import EngineConfig
 from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.outputs import (ITERATION_TOKENS_BUCKETS, EngineCoreOutputs, EngineStats, FinalTokens, Finished,
-                                    Rejected, RequestTiming, Started)
-from rlserve.engine.request import (EngineUnavailableError, FinishReason, Request, RequestStatus, sample_ids,
-                                    validate_prompt, version_spans)
+from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, Finished, Rejected, StepOut, merge_outputs
+from rlserve.engine.request import (
+    EngineUnavailableError,
+    FinishReason,
+    Request,
+    RequestStatus,
+    sample_ids,
+    validate_prompt,
+)
 from rlserve.engine.scheduler import Scheduler
 from rlserve.errors import ConflictError, ModelNotFoundError
-from rlserve.model.loader import load_hf_config, load_tokenizer, resolve_model_path
+from rlserve.model.loader import (
+    eos_token_ids,
+    load_hf_config,
+    load_tokenizer,
+    resolve_max_model_len,
+    resolve_model_path,
+)
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
-from rlserve.sequence import PLACEHOLDER
 from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
 from rlserve.worker.model_runner import StepHandle
@@ -36,31 +45,6 @@ from rlserve.worker.model_runner import StepHandle
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
-
-
-def resolve_max_model_len(hf_config, requested: int | None) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    if requested is not None and requested > limit:
-        raise ValueError(f"max_model_len: {requested} exceeds the model's "
-                         f"max_position_embeddings ({limit})")
-    return requested or limit
-
-
-def _eos_ids(hf_config, tokenizer, path: str) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(x) for x in source)
-    try:  # generation_config.json often lists extra end-of-turn tokens
-        from transformers import GenerationConfig
-        gen = GenerationConfig.from_pretrained(path)
-        eos = gen.eos_token_id
-        ids.update([eos] if isinstance(eos, int) else list(eos or []))
-    except Exception:
-        pass
-    return frozenset(ids)
 
 
 @dataclass
@@ -71,28 +55,6 @@ class _InFlight:
     index: list[int]  # per sampling row: where its placeholder sits in the request's token_ids
     version: int  # the weights it ran on
     first: list[Request] = field(default_factory=list)  # rows sampling their request's first token
-
-
-class _StepOut:
-    """What a step produced, gathered as the tokens are accepted."""
-
-    __slots__ = ("ids", "tokens", "logprobs", "any_logprobs", "started", "finished", "rejected")
-
-    def __init__(self) -> None:
-        self.ids: list[str] = []
-        self.tokens: list[int] = []
-        self.logprobs: list = []
-        self.any_logprobs = False
-        self.started: list[Started] = []
-        self.finished: list[Finished] = []
-        self.rejected: list[Rejected] = []
-
-    def build(self, version: int, timestamp: float = 0.0) -> EngineCoreOutputs | None:
-        if not (self.ids or self.finished or self.started or self.rejected):
-            return None
-        return EngineCoreOutputs(version, self.ids, self.tokens,
-                                 self.logprobs if self.any_logprobs else None,
-                                 self.started, self.finished, self.rejected, timestamp=timestamp)
 
 
 class EngineCore:
@@ -108,7 +70,7 @@ class EngineCore:
             config.tokenizer or self.model_path, config.trust_remote_code)
         self.max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
         self.vocab_size = hf_config.vocab_size
-        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, self.model_path)
+        self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, self.model_path)
 
         self.executor = Executor(config, hf_config, self.model_path)
         num_blocks = min(self.executor.collective_rpc(rank.DetermineNumBlocks()))
@@ -135,12 +97,7 @@ class EngineCore:
         self.held: list[Request] = []  # arrived while paused: admitted on resume
         self.compiling: list[Request] = []  # waiting for their grammar: admitted once compiled
         self._grammars = None  # StructuredOutputCompiler, made at the first grammar
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         self.aborted_total = 0
-        # vllm:iteration_tokens_total, kept here: most steps send the front end nothing
-        self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
-        self.iteration_tokens_sum = 0
         self.load_seconds = time.perf_counter() - t0
         # Everything built so far lives as long as the engine: keep it out of the cyclic
         # collector's scans, which otherwise cost milliseconds per step at large batches.
@@ -217,7 +174,7 @@ class EngineCore:
         else:
             self.scheduler.add(req)
 
-    def _admit_compiled(self, out: "_StepOut") -> None:
+    def _admit_compiled(self, out: StepOut) -> None:
         """Requests whose grammar is ready join the queue (with their matcher); one whose
         grammar failed to compile is refused."""
         ready = [r for r in self.compiling if r.grammar.done()]
@@ -247,7 +204,7 @@ class EngineCore:
                 waiting.remove(req)
                 if waiting is self.compiling and not any(r.grammar is req.grammar for r in waiting):
                     self._grammars.abandon(req.sampling_params.structured_outputs)  # nobody waits
-            outputs.append(self._finish(req, FinishReason.ABORT))
+            outputs.append(self.scheduler.finish(req, FinishReason.ABORT))
             self.aborted_total += 1
         return outputs
 
@@ -274,7 +231,7 @@ class EngineCore:
         A step with a grammar row samples only once the grammar's mask is known, which
         needs the previous step's tokens: its forward pass is queued first, its sampling
         after the previous step is processed (still before the next launch)."""
-        early = _StepOut()
+        early = StepOut()
         if self.compiling:
             self._admit_compiled(early)
         sched = self.scheduler.schedule()
@@ -288,7 +245,7 @@ class EngineCore:
             handle = self.executor.launch(sched, self._tables(sched),
                                           self.inflight.handle if overlapped else None,
                                           sample=not masked)
-            placeholders, first = self._advance(sched)
+            placeholders, first = self.scheduler.advance(sched)
             launched = _InFlight(handle, placeholders, self.weight_version, first)
         if not self.async_scheduling:
             if masked:
@@ -300,14 +257,14 @@ class EngineCore:
                 self._sample_masked(launched.handle)
             self.inflight = launched
         if early.rejected:
-            outputs = _merge(early.build(self.weight_version), outputs)
+            outputs = merge_outputs(early.build(self.weight_version), outputs)
         return outputs
 
-    def _end_refused(self, out: "_StepOut") -> None:
+    def _end_refused(self, out: StepOut) -> None:
         """Requests the scheduler could not give their LoRA adapter end here, refused."""
         told = set()
         for req, error in self.scheduler.refused:
-            self._finish(req, FinishReason.ABORT)
+            self.scheduler.finish(req, FinishReason.ABORT)
             group = req.group_id or req.request_id
             if group not in told:  # the front end fails the whole prompt
                 told.add(group)
@@ -330,147 +287,12 @@ class EngineCore:
             return self.kv.block_table_array([item.request for item in sched.scheduled])
         return [self.kv.block_table(item.request) for item in sched.scheduled]
 
-    def _advance(self, sched) -> tuple[list[int], list[Request]]:
-        """The scheduled tokens are computed. Each request that samples this step gets a
-        PLACEHOLDER for its token, which is not known until the step is collected; the
-        placeholders' indexes are returned, in step order, with the requests whose first
-        token this is."""
-        caching, bs = self.kv.enable_prefix_caching, self.kv.block_size
-        placeholders: list[int] = []
-        first: list[Request] = []
-        for item in sched.scheduled:
-            req = item.request
-            start = req.num_computed_tokens
-            end = req.num_computed_tokens = start + item.num_new_tokens
-            if start < req.num_prompt_tokens:
-                self.prompt_tokens_total += min(end, req.num_prompt_tokens) - start
-            if caching and start // bs != end // bs:  # a block filled up
-                self.kv.cache_computed_blocks(req)
-            token_ids = req.token_ids
-            if end == len(token_ids):  # the chunk reached the end: it samples
-                placeholders.append(end)
-                token_ids.append(PLACEHOLDER)
-                if end == req.num_prompt_tokens:
-                    first.append(req)
-        return placeholders, first
-
-    def _add_prompt_logprobs(self, req: Request, start: int, logprobs) -> None:
-        if not req.prompt_logprobs:
-            req.prompt_logprobs = [None]
-        if len(req.prompt_logprobs) == start + 1:  # skip recomputed chunks
-            req.prompt_logprobs.extend(logprobs)
-
-    def _process(self, inflight: "_InFlight") -> EngineCoreOutputs | None:
-        """Bring a launched step's tokens back and turn them into request state and outputs."""
+    def _process(self, inflight: _InFlight) -> EngineCoreOutputs | None:
+        """Bring a launched step's tokens back; the scheduler turns them into request
+        state and outputs."""
         result = self.executor.collect(inflight.handle)
-        now = time.monotonic()  # when these tokens were produced, as far as anyone can see
-        for rid, logprobs in result.prompt_logprobs.items():
-            req = self.scheduler.requests.get(rid)
-            if req is not None:
-                self._add_prompt_logprobs(req, inflight.handle.prompt_start[rid], logprobs)
-        out = _StepOut()
-        version, finished = inflight.version, RequestStatus.FINISHED
-        bs = self.kv.block_size
-        recorded = 0
-        produced = self.generation_tokens_total
-        prompts = 0  # of requests whose first token this is (vLLM counts them in the step)
-        for req in inflight.first:
-            if req.status is not finished:
-                req.first_token_time = now
-                prompts += req.num_prompt_tokens
-        for item, token, logprob, index in zip(result.sample_requests, result.token_ids,
-                                               result.logprobs, inflight.index):
-            req = item.request
-            if req.status is finished:  # finished or aborted meanwhile: the token is discarded
-                continue
-            req.last_token_time = now
-            # Most tokens of a non-streamed request only need recording: not a stop token,
-            # not its last, and completing no KV block.
-            if (not req.stream and index < req.last_index and (index + 1) % bs
-                    and token not in req.stop_ids and req.matcher is None):
-                req.token_ids[index] = token
-                req.token_versions.append(version)
-                if logprob is not None:
-                    req.logprobs.append(logprob)
-                recorded += 1
-                continue
-            self._accept(req, token, logprob, version, index, out)
-        self.generation_tokens_total += recorded
-        produced = self.generation_tokens_total - produced
-        if produced:
-            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, prompts + produced)] += 1
-            self.iteration_tokens_sum += prompts + produced
-        return out.build(version, now)
-
-    def _accept(self, req: Request, token: int, logprob, version: int, index: int,
-                out: _StepOut) -> None:
-        """Record a sampled token in place of its placeholder, decide whether the request
-        is done, and report it in `out`: every token of a streamed request, the whole of a
-        non-streamed one when it finishes."""
-        token_ids = req.token_ids
-        token_ids[index] = token
-        req.token_versions.append(version)
-        if logprob is not None:
-            req.logprobs.append(logprob)
-        self.generation_tokens_total += 1
-        kv = self.kv
-        # The token completes a block whose registration waited for it (overlapped
-        # scheduling computes a position before its token is known).
-        if (kv.enable_prefix_caching and (index + 1) % kv.block_size == 0
-                and req.request_id in kv.blocks):
-            kv.cache_computed_blocks(req)
-        n_out = index + 1 - req.num_prompt_tokens
-        if req.stream:
-            out.ids.append(req.request_id)
-            out.tokens.append(token)
-            out.logprobs.append(logprob)
-            out.any_logprobs = out.any_logprobs or logprob is not None
-            if n_out == 1:
-                p = req.sampling_params
-                out.started.append(Started(
-                    req.request_id, req.num_cached_tokens,
-                    req.prompt_logprobs if p.prompt_logprobs is not None else None))
-        finish, stop_reason = None, None
-        if req.matcher is not None and not self._advance_grammar(req, token):
-            finish = FinishReason.STOP  # the grammar is complete (or could not go on)
-        elif token in req.stop_ids and n_out >= req.sampling_params.min_tokens:
-            finish = FinishReason.STOP
-            if req.sampling_params.ignore_eos or token not in req.eos_token_ids:
-                stop_reason = token  # a stop_token_ids hit, not end-of-sequence
-        elif n_out >= req.max_output_tokens:
-            finish = FinishReason.LENGTH
-        if finish is not None:
-            del token_ids[index + 1:]  # a token the next step sampled is discarded
-            out.finished.append(self._finish(req, finish, stop_reason))
-
-    @staticmethod
-    def _advance_grammar(req: Request, token: int) -> bool:
-        """Feed the token to the request's grammar; False once the grammar is done."""
-        if not req.matcher.accept([token]):
-            # Sampled under its mask, a token is always accepted; say so if not.
-            logger.warning("request %s: token %d broke its grammar; the request ends here",
-                           req.request_id, token)
-            return False
-        return not req.matcher.is_terminated()
-
-    def _finish(self, req: Request, reason: FinishReason, stop_reason: int | None = None) -> Finished:
-        req.status = RequestStatus.FINISHED
-        req.finish_reason, req.stop_reason = reason, stop_reason
-        self.scheduler.finish(req)
-        return Finished(req.request_id, reason.value, stop_reason,
-                        None if req.stream else self._final(req), _timing(req, time.monotonic()))
-
-    @staticmethod
-    def _final(req: Request) -> FinalTokens:
-        """Everything a non-streamed request produced."""
-        n = len(req.token_versions)  # tokens read back; not one still in flight
-        start = req.num_prompt_tokens
-        p = req.sampling_params
-        return FinalTokens(
-            req.token_ids[start:start + n], list(req.logprobs) if p.logprobs is not None else None,
-            [(s.version, s.start, s.end) for s in version_spans(req.token_versions)],
-            req.num_cached_tokens,
-            req.prompt_logprobs if n and p.prompt_logprobs is not None else None)
+        return self.scheduler.update_from_output(result, inflight.handle.prompt_start, inflight.index,
+                                                 inflight.first, inflight.version)
 
     # -- pause / resume ----------------------------------------------------------------
     def pause(self, mode: str = "abort", clear_cache: bool = False) -> list[Finished]:
@@ -595,8 +417,8 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting) + len(self.held) + len(self.compiling),
             kv_cache_usage=self.kv.usage,
             kv_cache_capacity_tokens=self.kv.capacity_tokens,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
+            prompt_tokens_total=self.scheduler.prompt_tokens_total,
+            generation_tokens_total=self.scheduler.generation_tokens_total,
             aborted_total=self.aborted_total,
             preemptions_total=self.scheduler.num_preemptions,
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
@@ -606,31 +428,10 @@ class EngineCore:
             sleeping=self.sleeping,
             sleep_level=(2 if self.scheduler.no_weights else 1) if self.sleeping else 0,
             num_waiting_deferred=len(self.compiling) + self.scheduler.num_deferred,
-            iteration_tokens=list(self.iteration_tokens),
-            iteration_tokens_sum=self.iteration_tokens_sum)
+            iteration_tokens=list(self.scheduler.iteration_tokens),
+            iteration_tokens_sum=self.scheduler.iteration_tokens_sum)
 
     def shutdown(self) -> None:
         if self._grammars is not None:
             self._grammars.shutdown()
         self.executor.shutdown()
-
-
-def _timing(req: Request, now: float) -> RequestTiming:
-    """vLLM's phases of a request that ends now; those it never reached take no time."""
-    arrived, scheduled, first, last = req.arrival_time, req.scheduled_time, req.first_token_time, req.last_token_time
-    n = req.num_preemptions
-    if not scheduled:  # ended in the queue
-        return RequestTiming(now - arrived, 0.0, 0.0, 0.0, -1.0, n)
-    if not first:  # ended before its first token
-        return RequestTiming(scheduled - arrived, now - scheduled, 0.0, now - scheduled, -1.0, n)
-    return RequestTiming(scheduled - arrived, first - scheduled, last - first, last - scheduled, now - first, n)
-
-
-def _merge(a: EngineCoreOutputs | None, b: EngineCoreOutputs | None) -> EngineCoreOutputs | None:
-    """Two step outputs as one (b's version wins)."""
-    if a is None or b is None:
-        return a or b
-    b.started[:0] = a.started
-    b.finished[:0] = a.finished
-    b.rejected[:0] = a.rejected
-    return b

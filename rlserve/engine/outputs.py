@@ -104,3 +104,35 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="step"):
 
     def __bool__(self) -> bool:
         return bool(self.request_ids or self.started or self.finished or self.rejected)
+
+
+class StepOut:
+    """What a step produced, gathered as its tokens are accepted (scheduler.py)."""
+
+    __slots__ = ("ids", "tokens", "logprobs", "any_logprobs", "started", "finished", "rejected")
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.tokens: list[int] = []
+        self.logprobs: list = []
+        self.any_logprobs = False
+        self.started: list[Started] = []
+        self.finished: list[Finished] = []
+        self.rejected: list[Rejected] = []
+
+    def build(self, version: int, timestamp: float = 0.0) -> EngineCoreOutputs | None:
+        if not (self.ids or self.finished or self.started or self.rejected):
+            return None
+        return EngineCoreOutputs(version, self.ids, self.tokens,
+                                 self.logprobs if self.any_logprobs else None,
+                                 self.started, self.finished, self.rejected, timestamp=timestamp)
+
+
+def merge_outputs(a: EngineCoreOutputs | None, b: EngineCoreOutputs | None) -> EngineCoreOutputs | None:
+    """Two step outputs as one (b's version wins)."""
+    if a is None or b is None:
+        return a or b
+    b.started[:0] = a.started
+    b.finished[:0] = a.finished
+    b.rejected[:0] = a.rejected
+    return b

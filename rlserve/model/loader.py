@@ -51,6 +51,33 @@ def load_hf_config(path: str, trust_remote_code: bool = False, overrides: dict |
     return hf_config
 
 
+def resolve_max_model_len(hf_config, requested: int | None) -> int:
+    """`requested` if the model's positions allow it; by default all of them."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is not None and requested > limit:
+        raise ValueError(f"max_model_len: {requested} exceeds the model's "
+                         f"max_position_embeddings ({limit})")
+    return requested or limit
+
+
+def eos_token_ids(hf_config, tokenizer, path: str) -> frozenset[int]:
+    """The tokens that end a sequence: the config's, the tokenizer's and generation_config.json's."""
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    try:  # generation_config.json often lists extra end-of-turn tokens
+        from transformers import GenerationConfig
+        gen = GenerationConfig.from_pretrained(path)
+        eos = gen.eos_token_id
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    except Exception:
+        pass
+    return frozenset(ids)
+
+
 def iterate_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
