@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlserve.flags import byte_size, flag, no_flag, positive_int
-from rlserve.sampling_params import LOGPROBS_MODES
+from rlserve.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +87,13 @@ class WeightTransferConfig:
 
 
 # Values as a command line writes them (flags.py has the general ones).
+
+def logprobs_count(value: str) -> int:
+    n = int(value)
+    if n < -1:
+        raise ValueError(f"must be -1 (the whole vocabulary) or at least 0, got {n}")
+    return n
+
 
 def lora_module(value: str) -> tuple[str, str]:
     """`name=path` or vLLM's JSON form `{"name": ..., "path": ...}`."""
@@ -194,6 +201,10 @@ class EngineConfig:
         "raw: of the model's logits (what RL importance ratios need); processed: of the logits "
         "sampled from (after bias, masks, penalties, temperature, top-k/p, min-p)",
         choices=LOGPROBS_MODES, group="sampling defaults and outputs"))
+    max_logprobs: int = field(default=MAX_LOGPROBS, metadata=flag(
+        "the most logprobs, top_logprobs or prompt_logprobs a request may ask for; -1: no limit "
+        "(a request's -1 asks for the whole vocabulary, vocab_size x 8 bytes a token on the host)",
+        type=logprobs_count, metavar="N", group="sampling defaults and outputs"))
     max_grammar_size: int = field(default=1 << 20, metadata=flag(
         "structured outputs: a spec (JSON schema, regex, grammar, choices), or the grammar "
         "made from it, larger than this is refused with 400", type=byte_size,
@@ -251,6 +262,9 @@ class EngineConfig:
             raise ValueError("dp_max_restarts: must be at least 0")
         if self.max_grammar_size < 1 or not self.grammar_compile_timeout_s > 0:
             raise ValueError("max_grammar_size, grammar_compile_timeout_s: must be positive")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs: must be -1 (the whole vocabulary) or at least 0, "
+                             f"got {self.max_logprobs}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, "
                              f"got {self.logprobs_mode!r}")

@@ -19,7 +19,7 @@ import numpy as np
 
 from rlserve import json_depth
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # --max-logprobs by default (vLLM's)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's range for a bias: [-100, 100]
 
 
@@ -122,7 +122,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # None: none; k >= 0: sampled token plus top-k alternatives
+    # None: none; k >= 0: the sampled (or prompt) token plus the k most likely alternatives;
+    # -1: every token of the vocabulary (allowed up to the engine's max_logprobs)
+    logprobs: int | None = None
     prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
@@ -182,8 +184,8 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                bad(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}")
+            if value is not None and value < -1:
+                bad(name, f"must be -1 (the whole vocabulary) or at least 0, got {value}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             bad("seed", "must fit in a signed 64-bit integer")
         if any(not s for s in self.stop or ()):  # a list once __post_init__ ran
@@ -239,6 +241,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_logprobs_limit(name: str, value: int | None, max_logprobs: int, vocab_size: int,
+                         param: str | None = None) -> None:
+    """A request's count of logprobs (-1: the whole vocabulary) against the engine's
+    max_logprobs (--max-logprobs; -1: the whole vocabulary), as vLLM counts them. `param`:
+    the field the error names, where it is not `name`."""
+    if value is None:
+        return
+    asked = vocab_size if value == -1 else value
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    if asked > limit:
+        what = f"-1 (the whole vocabulary, {vocab_size} tokens)" if value == -1 else str(value)
+        allowed = f"-1, the whole vocabulary of {vocab_size} tokens" if max_logprobs == -1 else str(limit)
+        raise InvalidRequestError(f"{name}: {what} is more than --max-logprobs ({allowed})", param or name)
 
 
 def _token_keys(bias: dict) -> dict[int, float]:

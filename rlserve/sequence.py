@@ -10,21 +10,61 @@ process of another tensor-parallel rank keeps mirrors, rlserve.worker.messages).
     LogitsProcessors  its logits processing beyond temperature, top-k/p and min-p
     ScheduledRequest  one sequence's chunk of a step
     SchedulerOutput   a step's batch: the chunks, in row order
-    TokenLogprob      a sampled token's logprob, rank and top alternatives
+    TokenLogprob      a sampled token's logprob, rank and top alternatives (TopLogprobs)
     PLACEHOLDER       the id of a token sampled by a step still in flight
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
+import msgspec
 import numpy as np
 
 if TYPE_CHECKING:
     from rlserve.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a token sampled by the step still in flight (overlapped scheduling)
+ALL_LOGPROBS = 1 << 31  # as a count of alternatives, beyond any vocabulary: every token
+
+
+class TopLogprobs(msgspec.Struct, array_like=True, frozen=True):
+    """A token's most likely alternatives, most likely first: a sequence of (token id,
+    logprob) pairs, packed as int32 ids and float32 logprobs (the sampler's dtypes), 8 bytes
+    a pair. Requests may ask for the whole vocabulary (logprobs=-1): packed, that is
+    vocab_size x 8 bytes a token, in memory and on the engine's wire alike."""
+
+    ids: bytes = b""  # int32, native byte order
+    logprobs: bytes = b""  # float32
+
+    def __len__(self) -> int:
+        return len(self.ids) // 4
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        return zip(memoryview(self.ids).cast("i").tolist(), memoryview(self.logprobs).cast("f").tolist())
+
+    def __getitem__(self, index):
+        return list(self)[index]
+
+    def __repr__(self) -> str:
+        pairs = self.head(4)
+        more = f", ... {len(self) - 4} more" if len(self) > 4 else ""
+        return f"TopLogprobs({', '.join(map(repr, pairs))}{more})"
+
+    def head(self, k: int) -> list[tuple[int, float]]:
+        """The k most likely pairs; k = -1: all of them (vLLM's "the whole vocabulary")."""
+        if k < 0 or k >= len(self):
+            return list(self)
+        return list(zip(memoryview(self.ids)[:4 * k].cast("i").tolist(),
+                        memoryview(self.logprobs)[:4 * k].cast("f").tolist()))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32, logprobs float32) as numpy arrays, without a pair per token."""
+        return np.frombuffer(self.ids, dtype=np.int32), np.frombuffer(self.logprobs, dtype=np.float32)
+
+
+NO_ALTERNATIVES = TopLogprobs()
 
 
 class TokenLogprob(NamedTuple):
@@ -33,7 +73,7 @@ class TokenLogprob(NamedTuple):
     token_id: int
     logprob: float
     rank: int  # 1 = the most likely token
-    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+    top: TopLogprobs  # (token_id, logprob) pairs, most likely first
 
 
 class LogitsProcessors(NamedTuple):
@@ -74,7 +114,7 @@ class SamplingRow(NamedTuple):
     top_k: int  # 0: off
     seeded: bool
     min_tokens: int
-    logprobs: int  # alternatives asked for; -1: no logprobs
+    logprobs: int  # alternatives asked for; ALL_LOGPROBS: the whole vocabulary; -1: no logprobs
     has_processors: bool
 
     @classmethod
@@ -85,7 +125,8 @@ class SamplingRow(NamedTuple):
         greedy = p.temperature == 0
         return cls(p.temperature, 1.0 if greedy else p.top_p, 0.0 if greedy else p.min_p,
                    0 if greedy else min(max(p.top_k, 0), 1 << 31), p.seed is not None, p.min_tokens,
-                   -1 if p.logprobs is None else p.logprobs, has_processors)
+                   -1 if p.logprobs is None else ALL_LOGPROBS if p.logprobs == -1 else p.logprobs,
+                   has_processors)
 
 
 @dataclass(eq=False)  # identity: the scheduler's queues and the runner's caches compare by it

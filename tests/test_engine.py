@@ -190,12 +190,24 @@ def test_chat_uses_the_template(llm):
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(n=0), "n"),
-    (dict(logprobs=50), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequestError, match=field) as e:
         SamplingParams(**kwargs)
     assert e.value.param == field
+
+
+def test_logprobs_beyond_max_logprobs_are_refused(llm):
+    """Any count is a valid SamplingParams (-1: the whole vocabulary, as in vLLM); the engine
+    refuses more than its max_logprobs (20 by default), naming the field and the limit."""
+    for kwargs, field in [(dict(logprobs=50), "logprobs"), (dict(logprobs=-1), "logprobs"),
+                          (dict(prompt_logprobs=21), "prompt_logprobs")]:
+        with pytest.raises(InvalidRequestError, match=r"--max-logprobs \(20\)") as e:
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, **kwargs))
+        assert e.value.param == field
+    assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, logprobs=20))[0].outputs[0].logprobs
 
 
 def test_prompt_longer_than_max_model_len_is_refused(llm):

@@ -100,6 +100,33 @@ def test_bf16_logprobs_agree_with_transformers(dense_or_moe):
     assert gap.max() < 0.5
 
 
+def test_whole_vocabulary_logprobs_on_the_gpu_paths(checkpoint):
+    """logprobs=-1 and prompt_logprobs=-1 through CUDA graphs, overlapped scheduling and the
+    fused sampler, beside rows asking for fewer: every token once, probabilities summing to
+    1, the sampled token's own logprob and rank, the greedy token first."""
+    import math
+    from rlserve import SamplingParams
+    path, _ = checkpoint
+    llm = _llm(path, "float32", max_logprobs=-1)
+    assert llm.engine.async_scheduling and llm.engine.executor.driver.runner.fused_sampling
+    ids = _prompts()[:3]
+    plain = dict(max_tokens=8, ignore_eos=True, detokenize=False)
+    greedy = llm.generate(ids[:1], SamplingParams(temperature=0, **plain))[0].outputs[0].token_ids
+    outs = llm.generate(ids, [SamplingParams(temperature=0, logprobs=-1, prompt_logprobs=-1, **plain),
+                              SamplingParams(temperature=0.8, seed=1, logprobs=-1, **plain),
+                              SamplingParams(temperature=0, logprobs=2, **plain)])
+    assert outs[0].outputs[0].token_ids == greedy
+    assert all(len(lp.top) == 2 for lp in outs[2].outputs[0].logprobs)
+    for i, out in enumerate(outs[:2]):
+        for lp in out.outputs[0].logprobs + (out.prompt_logprobs[1:] if i == 0 else []):
+            top_ids, top_lps = lp.top.arrays()
+            assert sorted(top_ids.tolist()) == list(range(4096))
+            assert math.fsum(math.exp(v) for v in top_lps.tolist()) == pytest.approx(1.0, abs=1e-3)
+            assert dict(zip(top_ids.tolist(), top_lps.tolist()))[lp.token_id] == lp.logprob
+            assert lp.rank == 1 + int((top_lps > lp.logprob).sum())
+    assert all(lp.top[0][0] == lp.token_id for lp in outs[0].outputs[0].logprobs)
+
+
 def test_graphs_and_eager_give_the_same_tokens(checkpoint):
     from rlserve import SamplingParams
     path, _ = checkpoint

@@ -707,7 +707,10 @@ def test_vllm_serve_flags_are_accepted_and_unknown_ones_fail(capsys):
         "--enable-chunked-prefill", "--disable-custom-all-reduce"])
     assert args.enable_sleep_mode and args.max_logprobs == 5 and args.uvicorn_log_level == "warning"
     assert args.override_generation_config == {"temperature": 0.5}
-    for bad in (["--no-such-flag"], ["--max-logprobs", "50"], ["--tool-call-parser", "mistral"],
+    # vLLM's --max-logprobs takes any count, and -1 for no limit (the whole vocabulary).
+    assert [build_parser().parse_args(["serve", "m", "--max-logprobs", n]).max_logprobs for n in ("50", "-1")] \
+        == [50, -1]
+    for bad in (["--no-such-flag"], ["--max-logprobs", "-2"], ["--tool-call-parser", "mistral"],
                 ["--override-generation-config", "[1]"]):
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(["serve", "m", *bad])

@@ -94,6 +94,11 @@ class AsyncEngine:
         return self.info.vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for (--max-logprobs; -1: the whole vocabulary)."""
+        return self.config.max_logprobs
+
+    @property
     def world_size(self) -> int:
         return self.info.world_size
 
@@ -111,7 +116,7 @@ class AsyncEngine:
         state changes: after every engine step with `stream`, else once, at the end.
         `lora_name`: a loaded LoRA adapter to run with (the engine resolves it: 404 if not
         loaded), None for the base model."""
-        validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, self.max_logprobs)
         check_cache_salt(cache_salt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:

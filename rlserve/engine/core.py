@@ -125,7 +125,7 @@ class EngineCore:
         the request finishes. `cache_salt`: prefix-cache blocks are shared only with
         requests of the same salt. `lora_name`: a loaded LoRA adapter to run with (its slot
         is given when the request is scheduled)."""
-        validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, self.config.max_logprobs)
         if lora_name is not None:
             if self.lora is None:
                 raise ModelNotFoundError(f"model: {lora_name!r} is not served (LoRA adapters need "

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlserve.errors import EngineUnavailableError  # noqa: F401 (re-exported: raised by the engine)
-from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
 from rlserve.sequence import Sequence, TokenLogprob
 
 
@@ -19,8 +19,9 @@ def sample_ids(request_id: str, n: int) -> list[str]:
 
 
 def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
-                    vocab_size: int) -> None:
-    """What a prompt must satisfy to run; the front end checks before sending, the engine again."""
+                    vocab_size: int, max_logprobs: int) -> None:
+    """What a prompt must satisfy to run; the front end checks before sending, the engine again.
+    `max_logprobs`: the most logprobs a request may ask for (-1: the whole vocabulary)."""
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidRequestError("prompt: must contain at least one token", "prompt")
@@ -44,6 +45,8 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
                 f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
     # An id out of range would index outside the logits on the device.
     params.validate_token_ids(vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        check_logprobs_limit(name, getattr(params, name), max_logprobs, vocab_size)
 
 
 class FinishReason(str, enum.Enum):

@@ -84,7 +84,6 @@ def _run(engine: "AsyncEngine", config: EngineConfig, opts: ServeOptions, sock: 
     shown_host = "localhost" if opts.host in ("0.0.0.0", "::", "") else opts.host
     url = f"http://{shown_host}:{opts.port}" if engine.client.client_index == 0 else None
     serving = ServingOptions(max_prompts=opts.max_prompts_per_request, generation_defaults=opts.generation_defaults,
-                             max_logprobs=opts.max_logprobs,
                              return_tokens_as_token_ids=opts.return_tokens_as_token_ids,
                              tool_call_parser=opts.tool_call_parser)
     app = create_app(engine, config, api_key=opts.api_key, admin_key=opts.admin_key, url=url,

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlserve.flags import byte_size, flag, json_object, no_flag, port_number, positive_int
-from rlserve.sampling_params import MAX_LOGPROBS
 from rlserve.server.tool_parsers import TOOL_PARSERS
 
 _SERVER, _OUTPUTS = "server", "sampling defaults and outputs"
@@ -69,9 +68,6 @@ class ServeOptions:
     override_generation_config: dict[str, Any] | None = field(default=None, metadata=flag(
         'laid over the generation config, e.g. \'{"temperature": 0.5}\'', type=json_object,
         metavar="JSON", group=_OUTPUTS))
-    max_logprobs: int = field(default=MAX_LOGPROBS, metadata=flag(
-        "most logprobs, top_logprobs or prompt_logprobs a request may ask for",
-        choices=range(MAX_LOGPROBS + 1), metavar=f"0..{MAX_LOGPROBS}", group=_OUTPUTS))
     return_tokens_as_token_ids: bool = field(default=False, metadata=flag(
         "logprob tokens read 'token_id:<id>' unless a request says otherwise", group=_OUTPUTS))
     tool_call_parser: str = field(default="hermes", metadata=flag(

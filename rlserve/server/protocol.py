@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from rlserve.sampling_params import MAX_LOGIT_BIAS
 from rlserve.server import unimplemented
 from rlserve.server.unimplemented import Unimplemented
 
@@ -125,8 +125,8 @@ class _SamplingRequest(_Request):
     bad_words: list[NonEmptyStr] | None = Field(
         None, description="Words that must not be generated (as vLLM bans them).")
     prompt_logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS, description="Logprobs of each prompt token, with this many "
-                                                 "alternatives (vLLM's shape).")
+        None, ge=-1, le=INT32_MAX, description="Logprobs of each prompt token, with this many "
+                                               "alternatives (vLLM's shape); -1: the whole vocabulary.")
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: str | JsonSchema | None = Field(None, description="Older name of structured_outputs.json.")
     guided_regex: NonEmptyStr | None = Field(None, description="Older name of structured_outputs.regex.")
@@ -166,7 +166,7 @@ class CompletionRequest(_SamplingRequest):
         Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=-1, le=INT32_MAX, description="-1: the whole vocabulary.")
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     return_tokens_as_token_ids: bool | None = Field(
@@ -238,7 +238,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     # Bounded by --max-logprobs (a 400 naming `logprobs`, as vLLM names it).
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1, le=INT32_MAX, description="-1: the whole vocabulary.")
     tools: Annotated[list[ToolDefinition], Field(min_length=1)] | None = None
     tool_choice: ToolChoice | None = Field(
         None, description="Default: auto when tools are given, else none.")

@@ -19,7 +19,7 @@ from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.engine.request import validate_prompt, version_spans
 from rlserve.engine.structured_output import StructuredOutputCompiler
-from rlserve.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionRequest, ChatMessage,
                                      CompletionRequest, CompletionStreamChoice, PromptLogprob, PromptLogprobs,
@@ -46,7 +46,6 @@ class ServingOptions:
     # Sampling defaults for fields a request leaves unset (generation_config.py); a
     # `max_tokens` here caps every request, as vLLM's max_new_tokens does.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
-    max_logprobs: int = MAX_LOGPROBS
     return_tokens_as_token_ids: bool = False  # the default of the request field
     tool_call_parser: str = "hermes"
 
@@ -92,7 +91,7 @@ class Generation:
                  params: SamplingParams, arrival: float, stream: bool, cache_salt: str | None = None,
                  lora_name: str | None = None, metrics: ServerMetrics | None = None):
         for p in prompts:  # all checked before any is sent
-            validate_prompt(p.token_ids, params, engine.max_model_len, engine.vocab_size)
+            validate_prompt(p.token_ids, params, engine.max_model_len, engine.vocab_size, engine.max_logprobs)
         self.engine = engine
         self.metrics = metrics
         self.closed = False
@@ -281,15 +280,13 @@ class OpenAIServing:
         if body.prompt_logprobs and body.stream:
             raise InvalidRequestError("prompt_logprobs: not available with stream (as in vLLM); "
                                       "send the request without stream", "prompt_logprobs")
-        limit = self.options.max_logprobs
         # vLLM names `logprobs` for chat's top_logprobs too: both are the sampled tokens'.
         for name, param in (("logprobs", "logprobs"), ("top_logprobs", "logprobs"),
                             ("prompt_logprobs", "prompt_logprobs")):
             value = getattr(body, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > limit:
-                field = name if name == param else f"{param}: {name}"
-                raise InvalidRequestError(f"{field}: {value} is more than this server's "
-                                          f"--max-logprobs ({limit})", param)
+            if isinstance(value, int) and not isinstance(value, bool):
+                check_logprobs_limit(name if name == param else f"{param}: {name}", value,
+                                     self.engine.max_logprobs, self.vocab_size, param)
 
     def as_token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
         """Whether logprob tokens are written 'token_id:<id>'."""
@@ -362,7 +359,7 @@ class OpenAIServing:
             entry = {str(lp.token_id): PromptLogprob(
                 logprob=floor_logprob(lp.logprob), rank=lp.rank,
                 decoded_token=self.tokens.text(lp.token_id, as_ids))}
-            for rank, (t, v) in enumerate(lp.top[:k], 1):
+            for rank, (t, v) in enumerate(lp.top.head(k), 1):
                 entry.setdefault(str(t), PromptLogprob(logprob=floor_logprob(v), rank=rank,
                                                        decoded_token=self.tokens.text(t, as_ids)))
             out.append(entry)

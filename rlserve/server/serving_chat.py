@@ -77,7 +77,7 @@ class ChatServing(OpenAIServing):
             e = entry(lp.token_id, lp.logprob)
             content.append(TokenLogprobEntry(
                 token=e.token, logprob=e.logprob, bytes=e.bytes,
-                top_logprobs=[entry(t, v) for t, v in lp.top[:k]]))
+                top_logprobs=[entry(t, v) for t, v in lp.top.head(k)]))
         return ChatLogprobs(content=content)
 
     def _extras(self, body: ChatCompletionRequest, choice: ChatChoice | ChatChunkChoice,

@@ -81,7 +81,7 @@ class CompletionServing(OpenAIServing):
                 continue
             # The chosen token first, then the k most likely (vLLM's order).
             top = {self.tokens.text(tid, as_ids): floor_logprob(lp.logprob)}
-            for t, v in lp.top[:k]:
+            for t, v in lp.top.head(k):
                 top.setdefault(self.tokens.text(t, as_ids), floor_logprob(v))
             out.token_logprobs.append(floor_logprob(lp.logprob))
             out.top_logprobs.append(top)

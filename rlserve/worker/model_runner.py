@@ -20,7 +20,7 @@ from rlserve.model.base import CausalLM
 from rlserve.model.layers import PagedAttention
 from rlserve.ops import kernels
 from rlserve.ops.attention import FP8_DTYPES
-from rlserve.sequence import SchedulerOutput, TokenLogprob
+from rlserve.sequence import NO_ALTERNATIVES, SchedulerOutput, TokenLogprob, TopLogprobs
 from rlserve.worker import sampler as S
 from rlserve.worker.cuda_graphs import CudaGraphs
 from rlserve.worker.sampling_inputs import SamplingInputs
@@ -238,15 +238,22 @@ class ModelRunner:
 
     @staticmethod
     def _pack_logprobs(tokens, chosen, ranks, top_ids, top_lp, ks) -> list[TokenLogprob | None]:
+        """Each row's TokenLogprob; `ks`: per row, the alternatives it asked for (None: no
+        logprobs; -1: all the step computed, the whole vocabulary)."""
         chosen, ranks = chosen.tolist(), ranks.tolist()
-        top_ids = top_ids.tolist() if top_ids is not None else None
-        top_lp = top_lp.tolist() if top_lp is not None else None
+        width = 0 if top_ids is None else top_ids.shape[1]
+        if width:  # the step's alternatives packed once; each row takes its slice
+            ids = top_ids.numpy().astype(np.int32).tobytes()
+            lps = top_lp.numpy().astype(np.float32, copy=False).tobytes()
         result: list[TokenLogprob | None] = []
         for i, (tok, k) in enumerate(zip(tokens, ks)):
             if k is None:
                 result.append(None)
                 continue
-            top = tuple(zip(top_ids[i][:k], top_lp[i][:k])) if k and top_ids is not None else ()
+            top = NO_ALTERNATIVES
+            if k and width:
+                start = 4 * width * i
+                end = start + 4 * (width if k < 0 else min(k, width))
+                top = TopLogprobs(ids[start:end], lps[start:end])
             result.append(TokenLogprob(tok, chosen[i], ranks[i], top))
         return result
-

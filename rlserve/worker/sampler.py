@@ -70,7 +70,7 @@ class SamplingBatch:
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
-    max_logprobs: int  # the largest top-k alternatives any row asked for; -1 = none
+    max_logprobs: int  # the most alternatives any row asked for (beyond the vocabulary: all); -1 = none
     # On CUDA: one Philox key per row (the request's per-token seed, or a fresh random one),
     # which selects the fused Gumbel-max path for plain temperature sampling.
     noise_seeds: torch.Tensor | None = None
@@ -106,9 +106,12 @@ def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logprob_stats(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
-    """Logprob and rank of `token_ids` in each row, and the top-k alternatives."""
+    """Logprob and rank of `token_ids` in each row, and the top-k alternatives (k = -1, or
+    a k beyond the vocabulary: all of them, most likely first)."""
     chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
     ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+    vocab = logprobs.shape[1]
+    k = vocab if k < 0 or k > vocab else k
     top_lp, top_ids = (logprobs.topk(k, dim=1) if k > 0 else (None, None))
     return chosen, ranks, top_ids, top_lp
 
