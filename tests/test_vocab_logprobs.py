@@ -92,8 +92,9 @@ def test_limits_name_the_field_and_the_server_keeps_serving(full_vocab, default_
                         ({"prompt": PROMPT, "prompt_logprobs": -1}, "prompt_logprobs")]:
         err = refused(default_limit, "/v1/completions", body)
         assert err["param"] == param and "--max-logprobs (20)" in err["message"], err
+    # Chat's top_logprobs is named `logprobs`, as vLLM names it (both are the sampled tokens').
     err = refused(default_limit, "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1})
-    assert err["param"] == "top_logprobs" and "whole vocabulary" in err["message"], err
+    assert err["param"] == "logprobs" and "top_logprobs" in err["message"] and "whole vocabulary" in err["message"], err
     err = refused(full_vocab, "/v1/completions", {"prompt": PROMPT, "logprobs": VOCAB + 1})
     assert err["param"] == "logprobs" and str(VOCAB) in err["message"], err
     assert refused(full_vocab, "/v1/completions", {"prompt": PROMPT, "logprobs": -2})["param"] == "logprobs"
