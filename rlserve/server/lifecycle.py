@@ -78,7 +78,7 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
                 child.kill()
 
 
-def _run(engine: "AsyncEngine", config: EngineConfig, opts: ServeOptions, sock: socket.socket) -> int:
+def _run(engine: AsyncEngine, config: EngineConfig, opts: ServeOptions, sock: socket.socket) -> int:
     from rlserve.server.app import create_app
     from rlserve.server.serving import ServingOptions
     shown_host = "localhost" if opts.host in ("0.0.0.0", "::", "") else opts.host
@@ -101,7 +101,7 @@ def _run(engine: "AsyncEngine", config: EngineConfig, opts: ServeOptions, sock: 
     return 0 if server.started else 1
 
 
-def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engine: "AsyncEngine",
+def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engine: AsyncEngine,
                       sock: socket.socket) -> subprocess.Popen:
     sock.set_inheritable(True)
     addresses = engine.client.addresses
@@ -137,7 +137,7 @@ class Server(uvicorn.Server):
     finish_reason 'abort'), stop the engine, exit 0. If the engine dies: requests in flight
     end with an error at once, /health answers 503 for `linger_s`, then the process exits 1."""
 
-    def __init__(self, app, engine: "AsyncEngine", *, log_level: str, grace_s: float, linger_s: float,
+    def __init__(self, app, engine: AsyncEngine, *, log_level: str, grace_s: float, linger_s: float,
                  access_log: bool = True):
         super().__init__(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, access_log=access_log,
                                         timeout_graceful_shutdown=grace_s + 10))

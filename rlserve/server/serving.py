@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
@@ -20,11 +20,23 @@ from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.engine.request import validate_prompt, version_spans
 from rlserve.engine.structured_output import StructuredOutputCompiler
 from rlserve.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
-from rlserve.server.metrics import ServerMetrics
-from rlserve.server.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionRequest, ChatMessage,
-                                     CompletionRequest, CompletionStreamChoice, PromptLogprob, PromptLogprobs,
-                                     PromptTokensDetails, TokenizeChatRequest, Usage, WeightVersionSpan)
 from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
+from rlserve.server.metrics import ServerMetrics
+from rlserve.server.protocol import (
+    APIError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    CompletionStreamChoice,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
+    TokenizeChatRequest,
+    Usage,
+    WeightVersionSpan,
+)
 from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
 
@@ -88,7 +100,7 @@ class Generation:
     request's state; `close` ends whatever still runs (the client left, or an error).
     """
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, prompts: list[Prompt],
+    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[Prompt],
                  params: SamplingParams, arrival: float, stream: bool, cache_salt: str | None = None,
                  lora_name: str | None = None, metrics: ServerMetrics | None = None):
         for p in prompts:  # all checked before any is sent
@@ -155,7 +167,7 @@ class Generation:
 class OpenAIServing:
     """Request handling shared by the routes: validation, prompts, sampling parameters."""
 
-    def __init__(self, engine: "AsyncEngine", config: EngineConfig, metrics: ServerMetrics,
+    def __init__(self, engine: AsyncEngine, config: EngineConfig, metrics: ServerMetrics,
                  options: ServingOptions | None = None):
         self.options = options or ServingOptions()
         self.max_prompts = self.options.max_prompts
@@ -392,8 +404,9 @@ class OpenAIServing:
 
     async def _closing(self, events: AsyncIterator[str], generation: Generation) -> AsyncIterator[str]:
         """SSE body: the events, then [DONE]; whatever happens, the engine requests end."""
-        import anyio
         import logging
+
+        import anyio
         ended = False
         try:
             try:

@@ -5,16 +5,27 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from fastapi.responses import Response
 
 from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
-from rlserve.server.protocol import (AssistantMessage, BatchChatCompletionRequest, ChatChoice, ChatChunkChoice,
-                                     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                     ChatLogprobs, DeltaMessage, TokenLogprobEntry, TopLogprob)
+from rlserve.server.protocol import (
+    AssistantMessage,
+    BatchChatCompletionRequest,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    DeltaMessage,
+    TokenLogprobEntry,
+    TopLogprob,
+)
 from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage
 from rlserve.server.token_strings import floor_logprob
 from rlserve.server.tool_calls import ChoiceToolCalls

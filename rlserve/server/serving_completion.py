@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi.responses import Response
 
 from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
-from rlserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                     CompletionStreamChoice, CompletionStreamResponse)
+from rlserve.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+)
 from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage
 from rlserve.server.token_strings import floor_logprob
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from rlserve.sampling_params import InvalidRequestError, StructuredOutputsParams
-from rlserve.server.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice,
-                                     ToolDefinition)
+from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ToolDefinition
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 

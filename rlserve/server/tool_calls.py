@@ -22,8 +22,14 @@ import json
 import uuid
 
 from rlserve import json_depth
-from rlserve.server.protocol import (ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall,
-                                     FunctionCallOut, NamedToolChoice, ToolCallOut)
+from rlserve.server.protocol import (
+    ChatCompletionRequest,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallOut,
+    NamedToolChoice,
+    ToolCallOut,
+)
 from rlserve.server.tool_parsers import TOOL_PARSERS, ParsedToolCall
 
 
