@@ -6,7 +6,7 @@ import asyncio
 import gc
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -147,7 +147,7 @@ def _add_service_routes(app: FastAPI) -> None:
 
 
 def _error(status: int, message: str, param: str | None = None, type: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
+           headers: Mapping[str, str] | None = None) -> JSONResponse:
     """vLLM's error body: the type by status (BadRequestError, NotFoundError, ...), the
     status as `code`."""
     err = APIError(status, message, type=type, param=param)

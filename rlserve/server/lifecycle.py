@@ -30,6 +30,8 @@ from rlserve.process import spawn
 from rlserve.server.options import ServeOptions
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from rlserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
@@ -103,8 +105,11 @@ def _run(engine: AsyncEngine, config: EngineConfig, opts: ServeOptions, sock: so
 
 def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engine: AsyncEngine,
                       sock: socket.socket) -> subprocess.Popen:
+    from rlserve.engine.core_client import EngineCoreClient
     sock.set_inheritable(True)
-    addresses = engine.client.addresses
+    client = engine.client
+    assert isinstance(client, EngineCoreClient)  # one engine: the CLI refuses more API servers with data parallel
+    addresses = client.addresses
     return spawn("rlserve.server.lifecycle", "--fd", str(sock.fileno()), "--index", str(index),
                  pass_fds=(sock.fileno(),), stdin=msgpack.packb({
                      "config": config.to_wire(), "options": dataclasses.asdict(opts),
@@ -137,10 +142,12 @@ class Server(uvicorn.Server):
     finish_reason 'abort'), stop the engine, exit 0. If the engine dies: requests in flight
     end with an error at once, /health answers 503 for `linger_s`, then the process exits 1."""
 
-    def __init__(self, app, engine: AsyncEngine, *, log_level: str, grace_s: float, linger_s: float,
+    def __init__(self, app: FastAPI, engine: AsyncEngine, *, log_level: str, grace_s: float, linger_s: float,
                  access_log: bool = True):
+        # uvicorn's annotation says int; it waits with asyncio.timeout, which takes a float.
         super().__init__(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, access_log=access_log,
-                                        timeout_graceful_shutdown=grace_s + 10))
+                                        timeout_graceful_shutdown=grace_s + 10))  # type: ignore[arg-type]
+        self.app = app
         self.engine = engine
         self.grace_s = grace_s
         self.linger_s = linger_s
@@ -156,7 +163,7 @@ class Server(uvicorn.Server):
         if not self._stopping and self.started:
             self._stopping = True
             loop = asyncio.get_event_loop()
-            loop.call_soon_threadsafe(self.config.app.state.stopping.set)
+            loop.call_soon_threadsafe(self.app.state.stopping.set)
             loop.call_soon_threadsafe(loop.call_later, self.grace_s, self._abort_in_flight)
 
     def _abort_in_flight(self) -> None:

@@ -45,7 +45,8 @@ _UPDATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 def _1_2_5_buckets(limit: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > limit:

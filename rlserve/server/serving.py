@@ -178,6 +178,7 @@ class OpenAIServing:
         self.tokens = TokenStrings(engine.tokenizer)
         self.created = int(time.time())
         self.vocab_size = engine.vocab_size
+        assert engine.info is not None  # built at start-up, once the engine has started
         # Only its `validate` runs here (a spec's parse); the engine compiles the masks.
         self.grammars = StructuredOutputCompiler(engine.tokenizer, engine.vocab_size,
                                                  engine.info.eos_token_ids, limits=config.grammar_limits)
@@ -343,14 +344,15 @@ class OpenAIServing:
             repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            logit_bias=body.logit_bias,
+            # SamplingParams takes JSON's string keys and turns them into token ids.
+            logit_bias=body.logit_bias,  # type: ignore[arg-type]
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words,
             structured_outputs=structured.spec if structured is not None else None,
             seed=body.seed,
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
-            stop=body.stop,
+            stop=body.stop,  # type: ignore[arg-type]  # a single string too: SamplingParams makes it a list
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,

@@ -21,6 +21,7 @@ from rlserve.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatFinishReason,
     ChatLogprobs,
     DeltaMessage,
     TokenLogprobEntry,
@@ -31,9 +32,10 @@ from rlserve.server.token_strings import floor_logprob
 from rlserve.server.tool_calls import ChoiceToolCalls
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
+def _finish_reason(reason: str | None, called: bool) -> ChatFinishReason | None:
     """A choice that ended by stopping after tool calls finished with them (OpenAI)."""
-    return "tool_calls" if reason == "stop" and called else reason
+    # The engine's reasons are stop, length and abort, typed there as str.
+    return "tool_calls" if reason == "stop" and called else reason  # type: ignore[return-value]
 
 
 def _check_batch(body: BatchChatCompletionRequest) -> None:
