@@ -67,7 +67,7 @@ class WeightTransferConfig:
     timeout_s: float = 120.0  # every collective gives up after this long
 
     @classmethod
-    def parse(cls, value: str | dict | None) -> "WeightTransferConfig | None":
+    def parse(cls, value: str | dict | None) -> WeightTransferConfig | None:
         if value is None:
             return None
         data = json.loads(value) if isinstance(value, str) else dict(value)
@@ -313,7 +313,7 @@ class EngineConfig:
         from rlserve.engine.structured_output import GrammarLimits
         return GrammarLimits(self.max_grammar_size, self.grammar_compile_timeout_s)
 
-    def replica(self, index: int) -> "EngineConfig":
+    def replica(self, index: int) -> EngineConfig:
         """The configuration of data-parallel replica `index`: one replica, on its devices."""
         device = self.device
         if str(device).startswith("cuda"):

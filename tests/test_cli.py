@@ -78,7 +78,8 @@ def test_flags_set_their_fields(tmp_path):
     cfg = _config(
         "--tokenizer", "t", "--device", "cpu", "--dtype", "bfloat16", "--load-format", "dummy",
         "--max-model-len", "512", "--seed", "3", "--trust-remote-code", "--block-size", "32",
-        "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "2G",
+        "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5",
+        "--kv-cache-memory-bytes", "2G",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--enforce-eager", "-tp", "1", "-dp", "1",
         "--dp-retry-on-failure", "--dp-max-restarts", "0", "--served-model-name", "x",
         "--chat-template", str(template), "--weight-transfer-config", '{"backend": "gloo", "timeout_s": 30}',
@@ -87,7 +88,8 @@ def test_flags_set_their_fields(tmp_path):
     assert cfg == EngineConfig(
         model="m", tokenizer="t", device="cpu", dtype="bfloat16", load_format="dummy", max_model_len=512,
         seed=3, trust_remote_code=True, block_size=32, kv_cache_dtype="fp8",
-        enable_prefix_caching=False, gpu_memory_utilization=0.5, kv_cache_memory_bytes=2 << 30, max_num_seqs=8, max_num_batched_tokens=1024,
+        enable_prefix_caching=False, gpu_memory_utilization=0.5, kv_cache_memory_bytes=2 << 30, max_num_seqs=8,
+        max_num_batched_tokens=1024,
         enforce_eager=True, dp_retry_on_failure=True, dp_max_restarts=0, served_model_name="x",
         chat_template="{{ messages }}", weight_transfer=WeightTransferConfig("gloo", 30.0),
         logprobs_mode="processed_logprobs", enable_lora=True, max_loras=2, max_lora_rank=8,

@@ -4,7 +4,6 @@ usage errors show `rlserve serve`'s usage, and keys can stay out of the process 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import subprocess
@@ -97,7 +96,8 @@ def test_keys_come_from_flags_files_or_the_environment(tmp_path, monkeypatch):
     (tmp_path / "admin").write_text("admin-file-key\n")
     assert _keys() == [(None, None), (None, None)]
     assert _keys("--api-key-file", str(tmp_path / "api"), "--admin-key-file", str(tmp_path / "admin")) == [
-        ("file-key", f"--api-key-file {tmp_path / 'api'}"), ("admin-file-key", f"--admin-key-file {tmp_path / 'admin'}")]
+        ("file-key", f"--api-key-file {tmp_path / 'api'}"),
+        ("admin-file-key", f"--admin-key-file {tmp_path / 'admin'}")]
     assert _keys(env={"VLLM_API_KEY": "v", "RLSERVE_API_KEY": "r", "RLSERVE_ADMIN_KEY": "a"}) == [
         ("v", "VLLM_API_KEY"), ("a", "RLSERVE_ADMIN_KEY")]
     assert _keys("--api-key", "flag", env={"VLLM_API_KEY": "v"})[0] == ("flag", "--api-key")

@@ -15,10 +15,19 @@ import httpx
 import pytest
 
 from conftest import start_tiny_server, stop_server
-from dp_helpers import (PROMPTS, TOKENS, assert_replica_serves, complete, complete_all, health, hf_greedy,
-                        routed, trainer_model, wait_for)
+from dp_helpers import (
+    PROMPTS,
+    TOKENS,
+    assert_replica_serves,
+    complete,
+    complete_all,
+    health,
+    hf_greedy,
+    routed,
+    trainer_model,
+    wait_for,
+)
 from rlserve.weight_transfer import WeightSyncClient
-
 
 # -- the module's server --------------------------------------------------------------------
 

@@ -7,11 +7,10 @@ import shutil
 import pytest
 import torch
 
+from conftest import hf_greedy
 from rlserve import LLM, SamplingParams
 from rlserve.model.demo_model import demo_model_path
 from rlserve.sampling_params import InvalidRequestError
-
-from conftest import hf_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -413,6 +412,7 @@ def test_step_upload_keeps_dtypes_shapes_and_alignment():
     """One upload carries the whole step; every part comes back with its dtype and shape,
     starting 64-byte aligned as a fresh tensor does (Triton compiles per pointer alignment)."""
     import numpy as np
+
     from rlserve.worker.upload import upload
     parts = [np.arange(257, dtype=np.int64), np.arange(3, dtype=np.int32), np.empty(0, dtype=np.int64),
              np.arange(12, dtype=np.int32).reshape(3, 4), np.array([0.5, 1.5, 2.5], dtype=np.float32)]

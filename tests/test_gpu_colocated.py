@@ -230,8 +230,12 @@ def test_sleep_returns_the_memory_and_wake_restores_the_output(server, sender, t
 def test_vllm_rlhf_http_ipc_flow_with_the_trainer_factory(server, trainer):
     """rlhf_http_ipc.py's calls with the imports changed: the factory with IPC's init info,
     an HTTP client and a module source; send_weights() runs start/update/finish."""
-    from rlserve.weight_transfer import (HTTPVLLMWeightSyncClient, IPCTrainerInitInfo, ModuleSource,
-                                         WeightTransferTrainerFactory)
+    from rlserve.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        IPCTrainerInitInfo,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
     url = server.url
     scrambled = copy.deepcopy(trainer)
     with torch.no_grad():

@@ -31,7 +31,7 @@ def _greedy_all(url: str, model: str) -> dict[str, list[int]]:
     return {p: got[p]["choices"][0]["token_ids"] for p in PROMPTS}
 
 
-def test_two_replicas_serve_and_a_killed_one_copies_weights_over_nccl(checkpoint, reference, tmp_path):
+def test_two_replicas_serve_and_a_killed_one_copies_weights_over_nccl(checkpoint, reference, tmp_path):  # noqa: F811
     srv = start_server(checkpoint, tmp_path / "server.log", "--device", "cuda:0", "--data-parallel-size", "2",
                        "--max-num-seqs", "16", "--weight-transfer-config", '{"backend": "nccl"}')
     try:
@@ -51,7 +51,7 @@ def test_two_replicas_serve_and_a_killed_one_copies_weights_over_nccl(checkpoint
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs three CUDA devices (NCCL: one rank per GPU)")
-def test_one_nccl_push_reaches_both_replicas(checkpoint, reference, tmp_path):
+def test_one_nccl_push_reaches_both_replicas(checkpoint, reference, tmp_path):  # noqa: F811
     """Replicas on cuda:0 and cuda:1 with dummy weights; the trainer on cuda:2."""
     from transformers import AutoModelForCausalLM
 

@@ -105,6 +105,7 @@ def test_whole_vocabulary_logprobs_on_the_gpu_paths(checkpoint):
     fused sampler, beside rows asking for fewer: every token once, probabilities summing to
     1, the sampled token's own logprob and rank, the greedy token first."""
     import math
+
     from rlserve import SamplingParams
     path, _ = checkpoint
     llm = _llm(path, "float32", max_logprobs=-1)
@@ -214,7 +215,8 @@ def test_fused_sampling_draws_from_the_tempered_distribution():
     p = torch.softmax(logits.to(torch.bfloat16).float() / 0.8, -1)
     assert (freq - p).abs().max() < 0.01
     again = gumbel_sample(logits.repeat(3, 1), torch.full((3,), 0.8, device="cuda"), seeds[:3])
-    assert again.tolist() == gumbel_sample(logits.repeat(rows, 1), torch.full((rows,), 0.8, device="cuda"), seeds)[:3].tolist()
+    assert again.tolist() == gumbel_sample(logits.repeat(rows, 1), torch.full((rows,), 0.8, device="cuda"),
+                                           seeds)[:3].tolist()
 
 
 def test_seeded_sampling_on_gpu_is_reproducible(checkpoint):
@@ -287,4 +289,5 @@ def test_fused_sampling_skips_masked_columns_and_mixes_temperatures():
     # Every column -inf: column 0, as argmax; one live column: that column.
     dead = torch.full((2, vocab), float("-inf"), device="cuda")
     dead[1, 100000] = 0.0
-    assert gumbel_sample(dead, torch.ones(2, device="cuda"), torch.tensor([1, 2], device="cuda")).tolist() == [0, 100000]
+    assert gumbel_sample(dead, torch.ones(2, device="cuda"),
+                         torch.tensor([1, 2], device="cuda")).tolist() == [0, 100000]

@@ -122,9 +122,10 @@ def test_bfloat16_adapter_logprobs_within_tolerance_of_the_merged_model(checkpoi
 
 
 def test_adapter_push_over_ipc_changes_outputs_to_the_new_merged_model(checkpoint, adapters, tmp_path):
+    import httpx
+
     from conftest import start_server, stop_server
     from rlserve.weight_transfer import WeightSyncClient, WeightTransferError
-    import httpx
     path, _ = checkpoint
     peft_model = copy.deepcopy(adapters["r16"][1]).cuda()
     server = start_server(path, tmp_path / "server.log", "--device", "cuda", "--dtype", "float32",

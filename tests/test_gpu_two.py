@@ -11,9 +11,8 @@ import time
 import pytest
 import torch
 
+from rlserve.weight_transfer import ExpectedParam, WeightTransferError, get_open_port, receive_weights, receiver_init
 from trainer_agent import TrainerProcess
-from rlserve.weight_transfer import (ExpectedParam, WeightTransferError, get_open_port, receive_weights,
-                                     receiver_init)
 
 pytestmark = [
     pytest.mark.gpu,

@@ -22,9 +22,8 @@ import pytest
 import torch
 
 from conftest import seeded_wide_model, start_server, stop_server, stream_completion
-from trainer_agent import TrainerProcess
-
 from rlserve import envs
+from trainer_agent import TrainerProcess
 
 pytestmark = [
     pytest.mark.gpu,
@@ -162,7 +161,7 @@ def test_a_trainer_killed_mid_push_leaves_the_old_weights_serving(checkpoint, tm
             assert r.status_code == 200, r.text
             assert trainer.answer().get("ok")
             out = {}
-            t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
+            t = threading.Thread(target=lambda out=out: out.setdefault("r", httpx.post(
                 f"{srv.url}/update_weights", timeout=120, json={"update_info": dict(
                     names=names, dtype_names=dtypes, shapes=shapes, packed=True,
                     packed_buffer_size_bytes=4 << 20)})))

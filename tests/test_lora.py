@@ -181,8 +181,8 @@ def test_more_adapters_than_host_memory_are_read_again_from_disk(llm, adapters):
 
 
 def test_unload_is_refused_while_a_request_runs_with_the_adapter(llm, adapters):
-    from rlserve.engine.messages import ConflictError
     from rlserve import SamplingParams
+    from rlserve.engine.messages import ConflictError
     engine = llm.engine
     for req in engine.make_requests([1, 2, 3], SamplingParams(max_tokens=4), "busy", lora_name="a8"):
         engine.add_request(req)
@@ -239,6 +239,7 @@ def test_server_adapters_over_http_and_live_pushes_over_gloo(lora_server, adapte
     """Kept to a few short completions: the offline tests above cover the outputs in depth."""
     import httpx
     from openai import NotFoundError, OpenAI
+
     from lora_adapters import rerandomize
     from rlserve.model.peft import peft_adapter_tensors
     from rlserve.weight_transfer import WeightSyncClient, WeightTransferError
@@ -369,6 +370,7 @@ def test_adapters_take_turns_in_one_slot_and_a_push_reaches_the_one_outside(swap
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
+
     from rlserve.weight_transfer import WeightSyncClient
     url = swap_server.url
     prompts, n = PROMPTS[:2], 6

@@ -153,6 +153,7 @@ def test_slot_load_clears_what_its_copies_leave():
     rows past its ranks zero), and an adapter on every module at the full rank clears nothing
     before its copies."""
     from transformers import Qwen3Config
+
     from rlserve.model.llama import Qwen3ForCausalLM
     from rlserve.model.lora import attach_lora
     config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -135,10 +135,10 @@ def test_lora_adapts_attention_and_refuses_expert_and_router_weights(tmp_path):
     import json
 
     from safetensors.torch import save_file
+    from transformers import AutoTokenizer
 
     from conftest import save_word_tokenizer
     from lora_adapters import make_adapter
-    from transformers import AutoTokenizer
     hf = seeded_wide_model(moe_config("qwen3_moe")).eval()
     hf.save_pretrained(tmp_path / "base")
     save_word_tokenizer(tmp_path / "base", hf.config.vocab_size)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import hf_greedy, save_word_tokenizer, seeded_wide_model, start_server, stop_server, stream_completion
-from test_moe import moe_config, per_expert
 from rlserve.weight_transfer import UpdateRefusedError, WeightSyncClient
+from test_moe import moe_config, per_expert
 
 PROMPTS = ["t5 t17 t3 t99", "t1 t2 t3", "t64 t12 t7 t7 t80 t41", "t120"]
 MAX_TOKENS = 10

@@ -10,7 +10,6 @@ import json
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -207,7 +206,8 @@ def test_openai_client_requests_are_accepted(tiny):
 
 
 def test_request_id_names_the_response(tiny):
-    assert ok(post(tiny, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "request_id": "abc"}))["id"] == "cmpl-abc"
+    assert ok(post(tiny, "/v1/completions",
+                   {"prompt": PROMPT, "max_tokens": 1, "request_id": "abc"}))["id"] == "cmpl-abc"
     r = ok(post(tiny, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "request_id": "abc"}))
     assert r["id"] == "chatcmpl-abc"
 

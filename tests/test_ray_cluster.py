@@ -10,8 +10,17 @@ import signal
 
 import pytest
 
-from dp_helpers import (PROMPTS, assert_replica_serves, complete, complete_all, health, hf_greedy, routed,
-                        trainer_model, wait_for)
+from dp_helpers import (
+    PROMPTS,
+    assert_replica_serves,
+    complete,
+    complete_all,
+    health,
+    hf_greedy,
+    routed,
+    trainer_model,
+    wait_for,
+)
 
 ray = pytest.importorskip("ray")
 

@@ -22,8 +22,17 @@ from rlserve.engine.bad_words import bad_words_to_token_ids
 from rlserve.engine.request import Request
 from rlserve.model.demo_model import demo_model_path
 from rlserve.sampling_params import InvalidRequestError
-from sampling_reference import (check_logprob, check_outputs, check_sample, check_sample_frequencies,
-                                check_sampler, model_logits, processed_logits, sampling_logits, stop_ids)
+from sampling_reference import (
+    check_logprob,
+    check_outputs,
+    check_sample,
+    check_sample_frequencies,
+    check_sampler,
+    model_logits,
+    processed_logits,
+    sampling_logits,
+    stop_ids,
+)
 
 PROMPTS = [
     "The capital of France is",
@@ -249,7 +258,8 @@ def test_bad_words_convert_as_vllm_does(raw, processed, hf):
         tok.encode(" Parisian", add_special_tokens=False)]
     p = SamplingParams(temperature=0, max_tokens=16, bad_words=["Paris", "capital"], logprobs=2)
     out = processed.generate([PROMPTS[0]], p)[0].outputs[0]
-    assert raw.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text.startswith(" Paris")
+    assert raw.generate([PROMPTS[0]],
+                        SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text.startswith(" Paris")
     assert "Paris" not in out.text and "capital" not in out.text
     converted = SamplingParams(temperature=0, max_tokens=16, logprobs=2,
                                bad_words_token_ids=bad_words_to_token_ids(tok, ["Paris", "capital"]))

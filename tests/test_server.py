@@ -14,7 +14,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MAX_MODEL_LEN, RunningServer
-
 from rlserve import SamplingParams
 
 PROMPTS = ["Hello, my name is", "The capital of France is"]
@@ -475,8 +474,8 @@ def test_unknown_route_is_openai_shaped_404(server):
 
 import schemathesis  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
-from schemathesis.config import SchemathesisConfig  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.config import SchemathesisConfig  # noqa: E402
 from schemathesis.specs.openapi.checks import response_schema_conformance  # noqa: E402
 
 FUZZ_EXAMPLES = 40

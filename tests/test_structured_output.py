@@ -15,8 +15,13 @@ import torch
 
 from rlserve import LLM, SamplingParams
 from rlserve.engine.request import Request
-from rlserve.engine.structured_output import (GrammarMatcher, StructuredOutputCompiler, choice_grammar,
-                                              fill_bitmask, new_bitmask)
+from rlserve.engine.structured_output import (
+    GrammarMatcher,
+    StructuredOutputCompiler,
+    choice_grammar,
+    fill_bitmask,
+    new_bitmask,
+)
 from rlserve.model.demo_model import demo_model_path
 from rlserve.sampling_params import InvalidRequestError, StructuredOutputsParams
 from rlserve.worker import sampler as S

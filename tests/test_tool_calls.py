@@ -39,7 +39,8 @@ def test_qwen_tool_calls_are_parsed_out_of_the_text():
     ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}', [ParsedToolCall("f", '{"a": 1}')], ""),
     ('<tool_call>\n{"name": "f", "argu', [], '<tool_call>\n{"name": "f", "argu'),
     # arguments as JSON text, or under `parameters`, or absent
-    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": \\"é\\"}"}</tool_call>', [ParsedToolCall("f", '{"a": "é"}')], ""),
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": \\"é\\"}"}</tool_call>',
+     [ParsedToolCall("f", '{"a": "é"}')], ""),
     ('<tool_call>{"name": "f", "parameters": {"b": [1, 2]}}</tool_call>', [ParsedToolCall("f", '{"b": [1, 2]}')], ""),
     ('<tool_call>{"name": "f"}</tool_call>', [ParsedToolCall("f", "{}")], ""),
     ("a < b and <tool_ is not a tag", [], "a < b and <tool_ is not a tag"),

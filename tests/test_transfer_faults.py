@@ -19,8 +19,8 @@ import pytest
 from safetensors import safe_open
 
 from conftest import start_server, stop_server
-from trainer_agent import TrainerProcess
 from rlserve.weight_transfer import get_open_port
+from trainer_agent import TrainerProcess
 
 TIMEOUT_S = 6.0  # the server's transfer timeout
 PROMPT = "The capital of France is"

@@ -577,7 +577,8 @@ def test_decode_gemm_matches_the_product(rows, splits):
 def test_linear_add_rms_norm_matches_linear_then_norm(rows):
     """The kernel set's fused projection + residual add + RMSNorm gives what F.linear and
     fused_add_rms_norm give, through split-K partials at decode sizes (and cuBLAS above)."""
-    from rlserve.ops import kernels, triton_decode_gemm as G
+    from rlserve.ops import kernels
+    from rlserve.ops import triton_decode_gemm as G
     dtype = torch.bfloat16
     x, w = _gemm_inputs(rows, 1024, 256, dtype, rows)
     gen = torch.Generator().manual_seed(rows + 1)

@@ -11,9 +11,16 @@ import pytest
 import requests
 
 from conftest import greedy_reference, start_server, stop_server
-from rlserve.weight_transfer import (GlooTrainerInitInfo, GlooTrainerSendWeightsArgs, GlooWeightTransferEngine,
-                                     HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory,
-                                     get_open_port, rendezvous_address)
+from rlserve.weight_transfer import (
+    GlooTrainerInitInfo,
+    GlooTrainerSendWeightsArgs,
+    GlooWeightTransferEngine,
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+    get_open_port,
+    rendezvous_address,
+)
 
 PROMPTS = ["The capital of France is", "Hello, my name is", "def fibonacci(n):"]
 

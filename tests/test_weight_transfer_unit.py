@@ -515,7 +515,7 @@ def test_trainer_failing_before_sending_cancels_at_once():
                                    (iter(spread), "ValueError", "spread over several devices (cpu, meta)")]:
         started = time.monotonic()
         got = _in_threads(2, [lambda g: receive_weights(g, info, expected_params())], TIMEOUT_S,
-                          lambda g: GlooWeightTransferEngine.trainer_send_weights(iterator=items, group=g))
+                          lambda g, it=items: GlooWeightTransferEngine.trainer_send_weights(iterator=it, group=g))
         assert got[0] == (error, got[0][1]) and fragment in got[0][1]
         assert got[1][0] == "InvalidUpdateError" and "the trainer cancelled this update" in got[1][1]
         assert fragment in got[1][1]

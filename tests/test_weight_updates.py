@@ -183,7 +183,7 @@ def test_abort_mode_ends_requests_with_abort(dummy_server, sync, trainer_model):
 def test_wait_mode_finishes_on_the_old_version(dummy_server, sync, trainer_model):
     before = httpx.get(f"{dummy_server.url}/weight_version", headers=admin()).json()["weight_version"]
     results = _run_streams_with_push(dummy_server.url, sync, trainer_model, "wait", 300)
-    for chunks, finish, spans in results:
+    for _chunks, finish, spans in results:
         assert finish == "length"
         assert [s["version"] for s in spans] == [before]
     assert httpx.get(f"{dummy_server.url}/weight_version", headers=admin()).json()["weight_version"] == 300

@@ -30,8 +30,8 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from rlserve.weight_transfer import (GlooWeightTransferEngine, NCCLWeightTransferEngine, TransferGroup,
-                                     handshake)
+from rlserve.weight_transfer import GlooWeightTransferEngine, NCCLWeightTransferEngine, TransferGroup, handshake
+
 
 class TrainerProcess:
     """The tests' handle on this script running as a process."""
@@ -121,9 +121,9 @@ def main() -> None:
                 if fault in ("short", "long", "altered", "die"):
                     TransferGroup.broadcast = faulty_broadcast(real_broadcast, fault, at)
                 elif fault in PLAN_FAULTS:
-                    handshake._offer = lambda g, rank, text: real_offer(g, rank, PLAN_FAULTS[fault])
+                    handshake._offer = lambda g, rank, text, fault=fault: real_offer(g, rank, PLAN_FAULTS[fault])
                 elif fault in GO_FAULTS:
-                    def bad_go(self, key, value):
+                    def bad_go(self, key, value, fault=fault):
                         return real_set(self, key, GO_FAULTS[fault] if key.endswith("/go") else value)
                     TransferGroup.set = bad_go
                 try:

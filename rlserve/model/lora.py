@@ -26,7 +26,8 @@ A rank below max_rank leaves the rest of the slot's rows zero.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, NamedTuple, Union
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -69,7 +70,7 @@ class LoRALayer:
             self.context.kernels.lora(y, x, self.a, self.b, self.slices, self.slice_table, batch)
 
 
-Target = Union[int, str]  # a device slot, or the name of an adapter's host copy
+Target = int | str  # a device slot, or the name of an adapter's host copy
 
 
 class LoRATarget(NamedTuple):
@@ -154,7 +155,7 @@ class LoRAModel:
                                  f"match the model (expected {list(want_a)} and {list(want_b)})")
 
     def plan(self, target: Target, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-             scaling: Callable[[str], float]) -> "LoadPlan":
+             scaling: Callable[[str], float]) -> LoadPlan:
         """Check an adapter against the model and work out the copies that put it in
         `target`. A plan stays valid while its source tensors do (a trainer's IPC views are
         the same tensors push after push), so a caller may keep it and `run` it again."""
@@ -195,7 +196,7 @@ class LoRAModel:
         return out
 
     @torch.no_grad()
-    def run(self, plan: "LoadPlan") -> None:
+    def run(self, plan: LoadPlan) -> None:
         """Clear what of the slot the copies leave, copy A, copy B times its scaling (a
         float32 product, rounded once into the layer's dtype). Multi-tensor ops: a handful
         of launches for the hundreds of small tensors an adapter has, where one copy each

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import gc
+import logging
 import os
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | None = None,
+def create_app(engine: AsyncEngine, config: EngineConfig, *, api_key: str | None = None,
                admin_key: str | None = None, url: str | None = None,
                reject_while_asleep: bool = False, allow_remote_control: bool = False,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, serving: ServingOptions | None = None,
@@ -62,7 +63,7 @@ def create_app(engine: "AsyncEngine", config: EngineConfig, *, api_key: str | No
     return app
 
 
-def _lifespan(engine: "AsyncEngine", config: EngineConfig, metrics: ServerMetrics, serving: ServingOptions,
+def _lifespan(engine: AsyncEngine, config: EngineConfig, metrics: ServerMetrics, serving: ServingOptions,
               url: str | None):
     """Start-up: wait for the engine's model, then set up the two serving flows; shutdown:
     stop the engine."""
@@ -95,7 +96,7 @@ def _lifespan(engine: "AsyncEngine", config: EngineConfig, metrics: ServerMetric
     return lifespan
 
 
-def _add_routers(app: FastAPI, engine: "AsyncEngine", config: EngineConfig, enable_sleep_mode: bool) -> None:
+def _add_routers(app: FastAPI, engine: AsyncEngine, config: EngineConfig, enable_sleep_mode: bool) -> None:
     """The OpenAI routes, and those of the features this server runs with."""
     app.include_router(routes_openai.router)
     app.include_router(routes_openai.generation)
@@ -146,7 +147,7 @@ def _add_service_routes(app: FastAPI) -> None:
 
 
 def _error(status: int, message: str, param: str | None = None, type: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
+           headers: Mapping[str, str] | None = None) -> JSONResponse:
     """vLLM's error body: the type by status (BadRequestError, NotFoundError, ...), the
     status as `code`."""
     err = APIError(status, message, type=type, param=param)

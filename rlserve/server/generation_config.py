@@ -42,8 +42,9 @@ def generation_defaults(source: str, model_path: str | None,
     if source == "vllm":
         data: dict[str, Any] = {}
     elif source == "auto":
-        found = model_path is not None and os.path.isfile(os.path.join(model_path, FILENAME))
-        data = _read(model_path) if found else {}
+        data = {}
+        if model_path is not None and os.path.isfile(os.path.join(model_path, FILENAME)):
+            data = _read(model_path)
     else:
         if not os.path.exists(source):
             raise ValueError(f"--generation-config: {source!r} is neither auto, vllm nor a path "

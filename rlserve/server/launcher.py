@@ -18,6 +18,7 @@ import requests
 from rlserve.process import spawn
 from rlserve.weight_transfer.group import get_open_port
 
+
 class ServerProcess:
     """`die_with_parent`: the server ends with this process even when it is killed without
     running its cleanup (test suites, notebooks)."""
@@ -71,7 +72,7 @@ class ServerProcess:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:

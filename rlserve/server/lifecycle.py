@@ -30,6 +30,8 @@ from rlserve.process import spawn
 from rlserve.server.options import ServeOptions
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from rlserve.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
                 child.kill()
 
 
-def _run(engine: "AsyncEngine", config: EngineConfig, opts: ServeOptions, sock: socket.socket) -> int:
+def _run(engine: AsyncEngine, config: EngineConfig, opts: ServeOptions, sock: socket.socket) -> int:
     from rlserve.server.app import create_app
     from rlserve.server.serving import ServingOptions
     shown_host = "localhost" if opts.host in ("0.0.0.0", "::", "") else opts.host
@@ -100,10 +102,13 @@ def _run(engine: "AsyncEngine", config: EngineConfig, opts: ServeOptions, sock: 
     return 0 if server.started else 1
 
 
-def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engine: "AsyncEngine",
+def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engine: AsyncEngine,
                       sock: socket.socket) -> subprocess.Popen:
+    from rlserve.engine.core_client import EngineCoreClient
     sock.set_inheritable(True)
-    addresses = engine.client.addresses
+    client = engine.client
+    assert isinstance(client, EngineCoreClient)  # one engine: the CLI refuses more API servers with data parallel
+    addresses = client.addresses
     return spawn("rlserve.server.lifecycle", "--fd", str(sock.fileno()), "--index", str(index),
                  pass_fds=(sock.fileno(),), stdin=msgpack.packb({
                      "config": config.to_wire(), "options": dataclasses.asdict(opts),
@@ -136,10 +141,12 @@ class Server(uvicorn.Server):
     finish_reason 'abort'), stop the engine, exit 0. If the engine dies: requests in flight
     end with an error at once, /health answers 503 for `linger_s`, then the process exits 1."""
 
-    def __init__(self, app, engine: "AsyncEngine", *, log_level: str, grace_s: float, linger_s: float,
+    def __init__(self, app: FastAPI, engine: AsyncEngine, *, log_level: str, grace_s: float, linger_s: float,
                  access_log: bool = True):
+        # uvicorn's annotation says int; it waits with asyncio.timeout, which takes a float.
         super().__init__(uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, access_log=access_log,
-                                        timeout_graceful_shutdown=grace_s + 10))
+                                        timeout_graceful_shutdown=grace_s + 10))  # type: ignore[arg-type]
+        self.app = app
         self.engine = engine
         self.grace_s = grace_s
         self.linger_s = linger_s
@@ -155,7 +162,7 @@ class Server(uvicorn.Server):
         if not self._stopping and self.started:
             self._stopping = True
             loop = asyncio.get_event_loop()
-            loop.call_soon_threadsafe(self.config.app.state.stopping.set)
+            loop.call_soon_threadsafe(self.app.state.stopping.set)
             loop.call_soon_threadsafe(loop.call_later, self.grace_s, self._abort_in_flight)
 
     def _abort_in_flight(self) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20  # a few long prompts, or a large model's IPC handles
 DEFAULT_MAX_PROMPTS = 2048  # prompts in one /v1/completions request

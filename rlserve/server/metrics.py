@@ -13,7 +13,8 @@ API server process; the engine's numbers are the same in every one.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -44,7 +45,8 @@ _UPDATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 def _1_2_5_buckets(limit: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > limit:
@@ -90,7 +92,7 @@ class ServerMetrics:
     latency observer (output_processor.LatencyObserver): it takes each sample's timings as its
     outputs arrive."""
 
-    def __init__(self, model_name: str, max_model_len: int = 1 << 20, config: "EngineConfig | None" = None):
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20, config: EngineConfig | None = None):
         self.model_name = model_name
         self.labels = (model_name, "0")
         self.config = config  # its cache settings label vllm:cache_config_info
@@ -139,7 +141,7 @@ class ServerMetrics:
         self.params_max_tokens = _Histogram("vllm:request_params_max_tokens",
                                             "Histogram of the max_tokens request parameter.", tokens)
 
-    def render(self, stats: "EngineStats | None") -> bytes:
+    def render(self, stats: EngineStats | None) -> bytes:
         self.stats = stats
         return generate_latest(self.registry)
 
@@ -154,7 +156,7 @@ class ServerMetrics:
         self.e2e.observe(seconds)
         self.finished_samples[reason] = self.finished_samples.get(reason, 0) + 1
 
-    def request_phases(self, timing: "RequestTiming", num_tokens: int) -> None:
+    def request_phases(self, timing: RequestTiming, num_tokens: int) -> None:
         self.queue_time.observe(timing.queued)
         self.prefill_time.observe(timing.prefill)
         self.decode_time.observe(timing.decode)
@@ -166,7 +168,7 @@ class ServerMetrics:
     def client_left(self) -> None:
         self.disconnects += 1
 
-    def requests_done(self, states: "Iterable[RequestState]") -> None:
+    def requests_done(self, states: Iterable[RequestState]) -> None:
         """Per-prompt histograms, once a prompt's samples have all finished."""
         for st in states:
             self.prompt_tokens.observe(len(st.prompt_token_ids))
@@ -232,7 +234,7 @@ _ENGINE_COUNTERS = (
 )
 
 
-def _engine_families(stats: "EngineStats", labels: list[str]) -> Iterator[Metric]:
+def _engine_families(stats: EngineStats, labels: list[str]) -> Iterator[Metric]:
     for name, doc, attr in _ENGINE_GAUGES:
         family = GaugeMetricFamily(name, doc, labels=LABELS)
         family.add_metric(labels, float(getattr(stats, attr)))
@@ -266,7 +268,7 @@ def _labelled_gauge(name: str, doc: str, labels: list[str], label: str, values: 
     return family
 
 
-def _cache_config_info(config: "EngineConfig", stats: "EngineStats") -> GaugeMetricFamily:
+def _cache_config_info(config: EngineConfig, stats: EngineStats) -> GaugeMetricFamily:
     """vLLM's info gauge (always 1): its labels are the KV cache's settings, named and
     written (str of the value) as vLLM's CacheConfig fields, and the engine; no model_name."""
     info = {"block_size": config.block_size, "cache_dtype": config.kv_cache_dtype,

@@ -13,8 +13,9 @@ implement are refused with the reason (rlserve/server/unimplemented.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from http import HTTPStatus
-from typing import Annotated, Any, ClassVar, Literal, Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 

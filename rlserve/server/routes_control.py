@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Any, Awaitable, Literal
+from collections.abc import Awaitable
+from typing import Any, Literal
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -206,7 +207,8 @@ async def weight_checker(body: WeightCheckerRequest, request: Request) -> dict:
     if body.action == "reset":
         raise APIError(400, "action: reset (random weights over the served ones) is not offered: rlserve "
                             "changes served weights only through an update", param="action")
-    if body.action == "compare" and body.baseline is None:
+    baseline = body.baseline
+    if body.action == "compare" and baseline is None:
         raise APIError(400, "baseline: action 'compare' needs the checksums to compare with", param="baseline")
     stats = await engine.stats()
     if stats.paused or stats.sleeping:
@@ -214,8 +216,8 @@ async def weight_checker(body: WeightCheckerRequest, request: Request) -> dict:
     checksums = combine_checksums(await engine.weight_checksums())
     if body.action == "checksum":
         return {"checksums": checksums}
-    mismatches = sorted(n for n in checksums.keys() | body.baseline.keys()
-                        if checksums.get(n) != body.baseline.get(n))
+    assert baseline is not None  # compare: refused above without one
+    mismatches = sorted(n for n in checksums.keys() | baseline.keys() if checksums.get(n) != baseline.get(n))
     return {"match": not mismatches, "mismatches": mismatches}
 
 

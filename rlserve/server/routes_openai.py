@@ -7,17 +7,30 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from rlserve.server.protocol import (APIError, BatchChatCompletionRequest, ChatCompletionRequest,
-                                     ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
-                                     DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                                     TokenizeChatRequest, TokenizeRequest, TokenizeResponse)
+from rlserve.server.protocol import (
+    APIError,
+    BatchChatCompletionRequest,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from rlserve.server.serving import json_response
 
 

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
@@ -20,11 +20,23 @@ from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.engine.request import validate_prompt, version_spans
 from rlserve.engine.structured_output import StructuredOutputCompiler
 from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
-from rlserve.server.metrics import ServerMetrics
-from rlserve.server.protocol import (APIError, ChatChoice, ChatChunkChoice, ChatCompletionRequest, ChatMessage,
-                                     CompletionRequest, CompletionStreamChoice, PromptLogprob, PromptLogprobs,
-                                     PromptTokensDetails, TokenizeChatRequest, Usage, WeightVersionSpan)
 from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
+from rlserve.server.metrics import ServerMetrics
+from rlserve.server.protocol import (
+    APIError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    CompletionStreamChoice,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
+    TokenizeChatRequest,
+    Usage,
+    WeightVersionSpan,
+)
 from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
 
@@ -87,7 +99,7 @@ class Generation:
     request's state; `close` ends whatever still runs (the client left, or an error).
     """
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, prompts: list[Prompt],
+    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[Prompt],
                  params: SamplingParams, arrival: float, stream: bool, cache_salt: str | None = None,
                  lora_name: str | None = None, metrics: ServerMetrics | None = None):
         for p in prompts:  # all checked before any is sent
@@ -154,7 +166,7 @@ class Generation:
 class OpenAIServing:
     """Request handling shared by the routes: validation, prompts, sampling parameters."""
 
-    def __init__(self, engine: "AsyncEngine", config: EngineConfig, metrics: ServerMetrics,
+    def __init__(self, engine: AsyncEngine, config: EngineConfig, metrics: ServerMetrics,
                  options: ServingOptions | None = None):
         self.options = options or ServingOptions()
         self.max_prompts = self.options.max_prompts
@@ -165,6 +177,7 @@ class OpenAIServing:
         self.tokens = TokenStrings(engine.tokenizer)
         self.created = int(time.time())
         self.vocab_size = engine.vocab_size
+        assert engine.info is not None  # built at start-up, once the engine has started
         # Only its `validate` runs here (a spec's parse); the engine compiles the masks.
         self.grammars = StructuredOutputCompiler(engine.tokenizer, engine.vocab_size,
                                                  engine.info.eos_token_ids, limits=config.grammar_limits)
@@ -328,14 +341,15 @@ class OpenAIServing:
             repetition_penalty=pick("repetition_penalty", 1.0),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            logit_bias=body.logit_bias,
+            # SamplingParams takes JSON's string keys and turns them into token ids.
+            logit_bias=body.logit_bias,  # type: ignore[arg-type]
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words,
             structured_outputs=structured.spec if structured is not None else None,
             seed=body.seed,
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
-            stop=body.stop,
+            stop=body.stop,  # type: ignore[arg-type]  # a single string too: SamplingParams makes it a list
             stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
@@ -389,8 +403,9 @@ class OpenAIServing:
 
     async def _closing(self, events: AsyncIterator[str], generation: Generation) -> AsyncIterator[str]:
         """SSE body: the events, then [DONE]; whatever happens, the engine requests end."""
-        import anyio
         import logging
+
+        import anyio
         ended = False
         try:
             try:

@@ -5,24 +5,37 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from fastapi.responses import Response
 
 from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
-from rlserve.server.protocol import (AssistantMessage, BatchChatCompletionRequest, ChatChoice, ChatChunkChoice,
-                                     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                     ChatLogprobs, DeltaMessage, TokenLogprobEntry, TopLogprob)
+from rlserve.server.protocol import (
+    AssistantMessage,
+    BatchChatCompletionRequest,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatFinishReason,
+    ChatLogprobs,
+    DeltaMessage,
+    TokenLogprobEntry,
+    TopLogprob,
+)
 from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage
 from rlserve.server.token_strings import floor_logprob
 from rlserve.server.tool_calls import ChoiceToolCalls
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
+def _finish_reason(reason: str | None, called: bool) -> ChatFinishReason | None:
     """A choice that ended by stopping after tool calls finished with them (OpenAI)."""
-    return "tool_calls" if reason == "stop" and called else reason
+    # The engine's reasons are stop, length and abort, typed there as str.
+    return "tool_calls" if reason == "stop" and called else reason  # type: ignore[return-value]
 
 
 def _check_batch(body: BatchChatCompletionRequest) -> None:

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi.responses import Response
 
 from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
-from rlserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                     CompletionStreamChoice, CompletionStreamResponse)
+from rlserve.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+)
 from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage
 from rlserve.server.token_strings import floor_logprob
 
@@ -47,9 +53,9 @@ class CompletionServing(OpenAIServing):
         """One prompt (a string or a token-id list) or a batch of them; never empty. Token
         prompts are decoded for `echo` unless the request skips detokenization."""
         if isinstance(prompt, str) or isinstance(prompt[0], int):
-            items: list[str | list[int]] = [prompt]  # type: ignore[list-item]
+            items: list[str | list[int]] = [prompt]
         else:
-            items = list(prompt)  # type: ignore[arg-type]
+            items = list(prompt)
         if len(items) > self.max_prompts:
             raise InvalidRequestError(f"prompt: {len(items)} prompts in one request, the limit is "
                                       f"{self.max_prompts} (--max-prompts-per-request)", "prompt")
@@ -93,7 +99,8 @@ class CompletionServing(OpenAIServing):
         echo = body.echo and delta.first
         text = (prompt.text if echo else "") + delta.text
         cls = CompletionStreamChoice if offsets is not None else CompletionChoice
-        choice = cls(index=index, text=text, finish_reason=delta.finish_reason)
+        # The engine's reasons are stop, length and abort, typed there as str.
+        choice = cls(index=index, text=text, finish_reason=delta.finish_reason)  # type: ignore[arg-type]
         if body.logprobs is not None:
             ids: list[int] = list(delta.token_ids)
             lps: list[TokenLogprob | None] = list(delta.logprobs or [])
@@ -120,10 +127,12 @@ class CompletionServing(OpenAIServing):
 
     def _body(self, body: CompletionRequest, request_id: str, created: int, prompts: list[Prompt],
               generation: Generation) -> CompletionResponse:
-        choices = []
+        choices: list[CompletionChoice] = []
         for i, (prompt, state) in enumerate(zip(prompts, generation.states)):
             for delta in state.deltas():
-                choices.append(self._choice(body, i * body.n + delta.index, prompt, state, delta))
+                choice = self._choice(body, i * body.n + delta.index, prompt, state, delta)
+                assert isinstance(choice, CompletionChoice)  # no offsets: a body's choice
+                choices.append(choice)
         states = generation.states
         return CompletionResponse(
             id=request_id, created=created, model=body.model or self.model_name, choices=choices,

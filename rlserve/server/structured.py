@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from rlserve.sampling_params import InvalidRequestError, StructuredOutputsParams
-from rlserve.server.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice,
-                                     ToolDefinition)
+from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, ToolDefinition
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -41,8 +40,8 @@ def required_tools_schema(tools: list[ToolDefinition], parallel: bool) -> dict[s
     variants = []
     for tool in tools:
         parameters = dict(tool.function.parameters or _NO_PARAMETERS)
-        for name, schema in parameters.pop("$defs", {}).items():
-            if defs.setdefault(name, schema) != schema:
+        for name, definition in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, definition) != definition:
                 raise InvalidRequestError(
                     f"tools: $defs {name!r} is defined differently by two tools; with "
                     "tool_choice 'required' their definitions share one namespace", "tools")

@@ -22,8 +22,14 @@ import json
 import uuid
 
 from rlserve import json_depth
-from rlserve.server.protocol import (ChatCompletionRequest, DeltaFunctionCall, DeltaToolCall,
-                                     FunctionCallOut, NamedToolChoice, ToolCallOut)
+from rlserve.server.protocol import (
+    ChatCompletionRequest,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallOut,
+    NamedToolChoice,
+    ToolCallOut,
+)
 from rlserve.server.tool_parsers import TOOL_PARSERS, ParsedToolCall
 
 
@@ -66,7 +72,8 @@ class ChoiceToolCalls:
     def __init__(self, body: ChatCompletionRequest, parser: str = "hermes"):
         self.mode = tool_choice_mode(body)
         self.single = body.parallel_tool_calls is False
-        self.name = body.tool_choice.function.name if self.mode == "named" else None  # type: ignore[union-attr]
+        choice = body.tool_choice
+        self.name = choice.function.name if isinstance(choice, NamedToolChoice) else ""  # read in named mode alone
         self.parser = TOOL_PARSERS[parser]
         self._stream = self.parser.stream() if self.mode == "auto" else None
         self._text = ""  # required: the whole text, parsed at the end
@@ -82,6 +89,7 @@ class ChoiceToolCalls:
         only whitespace is left of it."""
         if self.mode == "none":
             return text, []
+        calls: list[ParsedToolCall] | None
         if self.mode == "named":
             if not _is_object(text):  # cut short by max_tokens
                 return text or None, []
@@ -120,6 +128,7 @@ class ChoiceToolCalls:
             if calls is None:
                 return self._text, []
             return "", self._whole_calls(calls)
+        assert self._stream is not None  # auto, the mode left, has one
         pieces = self._stream.feed(text) + (self._stream.finish() if final else [])
         content = "".join(p for p in pieces if isinstance(p, str))
         return content, self._whole_calls([p for p in pieces if isinstance(p, ParsedToolCall)])

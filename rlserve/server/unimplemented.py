@@ -9,7 +9,8 @@ all are refused by pydantic (`extra="forbid"` on every request model).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from pydantic_core import PydanticCustomError
 
