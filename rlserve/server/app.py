@@ -25,7 +25,7 @@ from rlserve.sampling_params import InvalidRequestError
 from rlserve.server import routes_openai
 from rlserve.server.limits import BODY_JSON_DEPTH, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from rlserve.server.protocol import APIError, VersionResponse, error_type
+from rlserve.server.responses import APIError, VersionResponse, error_type
 from rlserve.server.serving import ServingOptions
 from rlserve.server.serving_chat import ChatServing
 from rlserve.server.serving_completion import CompletionServing

@@ -1,4 +1,4 @@
-"""Bodies of the OpenAI-compatible API, as pydantic models.
+"""Request bodies of the OpenAI-compatible API, as pydantic models (responses.py: the answers).
 
 Names, defaults and shapes follow OpenAI's API. The extensions RL rollouts need (top_k,
 min_p, ignore_eos, min_tokens, return_token_ids, return_weight_versions, ...) and vLLM's
@@ -12,9 +12,7 @@ implement are refused with the reason (rlserve/server/unimplemented.py).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
-from http import HTTPStatus
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -29,15 +27,6 @@ MAX_N = 128  # OpenAI's limit on samples per prompt
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX, strict=True)]
 
 
-def _omit_none(value: Any) -> bool:
-    return value is None
-
-
-def Extension(default: Any = None, description: str | None = None) -> Any:  # noqa: N802
-    """A response field outside OpenAI's schema: left out of the JSON while unset."""
-    return Field(default, description=description, exclude_if=_omit_none)
-
-
 class _Request(BaseModel):
     # Unknown fields are refused: a field this server does not know would otherwise be
     # silently dropped, and a rollout would run without what it asked for. Types are strict
@@ -50,13 +39,6 @@ class _Request(BaseModel):
     @classmethod
     def _refuse_unimplemented(cls, data: Any) -> Any:
         return unimplemented.drop_neutral(data, cls.unimplemented_fields)
-
-
-class _Response(BaseModel):
-    pass
-
-
-# ---------------------------------------------------------------- requests
 
 
 class StreamOptions(_Request):
@@ -284,257 +266,3 @@ class TokenizeChatRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[TokenId]
-
-
-# ---------------------------------------------------------------- responses
-
-
-# vLLM's error types by status; others take the status's phrase, as vLLM's HTTP errors do.
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-               501: "NotImplementedError", 503: "ServiceUnavailableError"}
-
-
-def error_type(status: int, phrase: bool = False) -> str:
-    """vLLM's type for an error of `status`; `phrase`: the status's phrase, as vLLM types
-    the errors of its HTTP layer (unknown route, wrong method)."""
-    try:
-        return (None if phrase else ERROR_TYPES.get(status)) or HTTPStatus(status).phrase
-    except ValueError:  # not a status http.HTTPStatus knows
-        return "Error"
-
-
-class ErrorInfo(_Response):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None  # the HTTP status, as vLLM sends it (401: OpenAI's string)
-
-
-class ErrorResponse(_Response):
-    error: ErrorInfo
-
-
-class PromptTokensDetails(_Response):
-    cached_tokens: int = 0
-
-
-class Usage(_Response):
-    prompt_tokens: int
-    completion_tokens: int = 0
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = Extension()
-
-
-class WeightVersionSpan(_Response):
-    """Output tokens [start, end) of a choice were sampled with weights of `version`: a
-    string in `weight_versions` (vLLM's, the label /weight_info reports), an integer in
-    `weight_version_spans` (rlserve's older field)."""
-
-    version: str | int
-    start: int
-    end: int
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(_Response):
-    """vLLM's Logprob: one token's logprob at a prompt position."""
-
-    logprob: float
-    rank: int | None = None  # 1 = the most likely token there
-    decoded_token: str | None = None
-
-
-# One entry per prompt token: None for the first (nothing predicts it), else the prompt
-# token and the top alternatives, keyed by token id.
-PromptLogprobs = list[dict[str, PromptLogprob] | None]
-
-
-class CompletionStreamChoice(_Response):
-    """A choice of a streamed chunk; vLLM's fields are sent as null when unset."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-    stop_reason: int | str | None = Field(
-        None, description="The stop string or token id that ended the choice.")
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-    weight_versions: list[WeightVersionSpan] | None = Extension()
-    weight_version_spans: list[WeightVersionSpan] | None = Extension()
-
-
-class CompletionChoice(CompletionStreamChoice):
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-class CompletionStreamResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionStreamChoice]
-    usage: Usage | None = Extension()
-    weight_version: int
-
-
-class CompletionResponse(CompletionStreamResponse):
-    created: int = Field(default_factory=lambda: int(time.time()))
-    choices: list[CompletionChoice]  # type: ignore[assignment]
-    weight_version: int = Field(description="Weight version of the latest tokens in this body.")
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprobEntry(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(_Response):
-    content: list[TokenLogprobEntry] | None = None
-
-
-class FunctionCallOut(_Response):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCallOut(_Response):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
-class AssistantMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCallOut] | None = Extension()
-    reasoning: str | None = Field(None, description="vLLM's; reasoning is not parsed out of the "
-                                                    "output here, so always null")
-
-
-ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
-
-
-class ChatChoice(_Response):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: ChatFinishReason | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    weight_versions: list[WeightVersionSpan] | None = Extension()
-    weight_version_spans: list[WeightVersionSpan] | None = Extension()
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = Extension()
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None
-    weight_version: int
-
-
-class DeltaFunctionCall(_Response):
-    name: str | None = Extension()
-    arguments: str | None = Extension()
-
-
-class DeltaToolCall(_Response):
-    """A piece of a streamed tool call: the first carries id, type and name; the
-    `arguments` of all pieces of one index concatenate to the call's JSON arguments."""
-
-    index: int
-    id: str | None = Extension()
-    type: Literal["function"] | None = Extension()
-    function: DeltaFunctionCall
-
-
-class DeltaMessage(_Response):
-    role: Literal["assistant"] | None = Extension()
-    content: str | None = Extension()
-    tool_calls: list[DeltaToolCall] | None = Extension()
-
-
-class ChatChunkChoice(_Response):
-    """Chunks are sent with only the fields set (as vLLM sends them): stop_reason in a
-    choice's last chunk, token_ids in each chunk with tokens, as null when not asked for."""
-
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: ChatFinishReason | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    weight_versions: list[WeightVersionSpan] | None = Extension()
-    weight_version_spans: list[WeightVersionSpan] | None = Extension()
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = Extension()
-    prompt_token_ids: list[int] | None = None  # the first chunk's
-    weight_version: int
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "rlserve"
-    root: str
-    parent: str | None = Field(None, description="a LoRA adapter's base model")
-    max_model_len: int
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(_Response):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(_Response):
-    prompt: str
-
-
-class VersionResponse(_Response):
-    version: str
-
-
-class APIError(Exception):
-    """Raised anywhere in the HTTP layer; the app turns it into an OpenAI-shaped error."""
-
-    def __init__(self, status: int, message: str, type: str | None = None,
-                 param: str | None = None, code: int | str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.info = ErrorInfo(message=message, type=type or error_type(status), param=param,
-                              code=status if code is None else code)
-
-    @property
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=self.info)

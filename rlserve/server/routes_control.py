@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from rlserve.config import EngineConfig
 from rlserve.server.limits import check_int_range
-from rlserve.server.protocol import APIError
+from rlserve.server.responses import APIError
 from rlserve.server.security import require_control_access
 
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlserve.engine.messages import ModelNotFoundError
-from rlserve.server.protocol import APIError, ModelCard
+from rlserve.server.responses import APIError, ModelCard
 from rlserve.server.security import require_control_access
 
 

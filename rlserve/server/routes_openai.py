@@ -16,19 +16,21 @@ from fastapi.responses import Response
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from rlserve.server.protocol import (
-    APIError,
     BatchChatCompletionRequest,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+)
+from rlserve.server.responses import (
+    APIError,
+    ChatCompletionResponse,
+    CompletionResponse,
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeChatRequest,
-    TokenizeRequest,
     TokenizeResponse,
 )
 from rlserve.server.serving import json_response

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from fastapi import Request
 
-from rlserve.server.protocol import APIError
+from rlserve.server.responses import APIError
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 

@@ -22,18 +22,15 @@ from rlserve.engine.structured_output import StructuredOutputCompiler
 from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
 from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
 from rlserve.server.metrics import ServerMetrics
-from rlserve.server.protocol import (
+from rlserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
+from rlserve.server.responses import (
     APIError,
     ChatChoice,
     ChatChunkChoice,
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
     CompletionStreamChoice,
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,
-    TokenizeChatRequest,
     Usage,
     WeightVersionSpan,
 )

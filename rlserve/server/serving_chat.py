@@ -13,13 +13,12 @@ from fastapi.responses import Response
 from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
-from rlserve.server.protocol import (
+from rlserve.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest
+from rlserve.server.responses import (
     AssistantMessage,
-    BatchChatCompletionRequest,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatFinishReason,
     ChatLogprobs,

@@ -22,14 +22,8 @@ import json
 import uuid
 
 from rlserve import json_depth
-from rlserve.server.protocol import (
-    ChatCompletionRequest,
-    DeltaFunctionCall,
-    DeltaToolCall,
-    FunctionCallOut,
-    NamedToolChoice,
-    ToolCallOut,
-)
+from rlserve.server.protocol import ChatCompletionRequest, NamedToolChoice
+from rlserve.server.responses import DeltaFunctionCall, DeltaToolCall, FunctionCallOut, ToolCallOut
 from rlserve.server.tool_parsers import TOOL_PARSERS, ParsedToolCall
 
 
