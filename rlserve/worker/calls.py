@@ -9,7 +9,7 @@ tensor-parallel group (Executor.load_tensors) instead of sending them in the mes
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -174,6 +174,7 @@ class LoadLoRA(TensorCall):
         worker.load_lora(tensors, self.name, self.slot, self.config)
 
 
-AnyRankCall = Union[DetermineNumBlocks, InitKVCache, CaptureCudaGraphs, Sleep, WakeUp, RemoveLoRA, SwapLoRA,
-                    JoinTransfer, ReceiveWeights, RefuseUpdate, ApplyStaged, DropStaged, CloseTransfer,
-                    Checksums, WeightsLayout, CopyPeer, LoadWeights, LoadLoRA]
+AnyTensorCall = LoadWeights | LoadLoRA  # what a "load" message carries
+AnyRankCall = (DetermineNumBlocks | InitKVCache | CaptureCudaGraphs | Sleep | WakeUp | RemoveLoRA | SwapLoRA
+               | JoinTransfer | ReceiveWeights | RefuseUpdate | ApplyStaged | DropStaged | CloseTransfer
+               | Checksums | WeightsLayout | CopyPeer | AnyTensorCall)

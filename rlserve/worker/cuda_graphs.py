@@ -97,6 +97,7 @@ class CudaGraphs:
         """A decode step of len(input_ids) <= max_batch sequences (step_inputs.BatchInputs)."""
         n = input_ids.shape[0]
         size = self.size_for(n)
+        assert m.seq_order is not None  # StepInputs orders every step's sequences
         self.stage(input_ids, positions, m.slot_mapping, m.seq_lens, m.seq_order, m.block_tables,
                    self.input_ids, self.positions, self.slots, self.seq_lens, self.order, self.tables, size)
         if lora is not None:

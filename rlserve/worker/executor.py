@@ -27,7 +27,8 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgpack
 import msgspec
@@ -65,7 +66,7 @@ def _describe_exit(code: int | None) -> str:
 class WorkerProcess:
     """The executor's handle on one worker process: its socket, its replies, its exit."""
 
-    def __init__(self, rank: int, init: dict[str, Any], on_lost: Callable[["WorkerProcess"], None]):
+    def __init__(self, rank: int, init: dict[str, Any], on_lost: Callable[[WorkerProcess], None]):
         self.rank = rank
         self.on_lost = on_lost
         ours, theirs = socket.socketpair()
@@ -289,7 +290,8 @@ class Executor:
         self.check_health()
         with self._step_failures():
             if self.workers:
-                self._send_all(self._steps.encode(sched, block_tables))
+                # With worker processes the engine passes lists (EngineCore._tables).
+                self._send_all(self._steps.encode(sched, block_tables))  # type: ignore[arg-type]
             return self.driver.runner.launch(sched, block_tables, prev, sample=sample)
 
     def sample(self, handle: StepHandle, token_bitmask) -> None:

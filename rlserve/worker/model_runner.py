@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -126,7 +127,7 @@ class ModelRunner:
         if self.lora is None:
             return self.model(batch.input_ids, batch.positions, batch.meta)
         # Eager: the LoRA layers run only when some token of the step has an adapter.
-        self.lora.context.batch = batch.lora if batch.lora.segments else None
+        self.lora.context.batch = batch.lora if batch.lora is not None and batch.lora.segments else None
         try:
             return self.model(batch.input_ids, batch.positions, batch.meta)
         finally:
@@ -162,6 +163,7 @@ class ModelRunner:
         for rid, (first, targets) in batch.prompt_rows.items():
             req = next(it.request for it in sched.scheduled if it.request.request_id == rid)
             k = req.sampling_params.prompt_logprobs
+            assert k is not None  # prompt_rows holds the requests that asked for prompt logprobs
             lp = S.raw_logprobs(logits[first:first + len(targets)])
             prompt[rid] = (targets, k, S.logprob_stats(lp, torch.tensor(targets, device=lp.device), k))
             prompt_start[rid] = req.num_computed_tokens
@@ -183,12 +185,12 @@ class ModelRunner:
 
         out = handle.sampled
         if out is not None:
-            out = S.SamplerOutput(*map(host, (out.token_ids, out.logprobs, out.ranks, out.top_ids,
-                                              out.top_logprobs)))
+            out = S.SamplerOutput(out.token_ids.to("cpu", non_blocking=True),
+                                  *map(host, (out.logprobs, out.ranks, out.top_ids, out.top_logprobs)))
         prompt = {rid: (targets, k, tuple(map(host, stats))) for rid, (targets, k, stats) in handle.prompt.items()}
-        handle.copied = (out, prompt)
-        handle.ready = torch.cuda.Event()
-        handle.ready.record()
+        ready = torch.cuda.Event()
+        ready.record()
+        handle.copied = (out, prompt, ready)
 
     @torch.inference_mode()
     def sample(self, handle: StepHandle, token_bitmask: torch.Tensor | np.ndarray | None = None) -> None:
@@ -210,13 +212,14 @@ class ModelRunner:
         token_ids: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         sampled, prompt = handle.sampled, handle.prompt
-        if handle.ready is not None:
-            handle.ready.synchronize()
-            sampled, prompt = handle.copied
+        if handle.copied is not None:
+            sampled, prompt, ready = handle.copied
+            ready.synchronize()
         if sampled is not None:
             token_ids = sampled.token_ids.tolist()
             logprobs = self._to_logprobs(sampled, token_ids, handle.sample_requests)
-        prompt_lps = {rid: self._pack_logprobs(targets, *stats, [k] * len(targets))
+        # Every prompt row asked for logprobs (an int k): its list holds no None.
+        prompt_lps = {rid: cast(list[TokenLogprob], self._pack_logprobs(targets, *stats, [k] * len(targets)))
                       for rid, (targets, k, stats) in prompt.items()}
         return ModelRunnerOutput(handle.sample_requests, token_ids, logprobs, prompt_lps)
 

@@ -15,31 +15,37 @@ in place, uploading nothing but the row indices.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Generic, NamedTuple
 
 import numpy as np
 import torch
 
+from rlserve.worker.upload import ArrayT
 
-class HistoryArrays(NamedTuple):
-    """The token ids and rows `PenaltyHistory.build` adds this step (int64): host arrays
-    in the step's upload, then device tensors. In place (PenaltyPlan.reuse_in_place),
-    only `add_last`."""
 
-    dst: np.ndarray | None  # rows that carry over: row dst[i] is the old tensors' src[i]
-    src: np.ndarray | None
-    add_last: np.ndarray  # rows whose newest token is added on the device
-    out_rows: np.ndarray | None  # (row, token) of the known output tokens not counted yet
-    out_tokens: np.ndarray | None
-    prompt_rows: np.ndarray | None  # (row, token) of prompts entering the mask
-    prompt_tokens: np.ndarray | None
+class RebuildArrays(NamedTuple, Generic[ArrayT]):
+    """What a step adds when its rows are not the ones the tensors hold (int64)."""
+
+    dst: ArrayT  # rows that carry over: row dst[i] is the old tensors' src[i]
+    src: ArrayT
+    out_rows: ArrayT  # (row, token) of the known output tokens not counted yet
+    out_tokens: ArrayT
+    prompt_rows: ArrayT  # (row, token) of prompts entering the mask
+    prompt_tokens: ArrayT
+
+
+class HistoryArrays(NamedTuple, Generic[ArrayT]):
+    """The token ids and rows `PenaltyHistory.build` adds this step: host arrays in the
+    step's upload, then device tensors."""
+
+    add_last: ArrayT  # int64 rows whose newest token is added on the device
+    rebuild: RebuildArrays[ArrayT] | None  # None: the same rows as the tensors hold, added to in place
 
 
 class PenaltyPlan(NamedTuple):
     """What `PenaltyHistory.build` does on the device this step, as host arrays to upload."""
 
-    arrays: HistoryArrays  # uploaded with the step
-    reuse_in_place: bool  # the same rows as the tensors hold: add to them in place
+    arrays: HistoryArrays[np.ndarray]  # uploaded with the step
     needs_prompt: np.ndarray  # bool per row: has a repetition penalty
 
 
@@ -69,8 +75,7 @@ class PenaltyHistory:
             gained = num_tokens - self.counted
             if ((gained == 0) | (gained == 1)).all():
                 self.counted = num_tokens
-                return PenaltyPlan(HistoryArrays(None, None, np.flatnonzero(gained), None, None, None, None),
-                                   True, needs_prompt)
+                return PenaltyPlan(HistoryArrays(np.flatnonzero(gained), None), needs_prompt)
 
         old_rows = {id(r): i for i, r in enumerate(self.requests)}
         dst, src, add_last = [], [], []
@@ -104,33 +109,32 @@ class PenaltyHistory:
         def cat(parts: list[np.ndarray]) -> np.ndarray:
             return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-        arrays = HistoryArrays(dst=np.array(dst, dtype=np.int64), src=np.array(src, dtype=np.int64),
-                               add_last=np.array(add_last, dtype=np.int64),
-                               out_rows=cat(out_rows), out_tokens=cat(out_tokens),
-                               prompt_rows=cat(prompt_rows), prompt_tokens=cat(prompt_tokens))
-        return PenaltyPlan(arrays, False, needs_prompt)
+        rebuild = RebuildArrays(dst=np.array(dst, dtype=np.int64), src=np.array(src, dtype=np.int64),
+                                out_rows=cat(out_rows), out_tokens=cat(out_tokens),
+                                prompt_rows=cat(prompt_rows), prompt_tokens=cat(prompt_tokens))
+        return PenaltyPlan(HistoryArrays(np.array(add_last, dtype=np.int64), rebuild), needs_prompt)
 
-    def build(self, plan: PenaltyPlan, t: HistoryArrays, last_tokens: torch.Tensor
+    def build(self, plan: PenaltyPlan, t: HistoryArrays[torch.Tensor], last_tokens: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Device side: the rows' counts and prompt masks this step. `t`: the plan's arrays
         on the device; `last_tokens` [rows]: each row's newest token."""
-        add_last = t.add_last
-        if plan.reuse_in_place:
+        add_last, r = t.add_last, t.rebuild
+        if r is None:
+            assert self.counts is not None  # `plan` found the rows these tensors were built for
             self._add(self.counts, add_last, last_tokens[add_last])
             return self.counts, self.prompt_mask
         rows = len(plan.needs_prompt)
         counts = torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=self.device)
-        dst, src = t.dst, t.src
-        if self.counts is not None and dst.numel():
-            counts.index_copy_(0, dst, self.counts.index_select(0, src))
-        self._add(counts, t.out_rows, t.out_tokens)
+        if self.counts is not None and r.dst.numel():
+            counts.index_copy_(0, r.dst, self.counts.index_select(0, r.src))
+        self._add(counts, r.out_rows, r.out_tokens)
         self._add(counts, add_last, last_tokens[add_last])
         mask = None
         if plan.needs_prompt.any():
             mask = torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=self.device)
-            if self.prompt_mask is not None and dst.numel():
-                mask.index_copy_(0, dst, self.prompt_mask.index_select(0, src))
-            mask[t.prompt_rows, t.prompt_tokens] = True
+            if self.prompt_mask is not None and r.dst.numel():
+                mask.index_copy_(0, r.dst, self.prompt_mask.index_select(0, r.src))
+            mask[r.prompt_rows, r.prompt_tokens] = True
         self.counts, self.prompt_mask = counts, mask
         return counts, mask
 

@@ -13,8 +13,8 @@ request gets the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -44,14 +44,14 @@ class Penalties:
 class LogitsProcessing:
     """Per-row changes to the logits before temperature; only the parts some row uses are set."""
 
-    allowed_rows: torch.Tensor | None = None  # [A] rows with an allow-list
-    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, token) pairs that keep their logit
+    last_tokens: torch.Tensor  # [R] each row's newest token, on the device
+    # (rows with an allow-list, then the (row, token) pairs that keep their logit)
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     bans: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, token) pairs masked out
     # Per ban: the ban holds only if the row's newest token is this one (the end of a
     # longer bad word, which may still be in flight on the host's side); -1: always.
     # None: every ban always holds.
     ban_after: torch.Tensor | None = None
-    last_tokens: torch.Tensor | None = None  # [R] each row's newest token, on the device
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, token, bias)
     penalties: Penalties | None = None
 
@@ -105,7 +105,11 @@ def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def logprob_stats(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int):
+# Per row: the logprob and rank of a token, and the top alternatives' ids and logprobs (None: k = 0).
+LogprobStats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def logprob_stats(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobStats:
     """Logprob and rank of `token_ids` in each row, and the top-k alternatives (k = -1, or
     a k beyond the vocabulary: all of them, most likely first)."""
     chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
@@ -162,9 +166,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 def apply_processing(logits: torch.Tensor, proc: LogitsProcessing) -> None:
     """The allow-list, bans, bias and penalties, in place on float32 logits [R, V]."""
     if proc.allowed is not None:
-        rows, toks = proc.allowed
+        allowed_rows, rows, toks = proc.allowed
         keep = logits[rows, toks]
-        logits.index_fill_(0, proc.allowed_rows, _MASK)
+        logits.index_fill_(0, allowed_rows, _MASK)
         logits[rows, toks] = keep
     if proc.bans is not None:
         rows, toks = proc.bans

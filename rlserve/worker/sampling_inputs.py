@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import NamedTuple
+from typing import Any, Generic, NamedTuple
 
 import numpy as np
 import torch
@@ -22,51 +22,75 @@ import torch
 from rlserve.sequence import SamplingRow
 from rlserve.worker import sampler as S
 from rlserve.worker.penalties import HistoryArrays, PenaltyHistory, PenaltyPlan
-from rlserve.worker.upload import upload_groups
+from rlserve.worker.upload import ArrayT, upload_groups
 
 
-class ProcessorArrays(NamedTuple):
+class AllowArrays(NamedTuple, Generic[ArrayT]):
+    """The allow-lists of a batch's rows (int64), in S.LogitsProcessing.allowed's order."""
+
+    rows: ArrayT  # rows with an allow-list
+    pair_rows: ArrayT  # (row, token) pairs that keep their logit
+    pair_tokens: ArrayT
+
+
+class BiasArrays(NamedTuple, Generic[ArrayT]):
+    """(row, token) int64, bias float32: added to that logit (S.LogitsProcessing.bias)."""
+
+    rows: ArrayT
+    tokens: ArrayT
+    values: ArrayT
+
+
+class PenaltyArrays(NamedTuple, Generic[ArrayT]):
+    """The penalty rows' parameters (S.Penalties)."""
+
+    repetition: ArrayT  # float32 per penalty row
+    frequency: ArrayT
+    presence: ArrayT
+    rows: ArrayT | None  # int64 rows with penalties; None: every row, in order
+
+
+class ProcessorArrays(NamedTuple, Generic[ArrayT]):
     """A batch's logits-processor arrays that depend only on its requests; None where no
     row uses that part."""
 
-    allowed_rows: np.ndarray | None  # int64 rows with an allow-list
-    allowed_r: np.ndarray | None  # int64 (row, token) pairs that keep their logit
-    allowed_t: np.ndarray | None
-    bias_r: np.ndarray | None  # int64 (row, token), float32 bias: added to that logit
-    bias_t: np.ndarray | None
-    bias_v: np.ndarray | None
-    repetition: np.ndarray | None  # float32 per penalty row
-    frequency: np.ndarray | None
-    presence: np.ndarray | None
-    penalty_rows: np.ndarray | None  # int64 rows with penalties; None: every row, in order
+    allowed: AllowArrays[ArrayT] | None
+    bias: BiasArrays[ArrayT] | None
+    penalties: PenaltyArrays[ArrayT] | None
 
 
-class SamplingArrays(NamedTuple):
+class BanArrays(NamedTuple, Generic[ArrayT]):
+    """The tokens masked this step (int64), see `_seeds_and_bans`."""
+
+    rows: ArrayT  # (row, token) masked
+    tokens: ArrayT
+    after: ArrayT | None  # per ban (see S.LogitsProcessing.ban_after); None: all hold
+
+
+class SamplingArrays(NamedTuple, Generic[ArrayT]):
     """One step's sampling inputs: host arrays in the step's upload, then device tensors
     under the same names."""
 
-    temperature: np.ndarray  # float32 [R], 0 = greedy
-    top_p: np.ndarray  # float32 [R]
-    min_p: np.ndarray  # float32 [R]
-    top_k: np.ndarray  # int64 [R], 0 = off
-    noise_seeds: np.ndarray | None  # int64 [R] Philox keys (fused sampling only)
-    processors: ProcessorArrays | None  # None: no allow-list, bias or penalty in the batch
-    ban_rows: np.ndarray | None  # int64 (row, token) masked this step; None: no ban
-    ban_tokens: np.ndarray | None
-    ban_after: np.ndarray | None  # int64 per ban (see S.LogitsProcessing.ban_after); None: all hold
-    history: HistoryArrays | None  # the penalties' token history (rlserve.worker.penalties)
+    temperature: ArrayT  # float32 [R], 0 = greedy
+    top_p: ArrayT  # float32 [R]
+    min_p: ArrayT  # float32 [R]
+    top_k: ArrayT  # int64 [R], 0 = off
+    noise_seeds: ArrayT | None  # int64 [R] Philox keys (fused sampling only)
+    processors: ProcessorArrays[ArrayT] | None  # None: no allow-list, bias or penalty in the batch
+    bans: BanArrays[ArrayT] | None  # None: no ban
+    history: HistoryArrays[ArrayT] | None  # the penalties' token history (rlserve.worker.penalties)
 
     @property
     def processes(self) -> bool:
         """Some row's logits are processed this step (S.LogitsProcessing)."""
-        return self.processors is not None or self.ban_rows is not None or self.history is not None
+        return self.processors is not None or self.bans is not None or self.history is not None
 
 
 class _Processors(NamedTuple):
     """The logits processors of a batch's rows (Request.processors), as host arrays: what
     depends only on the requests (see `_processors`)."""
 
-    arrays: ProcessorArrays | None  # uploaded with every step
+    arrays: ProcessorArrays[np.ndarray] | None  # uploaded with every step
     banned_rows: np.ndarray  # int64, with banned_tokens: masked in every step
     banned_tokens: np.ndarray
     bad_word_rows: list[int]  # rows with bad words of several tokens (checked per step)
@@ -102,15 +126,12 @@ class SamplingStep(NamedTuple):
     rows: SamplingRows
     seeds: list[tuple[int, int]]  # (row, per-token seed) of the seeded rows
     plan: PenaltyPlan | None
-    arrays: SamplingArrays
+    arrays: SamplingArrays[np.ndarray]
 
 
-_Bans = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]  # SamplingArrays' ban_rows, ban_tokens, ban_after
-
-
-class _Bitmask(NamedTuple):
-    rows: np.ndarray  # int64 rows with a grammar mask
-    words: np.ndarray  # int32 [rows, ceil(V / 32)]
+class _Bitmask(NamedTuple, Generic[ArrayT]):
+    rows: ArrayT  # int64 rows with a grammar mask
+    words: ArrayT  # int32 [rows, ceil(V / 32)]
 
 
 class SamplingInputs:
@@ -133,21 +154,25 @@ class SamplingInputs:
         plan = self._penalty_plan(rows)
         arrays = SamplingArrays(
             rows.temperature, rows.top_p, rows.min_p, rows.top_k, noise,
-            None if rows.processors is None else rows.processors.arrays, *(bans or (None, None, None)),
+            None if rows.processors is None else rows.processors.arrays, bans,
             None if plan is None else plan.arrays)
         return SamplingStep(rows, seeds, plan, arrays)
 
-    def device_batch(self, step: SamplingStep, t: SamplingArrays, last_tokens: torch.Tensor | None
+    def device_batch(self, step: SamplingStep, t: SamplingArrays[torch.Tensor], last_tokens: torch.Tensor | None
                      ) -> S.SamplingBatch:
         """Device half: the SamplingBatch from the step's uploaded arrays `t`;
         `last_tokens`: each row's newest token, on the device (needed when t.processes)."""
         rows = step.rows
+        processing = None
+        if t.processes:
+            assert last_tokens is not None, "processed rows need their newest tokens"
+            processing = self._processing(step, t, last_tokens)
         return S.SamplingBatch(
             temperature=t.temperature, top_p=t.top_p, min_p=t.min_p, top_k=t.top_k,
             seeds=step.seeds, all_greedy=rows.all_greedy, any_greedy=rows.any_greedy,
             need_top_k=rows.need_top_k, need_top_p=rows.need_top_p, need_min_p=rows.need_min_p,
             max_logprobs=rows.max_logprobs, noise_seeds=t.noise_seeds,
-            processing=self._processing(step, t, last_tokens) if t.processes else None,
+            processing=processing,
             processed_logprobs=self.processed_logprobs)
 
     def batch(self, reqs: list, fused: bool, last_tokens: torch.Tensor | None = None) -> S.SamplingBatch:
@@ -167,7 +192,8 @@ class SamplingInputs:
         rows = np.flatnonzero((mask != -1).any(axis=1))
         if not rows.size:
             return batch
-        (t,) = upload_groups((_Bitmask(rows.astype(np.int64), np.ascontiguousarray(mask[rows])),), self.device)
+        bitmask: _Bitmask[np.ndarray] = _Bitmask(rows.astype(np.int64), np.ascontiguousarray(mask[rows]))
+        (t,) = upload_groups((bitmask,), self.device)
         return dataclasses.replace(batch, token_bitmask=t.words,
                                    token_bitmask_rows=None if rows.size == mask.shape[0] else t.rows)
 
@@ -181,7 +207,8 @@ class SamplingInputs:
         n, width = len(reqs), len(SamplingRow._fields)
         table = np.fromiter(itertools.chain.from_iterable(r.sampling_row for r in reqs),
                             dtype=np.float64, count=n * width).reshape(n, width)
-        col = SamplingRow._make(table.T)  # each field's column, under its name
+        # Each field's column, under its name: arrays where a SamplingRow holds scalars.
+        col: Any = SamplingRow._make(table.T)
         greedy = col.temperature == 0
         processor_rows = np.flatnonzero(col.has_processors).tolist()
         self._cache = SamplingRows(
@@ -210,25 +237,27 @@ class SamplingInputs:
             return None
         return self.penalties.plan(proc.penalty_requests, proc.needs_prompt)
 
-    def _processing(self, step: SamplingStep, t: SamplingArrays, last_tokens: torch.Tensor) -> S.LogitsProcessing:
+    def _processing(self, step: SamplingStep, t: SamplingArrays[torch.Tensor], last_tokens: torch.Tensor
+                    ) -> S.LogitsProcessing:
         """The step's LogitsProcessing from its uploaded arrays `t` (see _processors,
         _seeds_and_bans and _penalty_plan); `last_tokens`: each row's newest token."""
         out = S.LogitsProcessing(last_tokens=last_tokens)
         p = t.processors
-        if p is not None and p.allowed_rows is not None:
-            out.allowed_rows, out.allowed = p.allowed_rows, (p.allowed_r, p.allowed_t)
-        if t.ban_rows is not None:
-            out.bans, out.ban_after = (t.ban_rows, t.ban_tokens), t.ban_after
-        if p is not None and p.bias_r is not None:
-            out.bias = (p.bias_r, p.bias_t, p.bias_v)
+        if p is not None:
+            out.allowed, out.bias = p.allowed, p.bias
+        if t.bans is not None:
+            out.bans, out.ban_after = (t.bans.rows, t.bans.tokens), t.bans.after
         if step.plan is not None:
             proc = step.rows.processors
-            rows = p.penalty_rows
+            # A penalty plan is made for the rows with penalties (_penalty_plan), whose
+            # arrays and history travel with it.
+            assert proc is not None and p is not None and p.penalties is not None and t.history is not None
+            pen = p.penalties
             counts, prompt_mask = self.penalties.build(
-                step.plan, t.history, last_tokens if rows is None else last_tokens[rows])
+                step.plan, t.history, last_tokens if pen.rows is None else last_tokens[pen.rows])
             out.penalties = S.Penalties(
-                rows=rows, repetition=p.repetition.view(-1, 1), frequency=p.frequency.view(-1, 1),
-                presence=p.presence.view(-1, 1), counts=counts, prompt_mask=prompt_mask,
+                rows=pen.rows, repetition=pen.repetition.view(-1, 1), frequency=pen.frequency.view(-1, 1),
+                presence=pen.presence.view(-1, 1), counts=counts, prompt_mask=prompt_mask,
                 any_repetition=bool(proc.needs_prompt.any()), any_frequency=proc.any_frequency,
                 any_presence=proc.any_presence)
         return out
@@ -262,21 +291,22 @@ def _processors(reqs: list, rows: list[int]) -> _Processors:
         if proc.penalties is not None:
             penalty_rows.append(i)
             penalties.append(proc.penalties)
-    allowed = (np.array(allowed_rows, dtype=np.int64), cat(allowed_r), cat(allowed_t)) if allowed_rows else (None,) * 3
-    bias = (cat(bias_r), cat(bias_t), cat(bias_v, np.float32)) if bias_r else (None,) * 3
+    allowed = (AllowArrays(np.array(allowed_rows, dtype=np.int64), cat(allowed_r), cat(allowed_t))
+               if allowed_rows else None)
+    bias = BiasArrays(cat(bias_r), cat(bias_t), cat(bias_v, np.float32)) if bias_r else None
     pen = np.array(penalties, dtype=np.float32).reshape(-1, 3)  # repetition, frequency, presence
-    pen_arrays = (None,) * 4
+    pen_arrays: PenaltyArrays[np.ndarray] | None = None
     if penalty_rows:
-        pen_arrays = (pen[:, 0].copy(), pen[:, 1].copy(), pen[:, 2].copy(),
-                      np.array(penalty_rows, dtype=np.int64) if len(penalty_rows) < len(reqs) else None)
-    arrays = (ProcessorArrays(*allowed, *bias, *pen_arrays) if allowed_rows or bias_r or penalty_rows
+        pen_arrays = PenaltyArrays(pen[:, 0].copy(), pen[:, 1].copy(), pen[:, 2].copy(),
+                                   np.array(penalty_rows, dtype=np.int64) if len(penalty_rows) < len(reqs) else None)
+    arrays = (ProcessorArrays(allowed, bias, pen_arrays) if allowed_rows or bias_r or penalty_rows
               else None)
     return _Processors(arrays, cat(ban_r), cat(ban_t), bad_word_rows,
                        [reqs[i] for i in penalty_rows], pen[:, 0] != 1,
                        bool((pen[:, 1] != 0).any()), bool((pen[:, 2] != 0).any()))
 
 
-def _seeds_and_bans(rows: SamplingRows) -> tuple[list[tuple[int, int]], _Bans | None]:
+def _seeds_and_bans(rows: SamplingRows) -> tuple[list[tuple[int, int]], BanArrays[np.ndarray] | None]:
     """What depends on the step: each seeded row's per-token seed, and the tokens masked
     this step as (rows, tokens, after) (None: no ban): stop tokens in rows still below
     min_tokens, and bad words. Only rows that have them are looked at.
@@ -308,17 +338,17 @@ def _seeds_and_bans(rows: SamplingRows) -> tuple[list[tuple[int, int]], _Bans | 
                 ban_rows.append(i)
                 toks.append(last)
                 after.append(prefix[-1])
-    static = proc is not None and proc.banned_rows.size
-    if not ban_rows and not static:
+    static = proc if proc is not None and proc.banned_rows.size else None  # bans that hold every step
+    if not ban_rows and static is None:
         return seeds, None
     ban_r, ban_t = np.array(ban_rows, dtype=np.int64), np.array(toks, dtype=np.int64)
     ban_after = None
     if after:  # the unconditional ones first, then those that wait for the newest token
         unconditional = len(ban_rows) - len(after)
         ban_after = np.array([-1] * unconditional + after, dtype=np.int64)
-    if static:
-        ban_r = np.concatenate([proc.banned_rows, ban_r])
-        ban_t = np.concatenate([proc.banned_tokens, ban_t])
+    if static is not None:
+        ban_r = np.concatenate([static.banned_rows, ban_r])
+        ban_t = np.concatenate([static.banned_tokens, ban_t])
         if after:
-            ban_after = np.concatenate([np.full(proc.banned_rows.size, -1, dtype=np.int64), ban_after])
-    return seeds, (ban_r, ban_t, ban_after)
+            ban_after = np.concatenate([np.full(static.banned_rows.size, -1, dtype=np.int64), ban_after])
+    return seeds, BanArrays(ban_r, ban_t, ban_after)

@@ -14,38 +14,44 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Generic, NamedTuple
 
 import numpy as np
 import torch
 
 from rlserve.model.layers import AttentionMetadata
 from rlserve.ops.lora import LoRABatch, group_tokens
-from rlserve.sequence import PLACEHOLDER, SchedulerOutput
+from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput, Sequence
 from rlserve.worker import sampler as S
 from rlserve.worker.cuda_graphs import CudaGraphs
 from rlserve.worker.sampling_inputs import SamplingInputs
-from rlserve.worker.upload import upload_groups
+from rlserve.worker.upload import ArrayT, upload_groups
 
 
-class StepArrays(NamedTuple):
+class LoRAArrays(NamedTuple, Generic[ArrayT]):
+    """A step's token rows grouped by adapter slot (int32, see LoRABatch)."""
+
+    tokens: ArrayT  # token rows, grouped by slot
+    starts: ArrayT  # each slot's first token
+
+
+class StepArrays(NamedTuple, Generic[ArrayT]):
     """A step's batch: host arrays in its one upload, then device tensors under the same
     names. The int32 metadata goes in the dtype its consumers take: nothing is converted
     on the device."""
 
-    ids: np.ndarray  # int64 input token per position; PLACEHOLDER where the in-flight step samples it
-    positions: np.ndarray  # int64
-    slots: np.ndarray  # int64 KV-cache slot per token
-    logits_indices: np.ndarray  # int64 rows of the hidden states that need logits, padded
-    fill_at: np.ndarray  # int64 positions whose token comes from the in-flight step
-    fill_from: np.ndarray  # int64 the in-flight step's row for each
-    qsl: np.ndarray  # int32 query start locations, [num_seqs + 1]
-    seq_lens: np.ndarray  # int32 tokens per sequence once this step is computed
-    tables: np.ndarray  # int32 block tables, [num_seqs, most blocks]
-    seq_order: np.ndarray  # int32 the sequences longest first (triton_attention.paged_attention)
-    sample_index: np.ndarray | None  # int64 logits rows that sample; None: all of them
-    lora_tokens: np.ndarray | None  # int32 token rows grouped by adapter slot (LoRABatch)
-    lora_starts: np.ndarray | None  # int32 each slot's first token
+    ids: ArrayT  # int64 input token per position; PLACEHOLDER where the in-flight step samples it
+    positions: ArrayT  # int64
+    slots: ArrayT  # int64 KV-cache slot per token
+    logits_indices: ArrayT  # int64 rows of the hidden states that need logits, padded
+    fill_at: ArrayT  # int64 positions whose token comes from the in-flight step
+    fill_from: ArrayT  # int64 the in-flight step's row for each
+    qsl: ArrayT  # int32 query start locations, [num_seqs + 1]
+    seq_lens: ArrayT  # int32 tokens per sequence once this step is computed
+    tables: ArrayT  # int32 block tables, [num_seqs, most blocks]
+    seq_order: ArrayT  # int32 the sequences longest first (triton_attention.paged_attention)
+    sample_index: ArrayT | None  # int64 logits rows that sample; None: all of them
+    lora: LoRAArrays[ArrayT] | None  # runner with LoRA only
 
 
 @dataclass
@@ -72,15 +78,14 @@ class StepHandle:
 
     sample_requests: list  # ScheduledRequest, aligned with the rows of `sampled`
     sampled: S.SamplerOutput | None
-    prompt: dict[str, tuple[list[int], int, tuple]]  # req id -> (targets, k, device stats)
+    prompt: dict[str, tuple[list[int], int, S.LogprobStats]]  # req id -> (targets, k, device stats)
     prompt_start: dict[str, int]  # req id -> position the step's chunk started at
     requests: list = field(default_factory=list)  # the Request of each sample_requests item
     # launch(sample=False): the sampling rows' logits and parameters, until `sample`
     pending: tuple[torch.Tensor, S.SamplingBatch] | None = None
     # The results on their way to page-locked host memory (`sampled` and `prompt` with host
     # tensors), and the event that marks their arrival; None where they are on the host.
-    copied: tuple[S.SamplerOutput | None, dict] | None = None
-    ready: torch.cuda.Event | None = None
+    copied: tuple[S.SamplerOutput | None, dict, torch.cuda.Event] | None = None
 
     def row_of(self) -> dict[str, int]:
         return {item.request.request_id: i for i, item in enumerate(self.sample_requests)}
@@ -105,6 +110,7 @@ class _InFlightFill(NamedTuple):
     at: np.ndarray  # int64 positions to fill
     source: np.ndarray  # int64 the in-flight step's row for each
     all: bool  # every position, from the in-flight step's rows in order (then `at` is empty)
+    tokens: torch.Tensor | None  # the in-flight step's sampled tokens, on the device; None: nothing to fill
 
 
 class _LogitsPlan(NamedTuple):
@@ -145,7 +151,7 @@ class StepInputs:
         step = self.sampling.host_step(plan.requests, fused) if plan.requests else None
         arrays, lora_segments = self._arrays(lay, fill, plan, reqs)
         t, sampling = upload_groups((arrays, step.arrays if step is not None else None), self.device)
-        batch = self._device_batch(lay, fill, plan, t, lora_segments, prev)
+        batch = self._device_batch(lay, fill, plan, t, lora_segments)
         if step is not None:
             batch.sampling = self.sampling.device_batch(
                 step, sampling, self._newest_tokens(batch) if sampling.processes else None)
@@ -181,15 +187,18 @@ class StepInputs:
         num_seqs = len(reqs)
         fill_at = np.flatnonzero(lay.ids == PLACEHOLDER)  # positions whose token comes from prev
         fill_from = np.empty(0, dtype=np.int64)
+        if not fill_at.size:
+            return _InFlightFill(fill_at, fill_from, False, None)
+        assert prev is not None and prev.sampled is not None, "only the step in flight leaves PLACEHOLDERs"
         # The common case: every row is a decode of the requests prev sampled, in its order.
         fill_all = fill_at.size == lay.ids.size == num_seqs and reqs == prev.requests
         if fill_all:
             fill_at = fill_from
-        elif fill_at.size:
+        else:
             prev_rows = prev.row_of()
             fill_from = np.array([prev_rows[reqs[r].request_id] for r in lay.token_rows[fill_at].tolist()],
                                  dtype=np.int64)
-        return _InFlightFill(fill_at, fill_from, fill_all)
+        return _InFlightFill(fill_at, fill_from, fill_all, prev.sampled.token_ids)
 
     @staticmethod
     def _logits_plan(items, reqs: list, lay: _Layout, totals: list[int], any_prompt_logprobs: bool,
@@ -224,36 +233,38 @@ class StepInputs:
                            prompt_rows, sample_index)
 
     def _arrays(self, lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, reqs: list
-                ) -> tuple[StepArrays, tuple[tuple[int, int, int], ...] | None]:
+                ) -> tuple[StepArrays[np.ndarray], tuple[tuple[int, int, int], ...] | None]:
         """The step's arrays for the upload, and the LoRA segments (None without LoRA)."""
         # Attention starts the longest sequences first (see triton_attention.paged_attention).
         seq_order = np.argsort(-lay.seq_lens, kind="stable").astype(np.int32)
-        lora_tokens = lora_starts = segments = None
+        lora = segments = None
         if self.max_loras is not None:
             # Each token's adapter slot (-1: the base model), tokens grouped by slot.
             num_seqs, num_tokens = len(reqs), lay.ids.size
             row_slots = np.fromiter((r.lora_slot for r in reqs), dtype=np.int32, count=num_seqs)
             lora_tokens, lora_starts, segments = group_tokens(
                 row_slots if num_tokens == num_seqs else np.repeat(row_slots, lay.counts), self.max_loras)
+            lora = LoRAArrays(lora_tokens, lora_starts)
         arrays = StepArrays(
             ids=lay.ids, positions=lay.positions, slots=lay.slots, logits_indices=plan.logits_indices,
             fill_at=fill.at, fill_from=fill.source, qsl=lay.qsl.astype(np.int32),
             seq_lens=lay.seq_lens.astype(np.int32), tables=lay.tables, seq_order=seq_order,
-            sample_index=plan.sample_index, lora_tokens=lora_tokens, lora_starts=lora_starts)
+            sample_index=plan.sample_index, lora=lora)
         return arrays, segments
 
     @staticmethod
-    def _device_batch(lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, t: StepArrays,
-                      lora_segments: tuple | None, prev: StepHandle | None) -> BatchInputs:
+    def _device_batch(lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, t: StepArrays[torch.Tensor],
+                      lora_segments: tuple | None) -> BatchInputs:
         """The device half: tokens from the in-flight step, attention metadata."""
-        if fill.all:
-            t.ids.copy_(prev.sampled.token_ids)
-        elif fill.at.size:
-            t.ids[t.fill_at] = prev.sampled.token_ids[t.fill_from]
+        if fill.tokens is not None:
+            if fill.all:
+                t.ids.copy_(fill.tokens)
+            else:
+                t.ids[t.fill_at] = fill.tokens[t.fill_from]
         meta = AttentionMetadata(
             slot_mapping=t.slots, query_start_loc=t.qsl, seq_lens=t.seq_lens, block_tables=t.tables,
             max_query_len=int(lay.counts.max()), max_seq_len=int(lay.seq_lens.max()), seq_order=t.seq_order)
-        lora = LoRABatch(t.lora_tokens, t.lora_starts, lora_segments) if lora_segments is not None else None
+        lora = LoRABatch(t.lora.tokens, t.lora.starts, lora_segments) if t.lora is not None else None
         return BatchInputs(
             input_ids=t.ids, positions=t.positions, meta=meta, logits_indices=t.logits_indices,
             sample_rows=plan.sample_rows, sample_requests=plan.sample_requests, requests=plan.requests,
@@ -269,10 +280,11 @@ class StepInputs:
         return batch.input_ids[rows]
 
 
-def _gather_rows(items):
+def _gather_rows(items: list[ScheduledRequest]
+                 ) -> tuple[list[Sequence], list[int], list[int], list[int], list[int], bool]:
     """The one per-request loop of `prepare`: each row's request, input tokens, start,
     token count and length, and whether any row still wants prompt logprobs."""
-    reqs = []
+    reqs: list[Sequence] = []
     input_ids: list[int] = []
     starts: list[int] = []
     counts: list[int] = []

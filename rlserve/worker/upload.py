@@ -3,12 +3,14 @@
 A step's inputs travel as typed groups of arrays (NamedTuples whose fields are numpy
 arrays, None where a step has no such part, or another such group): `upload_groups` sends
 every array of every group in one copy and gives each group back with device tensors under
-the same names.
+the same names. The groups are generic over `ArrayT`: Group[np.ndarray] on the host,
+Group[torch.Tensor] on the device.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, TypeVar
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -17,7 +19,8 @@ _ALIGN = 64  # bytes: every part of an upload starts at a multiple (see `upload`
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
                  np.dtype(np.float32): torch.float32}
 
-G = TypeVar("G", bound=tuple)
+# A group's fields: host arrays before the upload, device tensors after it.
+ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 
 def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
@@ -45,9 +48,11 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]
     return out
 
 
-def upload_groups(groups: tuple[G | None, ...], device: torch.device) -> tuple[G | None, ...]:
+def upload_groups(groups: tuple[tuple | None, ...], device: torch.device) -> tuple[Any, ...]:
     """Every array of `groups` (None: no such group this step) in one `upload`; each group
-    comes back as the same NamedTuple with device tensors in place of its arrays."""
+    comes back as the same NamedTuple with device tensors in place of its arrays. Typed Any:
+    a Group[np.ndarray] comes back a Group[torch.Tensor], which typing cannot say of a tuple
+    of groups; the parameters the callers pass them to name them."""
     arrays: list[np.ndarray] = []
     for group in groups:
         if group is not None:
@@ -65,6 +70,6 @@ def _gather(group: tuple, out: list[np.ndarray]) -> None:
                 _gather(value, out)
 
 
-def _rebuild(group: G, tensors: Iterator[torch.Tensor]) -> G:
+def _rebuild(group: Any, tensors: Iterator[torch.Tensor]) -> Any:  # a NamedTuple, with tensors for arrays
     return group._make([value if value is None else next(tensors) if type(value) is np.ndarray
                         else _rebuild(value, tensors) for value in group])

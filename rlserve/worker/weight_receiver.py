@@ -15,17 +15,29 @@ import dataclasses
 import hashlib
 import logging
 import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
 from rlserve.model.base import copy_all
 from rlserve.model.peft import LoRAConfig, pair_tensors, peft_name
-from rlserve.weight_transfer import (ExpectedParam, InvalidUpdateError, WeightTransferError, receive_weights,
-                                     receiver_init, refuse)
+from rlserve.weight_transfer import (
+    ExpectedParam,
+    InvalidUpdateError,
+    TensorMeta,
+    TransferGroup,
+    WeightTransferError,
+    receive_weights,
+    receiver_init,
+    refuse,
+)
 from rlserve.weight_transfer.ipc_receiver import IPCReceiver
 from rlserve.weight_transfer.peer import copy_parameters, layout_digest
 
 logger = logging.getLogger(__name__)
+
+# An adapter update's config, the PEFT tensors it may carry, and the check of their pairing.
+_LoRAExpected = tuple[LoRAConfig, dict[str, ExpectedParam], Callable[[Sequence[TensorMeta]], None]]
 
 
 class WeightReceiver:
@@ -35,13 +47,14 @@ class WeightReceiver:
         # object: the IPC receiver skips re-checking a document against the same checks.
         self.expected: dict[str, ExpectedParam] = model.expected_weights()
         self._optional = {n: dataclasses.replace(e, required=False) for n, e in self.expected.items()}
-        self.group = None
-        self._connecting = None  # a transfer group whose init is under way (abortable)
+        self.group: TransferGroup | None = None
+        self._connecting: TransferGroup | None = None  # a transfer group whose init is under way (abortable)
         self.ipc: IPCReceiver | None = None
         self.lora_ipc: dict[str, IPCReceiver] = {}  # adapter name -> its own handles (kept open)
         self._lora_plans: dict = {}  # target -> (staged tensors, LoRAConfig, LoadPlan) of its last update
-        self._lora_memo = None  # (wire config, what _lora_expected made of it)
-        self._ipc_plan = None  # (staged views, [(target, source)]) while the trainer's storage stays put
+        self._lora_memo: tuple[dict, _LoRAExpected] | None = None  # (wire config, what _lora_expected made of it)
+        # (staged views, [(target, source)]) while the trainer's storage stays put
+        self._ipc_plan: tuple[list, list] | None = None
         self.staged: list | None = None
         self.staged_lora: LoRAConfig | None = None
         self.parts: list[list] = []  # a transaction's received parts
@@ -128,7 +141,7 @@ class WeightReceiver:
             if self.ipc is not None:
                 receiver = self.ipc
                 if lora_config is not None:  # each adapter keeps its own handles open
-                    receiver = self.lora_ipc.setdefault(update_info.get("lora_name"), IPCReceiver(self.device))
+                    receiver = self.lora_ipc.setdefault(update_info["lora_name"], IPCReceiver(self.device))
                 staged = receiver.receive(update_info, expected, validate)
                 if part:
                     staged = [(n, t.clone()) for n, t in staged]
@@ -141,7 +154,7 @@ class WeightReceiver:
                 self.staged, self.staged_lora = staged, config
             return sum(t.numel() * t.element_size() for _, t in staged)
 
-    def _lora_expected(self, wire: dict):
+    def _lora_expected(self, wire: dict) -> _LoRAExpected:
         """An adapter update's config, the PEFT names and full shapes it may carry (staged
         in float32: the scaling is applied on the copy), and the check that its tensors
         come in A/B pairs, made before any byte moves."""
@@ -157,7 +170,7 @@ class WeightReceiver:
             expected[peft_name(module, "A")] = ExpectedParam(a, False, torch.float32)
             expected[peft_name(module, "B")] = ExpectedParam(b, False, torch.float32)
 
-        def validate(metas) -> None:
+        def validate(metas: Sequence[TensorMeta]) -> None:
             try:
                 pair_tensors(((m.name, torch.empty(m.shape, device="meta")) for m in metas), config,
                              "update_info", self.lora.exempt)
@@ -188,13 +201,13 @@ class WeightReceiver:
         staged, self.staged = self.staged, None
         lora, self.staged_lora = self.staged_lora, None
         parts, self.parts = self.parts, []
-        if staged is None and not parts:
-            raise RuntimeError("no staged weights to apply")
-        if lora is not None:
-            self._apply_lora(staged, lora, lora_target)
-        elif parts:
+        if parts and lora is None:
             for part in parts:  # in order: a later part may send what an earlier one did
                 copy_all(self.model.copy_pairs(part))
+        elif staged is None:
+            raise RuntimeError("no staged weights to apply")
+        elif lora is not None:
+            self._apply_lora(staged, lora, lora_target)
         elif self.ipc is None:
             copy_all(self.model.copy_pairs(staged))
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ from rlserve.model.peft import LoRAConfig, pair_tensors
 from rlserve.sequence import SchedulerOutput
 from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from rlserve.worker.weight_receiver import WeightReceiver
+
+if TYPE_CHECKING:
+    from rlserve.model.lora import LoRAModel
 
 logger = logging.getLogger(__name__)
 
@@ -143,24 +147,28 @@ class Worker:
     def load_lora(self, tensors: list, name: str, slot: int | None, config: dict) -> None:
         """Put an adapter's full PEFT tensors (this rank keeps its shards) in its host copy,
         and in `slot` if given."""
-        if self.lora is None:
-            raise ValueError("LoRA is not enabled on this server (--enable-lora)")
-        cfg = LoRAConfig.parse(config, "adapter_config", self.lora.max_rank)
-        self.lora.load(name, pair_tensors(tensors, cfg, "adapter"), cfg.scaling)
+        lora = self._adapters()
+        cfg = LoRAConfig.parse(config, "adapter_config", lora.max_rank)
+        lora.load(name, pair_tensors(tensors, cfg, "adapter"), cfg.scaling)
         if slot is not None:
             self.swap_lora(slot, None, name)
 
     def swap_lora(self, slot: int, save: str | None, restore: str | None) -> None:
         if save is not None:
-            self.lora.save(slot, save)
+            self._adapters().save(slot, save)
         if restore is not None:
-            self.lora.restore(restore, slot)
+            self._adapters().restore(restore, slot)
             self.receiver.forget_plan(slot)  # the slot holds another adapter now
 
     def remove_lora(self, slot: int | None, name: str | None = None) -> None:
         if slot is not None:
-            self.lora.clear(slot)
+            self._adapters().clear(slot)
             self.receiver.forget_plan(slot)
         if name is not None:
-            self.lora.drop(name)
+            self._adapters().drop(name)
             self.receiver.forget_adapter(name)
+
+    def _adapters(self) -> LoRAModel:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this server (--enable-lora)")
+        return self.lora

@@ -14,6 +14,7 @@ collectives instead of leaving them waiting.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -21,13 +22,14 @@ import socket
 import sys
 import threading
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
 
 from rlserve.process import watch_parent
-from rlserve.worker.calls import AnyRankCall, RankCall
+from rlserve.worker.calls import AnyRankCall, AnyTensorCall, RankCall
 from rlserve.worker.messages import Channel, ChannelClosed, StepDecoder, error_reply
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class WorkerLoop:
         self.chan = chan
         self.steps = StepDecoder()
         self.calls = msgspec.msgpack.Decoder(AnyRankCall)
+        self.tensor_calls = msgspec.msgpack.Decoder(AnyTensorCall)
         self.background: threading.Thread | None = None
 
     def run(self) -> int:
@@ -82,11 +85,11 @@ class WorkerLoop:
                 self._call(self.calls.decode(msg["call"]))
             elif op == "load":
                 try:
-                    call = self.calls.decode(msg["call"])
+                    call = self.tensor_calls.decode(msg["call"])
                     tensors = self._receive_tensors(msg["tensors"])
                 except Exception:
                     return self._fatal("receiving tensors from rank 0 failed")
-                self._reply(lambda: call.run_with(self.worker, tensors), call)
+                self._reply(functools.partial(call.run_with, self.worker, tensors), call)
             elif op == "shutdown":
                 if self.background is not None:
                     self.background.join(timeout=5)
