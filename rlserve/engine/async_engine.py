@@ -10,23 +10,45 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from rlserve.config import EngineConfig
 from rlserve.engine.core_client import EngineAddresses, EngineCoreClient
-from rlserve.engine.messages import (AbortAll, ControlCall, EngineDeadError, EngineReady, FinishWeightUpdate,
-                                     GetStats, InitWeightTransfer, ListLoRAAdapters, LoadLoRAAdapter,
-                                     LoRAAdapterInfo, ModelNotFoundError, Pause, ResetPrefixCache, Resume,
-                                     SetWeightVersion, ShutdownWeightTransfer, Sleep, StartWeightUpdate,
-                                     UnloadLoRAAdapter, UpdateWeights, WakeUp, WeightChecksums)
+from rlserve.engine.messages import (
+    AbortAll,
+    AnyControlCall,
+    EngineDeadError,
+    EngineReady,
+    FinishWeightUpdate,
+    GetStats,
+    InitWeightTransfer,
+    ListLoRAAdapters,
+    LoadLoRAAdapter,
+    LoRAAdapterInfo,
+    ModelNotFoundError,
+    Pause,
+    ResetPrefixCache,
+    Resume,
+    SetWeightVersion,
+    ShutdownWeightTransfer,
+    Sleep,
+    StartWeightUpdate,
+    UnloadLoRAAdapter,
+    UpdateWeights,
+    WakeUp,
+    WeightChecksums,
+)
 from rlserve.engine.output_processor import LatencyObserver, OutputProcessor, RequestState
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
-from rlserve.engine.request import (EngineUnavailableError, RequestOutput, check_cache_salt, sample_ids,
-                                    validate_prompt)
+from rlserve.engine.request import EngineUnavailableError, RequestOutput, check_cache_salt, sample_ids, validate_prompt
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from rlserve.engine.dp_client import DPEngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +80,7 @@ class AsyncEngine:
         the engine loads the model."""
         self.config = config
         self.model_name = config.name
+        self.client: EngineCoreClient | DPEngineClient
         if config.data_parallel_size > 1:
             from rlserve.engine.dp_client import DPEngineClient
             self.client = DPEngineClient(config, log_level=log_level)
@@ -67,7 +90,7 @@ class AsyncEngine:
         self.tokenizer = _front_end_tokenizer(config)
         self.processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, RequestState] = {}
-        self.info: EngineReady | None = None
+        self.info: EngineReady  # set by start()
         self.weight_version = 0  # of the latest tokens seen
         self.on_dead: Callable[[str], None] | None = None  # told once, after requests failed
         self._ids = itertools.count()
@@ -182,7 +205,7 @@ class AsyncEngine:
             self.on_dead(reason)
 
     # -- control plane (one typed call each: messages.py) ----------------------------------
-    async def call(self, body: ControlCall) -> Any:
+    async def call(self, body: AnyControlCall) -> Any:
         return await self.client.call(body)
 
     async def stats(self) -> EngineStats:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -37,10 +38,15 @@ from rlserve.model.loader import (
     resolve_max_model_len,
     resolve_model_path,
 )
-from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
 from rlserve.worker.model_runner import StepHandle
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from rlserve.engine.structured_output import CompiledGrammar, StructuredOutputCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +88,7 @@ class EngineCore:
         self.lora = None  # rlserve.engine.lora.LoRAManager, with enable_lora
         if config.enable_lora:
             from rlserve.engine.lora import LoRAManager
+            assert config.max_cpu_loras is not None  # EngineConfig sets it (to max_loras by default)
             self.lora = LoRAManager(self.executor, config.max_loras, config.max_cpu_loras, config.max_lora_rank)
             for name, path in config.lora_modules.items():
                 self.lora.load(name, path)
@@ -96,7 +103,7 @@ class EngineCore:
         self.pause_mode: str | None = None
         self.held: list[Request] = []  # arrived while paused: admitted on resume
         self.compiling: list[Request] = []  # waiting for their grammar: admitted once compiled
-        self._grammars = None  # StructuredOutputCompiler, made at the first grammar
+        self._grammars: StructuredOutputCompiler | None = None  # made at the first grammar
         self.aborted_total = 0
         self.load_seconds = time.perf_counter() - t0
         # Everything built so far lives as long as the engine: keep it out of the cyclic
@@ -131,7 +138,8 @@ class EngineCore:
                 raise ModelNotFoundError(f"model: {lora_name!r} is not served (LoRA adapters need "
                                          "--enable-lora)")
             cache_salt = self.lora.resolve(lora_name).cache_salt(cache_salt)
-        grammar = self._compile_grammar(params) if params.structured_outputs is not None else None
+        spec = params.structured_outputs
+        grammar = self._compile_grammar(spec, params) if spec is not None else None
         reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, sample_index=i,
                         max_model_len=self.max_model_len, group_id=request_id if params.n > 1 else None,
                         stream=stream, cache_salt=cache_salt, lora_name=lora_name)
@@ -140,7 +148,7 @@ class EngineCore:
             req.grammar = grammar
         return reqs
 
-    def _compile_grammar(self, params: SamplingParams):
+    def _compile_grammar(self, spec: StructuredOutputsParams, params: SamplingParams) -> Future[CompiledGrammar]:
         """Check a structured-output spec now (a 400 if bad) and start compiling it on a
         thread: the request is scheduled once its grammar is ready."""
         if self.tokenizer is None:
@@ -153,8 +161,8 @@ class EngineCore:
             from rlserve.engine.structured_output import StructuredOutputCompiler
             self._grammars = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                                       limits=self.config.grammar_limits)
-        self._grammars.validate(params.structured_outputs)
-        return self._grammars.compile(params.structured_outputs)
+        self._grammars.validate(spec)
+        return self._grammars.compile(spec)
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.scheduler.requests or any(r.request_id == req.request_id for r in self.held):
@@ -177,17 +185,20 @@ class EngineCore:
     def _admit_compiled(self, out: StepOut) -> None:
         """Requests whose grammar is ready join the queue (with their matcher); one whose
         grammar failed to compile is refused."""
-        ready = [r for r in self.compiling if r.grammar.done()]
-        for req in ready:
+        grammars = self._grammars
+        assert grammars is not None  # it compiles the grammars these requests wait for
+        # (Every request here has its grammar's future: add_request queues no other.)
+        ready = [(r, g) for r in self.compiling if (g := r.grammar) is not None and g.done()]
+        for req, grammar in ready:
             self.compiling.remove(req)
-            error = req.grammar.exception()
+            error = grammar.exception()
             if error is not None:
                 req.status = RequestStatus.FINISHED
                 if req.sample_index == 0:
                     out.rejected.append(Rejected(req.group_id or req.request_id, str(error),
                                                  getattr(error, "param", "structured_outputs")))
                 continue
-            req.matcher = self._grammars.matcher(req.grammar.result())
+            req.matcher = grammars.matcher(grammar.result())
             self._enqueue(req)
 
     def abort(self, request_ids: Iterable[str]) -> list[Finished]:
@@ -203,7 +214,9 @@ class EngineCore:
                 req = found[0]
                 waiting.remove(req)
                 if waiting is self.compiling and not any(r.grammar is req.grammar for r in waiting):
-                    self._grammars.abandon(req.sampling_params.structured_outputs)  # nobody waits
+                    spec = req.sampling_params.structured_outputs
+                    assert self._grammars is not None and spec is not None  # req waited for its grammar
+                    self._grammars.abandon(spec)  # nobody waits
             outputs.append(self.scheduler.finish(req, FinishReason.ABORT))
             self.aborted_total += 1
         return outputs
@@ -240,20 +253,23 @@ class EngineCore:
         launched = None
         masked = False
         if not sched.empty:
-            overlapped = self.async_scheduling and self.inflight is not None
-            masked = any(item.request.matcher is not None for item in sched.scheduled)
+            overlapped = self.inflight if self.async_scheduling else None  # the step still on the device
+            # The scheduler's batch holds Requests (ScheduledRequest types them as Sequences).
+            masked = any(cast(Request, item.request).matcher is not None for item in sched.scheduled)
             handle = self.executor.launch(sched, self._tables(sched),
-                                          self.inflight.handle if overlapped else None,
+                                          overlapped.handle if overlapped is not None else None,
                                           sample=not masked)
             placeholders, first = self.scheduler.advance(sched)
             launched = _InFlight(handle, placeholders, self.weight_version, first)
         if not self.async_scheduling:
             if masked:
+                assert launched is not None  # masked rows were launched
                 self._sample_masked(launched.handle)
             outputs = self._process(launched) if launched is not None else None
         else:
             outputs = self._process(self.inflight) if self.inflight is not None else None
             if masked:
+                assert launched is not None
                 self._sample_masked(launched.handle)
             self.inflight = launched
         if early.rejected:

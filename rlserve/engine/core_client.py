@@ -16,8 +16,9 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import msgspec
@@ -25,8 +26,19 @@ import zmq
 import zmq.asyncio
 
 from rlserve.config import EngineConfig
-from rlserve.engine.messages import (AbortRequests, AddRequest, Call, CallResult, ControlCall, EngineDead,
-                                     EngineDeadError, EngineOutput, EngineReady, Shutdown, error_from_result)
+from rlserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    AnyControlCall,
+    Call,
+    CallResult,
+    EngineDead,
+    EngineDeadError,
+    EngineOutput,
+    EngineReady,
+    Shutdown,
+    error_from_result,
+)
 from rlserve.engine.outputs import EngineCoreOutputs
 from rlserve.process import spawn
 from rlserve.sampling_params import SamplingParams
@@ -42,7 +54,7 @@ class EngineAddresses:
     outputs: list[str] = field(default_factory=list)
 
     @classmethod
-    def new(cls, num_clients: int) -> "EngineAddresses":
+    def new(cls, num_clients: int) -> EngineAddresses:
         base = tempfile.mkdtemp(prefix="rlserve-")
         return cls(f"ipc://{base}/in", [f"ipc://{base}/out{i}" for i in range(num_clients)])
 
@@ -73,7 +85,7 @@ class EngineCoreClient:
         self.dead: str | None = None
         self.closing = False
         self._exited = asyncio.Event()
-        self.on_outputs: Callable[[EngineCoreOutputs], None] | None = None
+        self.on_outputs: Callable[[EngineCoreOutputs], None]  # the owner sets it before start()
         self.on_dead: Callable[[str], None] | None = None
 
     @staticmethod
@@ -90,15 +102,15 @@ class EngineCoreClient:
     async def start(self) -> EngineReady:
         """Wait (on the running loop) for the engine to load; then read its messages."""
         ctx = zmq.asyncio.Context.shadow(self.ctx.underlying)
-        self._output = ctx.socket(zmq.PULL)
-        self._output.bind(self.addresses.outputs[self.client_index])
+        output = self._output = ctx.socket(zmq.PULL)
+        output.bind(self.addresses.outputs[self.client_index])
         decoder = msgspec.msgpack.Decoder(EngineOutput)
         loop = asyncio.get_running_loop()
         if self.proc is not None:
-            threading.Thread(target=self._watch_process, args=(loop,), name="rlserve-engine-watch",
+            threading.Thread(target=self._watch_process, args=(self.proc, loop), name="rlserve-engine-watch",
                              daemon=True).start()
         while True:
-            recv = asyncio.ensure_future(self._output.recv(copy=False))
+            recv = asyncio.ensure_future(output.recv(copy=False))
             exited = asyncio.ensure_future(self._exited.wait())
             await asyncio.wait({recv, exited}, return_when=asyncio.FIRST_COMPLETED)
             if not recv.done():
@@ -113,12 +125,12 @@ class EngineCoreClient:
         if self.proc is None and self.watch_pid:  # another API server started it: watch its pid
             threading.Thread(target=self._watch_pid, args=(loop, message.pid),
                              name="rlserve-engine-watch", daemon=True).start()
-        self._reader = asyncio.ensure_future(self._read(decoder))
+        self._reader = asyncio.ensure_future(self._read(output, decoder))
         return message
 
-    def _watch_process(self, loop: asyncio.AbstractEventLoop) -> None:
-        code = self.proc.wait()
-        loop.call_soon_threadsafe(self._process_exited, code)
+    def _watch_process(self, proc: subprocess.Popen, loop: asyncio.AbstractEventLoop) -> None:
+        code = proc.wait()
+        loop.call_soon_threadsafe(self._process_exited, proc.pid, code)
 
     def _watch_pid(self, loop: asyncio.AbstractEventLoop, pid: int) -> None:
         while not self.closing:
@@ -129,15 +141,14 @@ class EngineCoreClient:
                 return
             time.sleep(0.5)
 
-    def _process_exited(self, code: int) -> None:
+    def _process_exited(self, pid: int, code: int) -> None:
         self._exited.set()
         if self.closing:
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        self._die(f"the engine process (pid {self.proc.pid}) {how}")
+        self._die(f"the engine process (pid {pid}) {how}")
 
-    async def _read(self, decoder: msgspec.msgpack.Decoder) -> None:
-        sock = self._output
+    async def _read(self, sock: zmq.asyncio.Socket, decoder: msgspec.msgpack.Decoder) -> None:
         while True:
             frame = await sock.recv(copy=False)
             message = decoder.decode(frame.buffer)
@@ -181,7 +192,7 @@ class EngineCoreClient:
         if request_ids and self.dead is None:
             self._input.send(self._encode(AbortRequests(request_ids)), copy=False)
 
-    async def call(self, body: ControlCall) -> Any:
+    async def call(self, body: AnyControlCall) -> Any:
         """Run a control call (messages.py: one struct per call) in the engine, between two
         steps or beside them for the calls that wait on a trainer; return its answer."""
         self._check_alive()
@@ -198,11 +209,11 @@ class EngineCoreClient:
         if self.proc is not None and self.proc.poll() is None:
             try:
                 await asyncio.wait_for(self.call(Shutdown()), 5)
-            except (Exception, asyncio.TimeoutError):
+            except (TimeoutError, Exception):
                 self.proc.terminate()
             try:
                 await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 logger.warning("the engine did not stop within %.0f s: killing it", timeout_s)
                 self.proc.kill()
                 await asyncio.to_thread(self.proc.wait)

@@ -32,21 +32,39 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
 
 from rlserve import envs
 from rlserve.engine.core import EngineCore
-from rlserve.engine.messages import (AbortAll, AbortRequests, AddRequest, Call, CallResult,
-                                     EngineDead, EngineInput, EngineReady, GetStats, ListLoRAAdapters,
-                                     LoadLoRAAdapter, Pause, ResetPrefixCache, Resume, Shutdown, Sleep,
-                                     UnloadLoRAAdapter, WakeUp, error_result)
-from rlserve.engine.weight_updates import LATER, WeightUpdates
-from rlserve.errors import ConflictError, ModelNotFoundError
+from rlserve.engine.messages import (
+    AbortAll,
+    AbortRequests,
+    AddRequest,
+    Call,
+    CallResult,
+    EngineDead,
+    EngineInput,
+    EngineReady,
+    GetStats,
+    ListLoRAAdapters,
+    LoadLoRAAdapter,
+    Pause,
+    ResetPrefixCache,
+    Resume,
+    Shutdown,
+    Sleep,
+    UnloadLoRAAdapter,
+    WakeUp,
+    error_result,
+)
 from rlserve.engine.outputs import EngineCoreOutputs, Rejected
 from rlserve.engine.request import EngineUnavailableError
+from rlserve.engine.weight_updates import LATER, Handler, WeightUpdates
+from rlserve.errors import ConflictError, ModelNotFoundError
 from rlserve.process import profiled, watch_parent
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.weight_transfer.address import get_ip
@@ -68,11 +86,12 @@ class EngineCoreProc:
         self.sender = threading.Thread(target=self._send_loop, args=(output_addresses,),
                                        name="rlserve-engine-sender", daemon=True)
         self.sender.start()
-        self.core: EngineCore | None = None
+        # start() sets these, before anything else reads them.
+        self.core: EngineCore
+        self.updates: WeightUpdates  # live weight updates (weight_updates.py)
+        self._handlers: dict[type, Handler] = {}
         self.owners: dict[str, int] = {}  # sample id -> API server, with several of them
         self.waits: list[Call] = []  # pause(wait) calls, answered once they hold
-        self.updates: WeightUpdates | None = None  # live weight updates (weight_updates.py)
-        self._handlers: dict[type, Callable[[Call, Any], Any]] = {}
         self.stopping = False
 
     # -- output ------------------------------------------------------------------------
@@ -125,7 +144,7 @@ class EngineCoreProc:
             p = part(rid)
             p.request_ids.append(rid)
             p.token_ids.append(token)
-            if p.logprobs is not None:
+            if p.logprobs is not None and out.logprobs is not None:  # both or neither
                 p.logprobs.append(out.logprobs[i])
         for st in out.started:
             part(st.request_id).started.append(st)
@@ -155,9 +174,7 @@ class EngineCoreProc:
             load_seconds=core.load_seconds, pid=os.getpid(), host=get_ip()))
 
     def run(self) -> None:
-        core = self.core
-        assert core is not None
-        updates = self.updates
+        core, updates = self.core, self.updates
         while not self.stopping:
             soon = core.compiling or updates.busy or updates.transaction is not None
             self._read_inputs(block=not core.has_work(), timeout_ms=_SOON_POLL_MS if soon else _IDLE_POLL_MS)
@@ -249,6 +266,7 @@ class EngineCoreProc:
                 self._answer(call, error=ConflictError(
                     "mode: generation was resumed before the requests in flight finished"))
             elif core.drained:
+                assert isinstance(call.body, Pause)  # only pause(wait) calls wait
                 if call.body.clear_cache:
                     core.reset_prefix_cache()
                 self._answer(call, {"mode": "wait"})
@@ -272,7 +290,7 @@ class EngineCoreProc:
         self.updates.abandon("the server is shutting down")
         self.stopping = True
 
-    def _handler_table(self) -> dict[type, Callable[[Call, Any], Any]]:
+    def _handler_table(self) -> dict[type, Handler]:
         core = self.core
         return {
             **self.updates.handlers,  # weight updates: weight_updates.py

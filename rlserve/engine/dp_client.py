@@ -27,18 +27,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
 from rlserve.config import EngineConfig
 from rlserve.engine.core_client import EngineAddresses, EngineCoreClient
 from rlserve.engine.dp_router import Router
-from rlserve.engine.messages import (AbortAll, CallResult, ConflictError, ControlCall, CopyWeightsFromPeer,
-                                     CopyWeightsToPeer, EngineDeadError, EngineReady, GetStats,
-                                     InitWeightTransfer, Pause, Resume, Sleep, UpdateWeights, WakeUp,
-                                     WeightChecksums, WeightsLayout, error_from_result)
+from rlserve.engine.messages import (
+    AbortAll,
+    AnyControlCall,
+    CallResult,
+    ConflictError,
+    CopyWeightsFromPeer,
+    CopyWeightsToPeer,
+    EngineDeadError,
+    EngineReady,
+    GetStats,
+    InitWeightTransfer,
+    Pause,
+    Resume,
+    Sleep,
+    UpdateWeights,
+    WakeUp,
+    WeightChecksums,
+    WeightsLayout,
+    error_from_result,
+)
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
 from rlserve.engine.request import EngineUnavailableError, sample_ids
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
@@ -53,10 +70,10 @@ _RESTART_DELAY_S = 0.5
 @dataclass
 class Replica:
     index: int
-    client: EngineCoreClient | None = None
+    client: EngineCoreClient
     state: str = STARTING
     reason: str = ""  # why it is down or stale
-    info: EngineReady | None = None
+    info: EngineReady | None = None  # once started
     incarnation: int = 0  # bumped on every restart: callbacks of an old one are ignored
     restarts: int = 0
     requests_total: int = 0
@@ -92,13 +109,12 @@ class DPEngineClient:
         self.log_level = log_level
         self.size = config.data_parallel_size
         self.tp = config.tensor_parallel_size
-        self.replicas = [Replica(i) for i in range(self.size)]
         self.router = Router(self.size, config.block_size)
         self.tracked: dict[str, _Tracked] = {}
         self.by_sample: dict[str, _Tracked] = {}
         self.dead: str | None = None
         self.closing = False
-        self.on_outputs: Callable[[EngineCoreOutputs], None] | None = None
+        self.on_outputs: Callable[[EngineCoreOutputs], None]  # the owner sets it before start()
         self.on_dead: Callable[[str], None] | None = None
         self.on_request_failed: Callable[[str, BaseException], None] | None = None
         self.replica_stats: dict[int, EngineStats] = {}
@@ -109,9 +125,8 @@ class DPEngineClient:
         self._sleeping = False
         self._tasks: set[asyncio.Task] = set()
         self._handlers = self._handler_table()
-        self.info: EngineReady | None = None
-        for r in self.replicas:  # every replica loads at once
-            r.client = self._connect(r.index)
+        self.info: EngineReady  # set by start()
+        self.replicas = [Replica(i, self._connect(i)) for i in range(self.size)]  # every one loads at once
 
     def _connect(self, index: int, addresses: EngineAddresses | None = None) -> EngineCoreClient:
         if addresses is None and self.config.dp_engines is not None:
@@ -128,7 +143,7 @@ class DPEngineClient:
         errors = [(i, e) for i, e in enumerate(results) if isinstance(e, BaseException)]
         if errors:
             raise EngineDeadError("; ".join(f"replica {i}: {e}" for i, e in errors))
-        infos = [r.info for r in self.replicas]
+        infos = [r.info for r in self.replicas if r.info is not None]  # all of them: each started
         first = infos[0]
         self.info = msgspec.structs.replace(
             first, world_size=sum(i.world_size for i in infos),
@@ -279,9 +294,8 @@ class DPEngineClient:
         to the current weights, then put it back in rotation."""
         r.restarts += 1
         r.incarnation += 1
-        r.state, old = STARTING, r.client
-        if old is not None:
-            await old.shutdown()
+        r.state = STARTING
+        await r.client.shutdown()
         await asyncio.sleep(_RESTART_DELAY_S)
         if self.closing:
             return
@@ -341,21 +355,24 @@ class DPEngineClient:
         timeout_s = self.config.weight_transfer.timeout_s if self.config.weight_transfer else 120.0
         digests = await source.client.call(WeightsLayout())
         version = (await self._stats(source)).weight_version
+        assert source.info is not None  # it serves: it has started
         host = source.info.host if self.config.dp_engines is not None else "127.0.0.1"
         ports = [get_open_port() for _ in range(self.tp)]
-        sent, got = await asyncio.gather(
+        both = await asyncio.gather(
             source.client.call(CopyWeightsToPeer(host, ports, digests, timeout_s)),
             target.client.call(CopyWeightsFromPeer(host, ports, digests, timeout_s, version)),
             return_exceptions=True)
-        for what in (sent, got):
-            if isinstance(what, BaseException):
-                raise what
+        sent, got = both  # not unpacked from the await: mypy 2.4 then loses both types
+        if isinstance(sent, BaseException):
+            raise sent
+        if isinstance(got, BaseException):
+            raise got
         target.weight_version = version
         logger.info("replica %d: copied %.1f MB of weights (version %d) from replica %d",
                     target.index, got["num_bytes"] / 1e6, version, source.index)
 
     # -- control calls -------------------------------------------------------------------
-    async def call(self, body: ControlCall) -> Any:
+    async def call(self, body: AnyControlCall) -> Any:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is down: {self.dead}")
         handler = self._handlers.get(type(body))
@@ -399,12 +416,12 @@ class DPEngineClient:
     async def _abort_all(self, body: AbortAll) -> int:
         return sum((await self._fan_out(body)).values())
 
-    async def _all_answers(self, body: ControlCall) -> list:
+    async def _all_answers(self, body: AnyControlCall) -> list:
         """Each replica's answer (a list per replica: one item per rank), one after another."""
         return [item for _, v in sorted((await self._fan_out(body)).items()) for item in v]
 
-    async def _fan_out(self, body: ControlCall, replicas: list[Replica] | None = None,
-                       per_replica: dict[int, ControlCall] | None = None) -> dict[int, Any]:
+    async def _fan_out(self, body: AnyControlCall, replicas: list[Replica] | None = None,
+                       per_replica: Mapping[int, AnyControlCall] | None = None) -> dict[int, Any]:
         """The call on every live replica; all answers, or the errors, per replica."""
         targets = [r for r in (replicas or self.replicas) if r.alive]
         if not targets:
@@ -428,8 +445,8 @@ class DPEngineClient:
             raise EngineUnavailableError("no data-parallel replica is up")
         got = await asyncio.gather(*(self._stats(r) for r in alive), return_exceptions=True)
         stats = [(r, s) for r, s in zip(alive, got) if not isinstance(s, BaseException)]
-        if not stats:
-            raise got[0]
+        if not stats:  # every one failed
+            raise next(e for e in got if isinstance(e, BaseException))
         serving = [s for r, s in stats if r.state == UP] or [s for _, s in stats]
         total = lambda name: sum(getattr(s, name) for _, s in stats)  # noqa: E731
         capacity = total("kv_cache_capacity_tokens")

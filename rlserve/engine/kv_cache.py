@@ -20,16 +20,14 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from typing import Union
 
 import numpy as np
 
 from rlserve.engine.request import Request
 
-
 # What a cached block was computed after: the id of its parent block's contents (an int,
 # see BlockPool.content_id), or for a request's first block its salt (None: no salt).
-Parent = Union[int, str, None]
+Parent = int | str | None
 
 
 def block_key(parent_key: bytes, token_bytes: bytes) -> bytes:
@@ -209,7 +207,8 @@ class KVCacheManager:
         bs, pool, pack, tokens = self.block_size, self.pool, self._pack, req.token_ids
         max_blocks = (req.num_tokens - 1) // bs
         hits: list[int] = []
-        key, parent = root_key(req.cache_salt), req.cache_salt
+        key = root_key(req.cache_salt)
+        parent: Parent = req.cache_salt
         for i in range(max_blocks):
             token_bytes = pack(*tokens[i * bs:(i + 1) * bs])
             key = block_key(key, token_bytes)
@@ -238,7 +237,9 @@ class KVCacheManager:
             blocks = self.blocks[req.request_id] = list(cached)
             if cached:
                 last = cached[-1]
-                chain = _Chain(len(cached), self.pool.block_hash[last], self.pool.content_id[last])
+                last_key = self.pool.block_hash[last]
+                assert last_key is not None  # a prefix-cache hit is a registered block
+                chain = _Chain(len(cached), last_key, self.pool.content_id[last])
             else:
                 chain = _Chain(0, root_key(req.cache_salt), req.cache_salt)
             self.chains[req.request_id] = chain

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING, Iterable, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from rlserve.config import EngineConfig
 from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.core import EngineCore
 from rlserve.engine.output_processor import OutputProcessor, RequestState
-from rlserve.engine.request import RequestOutput, check_cache_salt
+from rlserve.engine.request import Request, RequestOutput, check_cache_salt
 from rlserve.model.base import missing_weights
 from rlserve.sampling_params import SamplingParams
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 # A string, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}.
-PromptInput = Union[str, Sequence[int], dict]
+PromptInput = str | Sequence[int] | dict
 
 
 class _Progress:
@@ -71,7 +72,7 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def generate(self, prompts: "PromptInput | Sequence[PromptInput]",
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, cache_salt: str | None = None, lora_request=None
                  ) -> list[RequestOutput]:
@@ -87,7 +88,7 @@ class LLM:
         """
         check_cache_salt(cache_salt)
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]  # type: ignore[assignment]  # one prompt: a batch of it
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -96,7 +97,7 @@ class LLM:
 
         processor = OutputProcessor(self.tokenizer)
         # Validate everything before admitting anything, so a bad prompt leaves no work behind.
-        pending = []
+        pending: list[tuple[RequestState, list[Request]]] = []
         converted: dict[int, SamplingParams] = {}  # bad_words as token ids, once per params object
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             if id(p) not in converted:
@@ -131,11 +132,11 @@ class LLM:
             progress.close()
         return [state.output() for state, _ in pending]
 
-    def _prompt(self, prompt: "PromptInput", index: int,
+    def _prompt(self, prompt: PromptInput, index: int,
                 cache_salt: str | None) -> tuple[str | None, list[int], str | None]:
         """(text, token ids, cache salt) of one prompt."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt), cache_salt
+            return prompt, self._text_tokenizer().encode(prompt), cache_salt
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
@@ -147,10 +148,11 @@ class LLM:
             if "prompt" in prompt:
                 if not isinstance(prompt["prompt"], str):
                     raise TypeError(f"prompts[{index}]['prompt']: must be a string")
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"]), salt
+                return prompt["prompt"], self._text_tokenizer().encode(prompt["prompt"]), salt
             return None, list(prompt["prompt_token_ids"]), salt
         if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt), cache_salt
+            # (mypy 2.4 adds str back to prompt's type at this isinstance: it cannot be one here.)
+            return None, list(prompt), cache_salt  # type: ignore[arg-type]
         raise TypeError(f"prompts[{index}]: expected a string, a list of token ids or a dict "
                         f"prompt, got {type(prompt).__name__}")
 
@@ -162,11 +164,18 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages, chat_template: str | None = None) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True, chat_template=chat_template)
+        ids = self._text_tokenizer().apply_chat_template(messages, add_generation_prompt=True,
+                                                         tokenize=True, chat_template=chat_template)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer versions
             ids = ids["input_ids"]
         return list(ids)
+
+    def _text_tokenizer(self):
+        """The tokenizer, which text prompts and chat messages need."""
+        if self.tokenizer is None:
+            raise ValueError("text prompts and chat messages need the tokenizer, which this LLM was "
+                             "started without (skip_tokenizer_init): pass token ids")
+        return self.tokenizer
 
     def _lora_names(self, lora_request, num_prompts: int) -> list[str | None]:
         from rlserve.engine.lora import LoRARequest
@@ -213,7 +222,7 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.sleeping
 
-    def update_weights(self, weights: Iterable[tuple[str, "torch.Tensor"]],
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                        weight_version: int | None = None) -> int:
         """Copy (HF name, tensor) pairs into the model, in place, from this process (e.g. a
         trainer's `model.named_parameters()`); returns the new weight version. Names and
@@ -237,7 +246,7 @@ class LLM:
         """Stop tensor-parallel workers and release the engine (also on `with LLM(...)` exit)."""
         self.engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

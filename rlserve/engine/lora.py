@@ -15,8 +15,9 @@ rlserve.model.peft.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from rlserve.errors import ModelNotFoundError
 from rlserve.model.peft import LoRAConfig, pair_tensors, read_adapter
@@ -73,6 +74,11 @@ class LoRAManager:
         self.slots: list[str | None] = [None] * max_loras  # the adapter in each slot
         self._generation = 0
         self._clock = 0  # uses, for least-recently-used choices
+
+    @overload
+    def resolve(self, name: str, param: str = ...) -> LoRAAdapter: ...
+    @overload
+    def resolve(self, name: None, param: str = ...) -> None: ...
 
     def resolve(self, name: str | None, param: str = "model") -> LoRAAdapter | None:
         """None for the base model; raises ModelNotFoundError (a 404, as vLLM answers) naming `param`."""
@@ -180,7 +186,7 @@ class LoRAManager:
         empty = self._empty_slot()
         if empty is not None:
             return empty
-        idle = [self.adapters[n] for n in self.slots if not self.adapters[n].users]
+        idle = [self.adapters[n] for n in self.slots if n is not None and not self.adapters[n].users]
         return min(idle, key=lambda a: a.last_used).slot if idle else None
 
     def _swap_in(self, adapter: LoRAAdapter, slot: int) -> None:
@@ -197,6 +203,7 @@ class LoRAManager:
         else:  # evicted from host memory: read from its directory again
             if save is not None:
                 self.executor.collective_rpc(rank.SwapLoRA(slot, save))
+            assert adapter.path is not None  # only an adapter read from a directory is evicted
             try:
                 config, tensors = read_adapter(adapter.path, self.max_rank)
             except InvalidRequestError as e:

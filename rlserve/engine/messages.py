@@ -17,13 +17,20 @@ Engine -> API server (one PULL socket per API server, which binds it; the engine
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
 from rlserve.engine.outputs import EngineCoreOutputs
-from rlserve.errors import (ConflictError, EngineDeadError, EngineUnavailableError,  # noqa: F401 (re-exported)
-                            ModelNotFoundError, WireError, from_wire, to_wire)
+from rlserve.errors import (  # noqa: F401 (re-exported)
+    ConflictError,
+    EngineDeadError,
+    EngineUnavailableError,
+    ModelNotFoundError,
+    WireError,
+    from_wire,
+    to_wire,
+)
 from rlserve.sampling_params import SamplingParams
 
 
@@ -150,11 +157,11 @@ class CopyWeightsFromPeer(ControlCall):
     weight_version: int
 
 
-WEIGHT_CALLS = (InitWeightTransfer, UpdateWeights, StartWeightUpdate, FinishWeightUpdate, SetWeightVersion,
-                ShutdownWeightTransfer, WeightChecksums, WeightsLayout, CopyWeightsToPeer, CopyWeightsFromPeer)
+WeightCall = (InitWeightTransfer | UpdateWeights | StartWeightUpdate | FinishWeightUpdate | SetWeightVersion
+              | ShutdownWeightTransfer | WeightChecksums | WeightsLayout | CopyWeightsToPeer | CopyWeightsFromPeer)
 
-AnyControlCall = Union[Pause, Resume, Sleep, WakeUp, ResetPrefixCache, GetStats, AbortAll, Shutdown,
-                       ListLoRAAdapters, LoadLoRAAdapter, UnloadLoRAAdapter, *WEIGHT_CALLS]
+AnyControlCall = (Pause | Resume | Sleep | WakeUp | ResetPrefixCache | GetStats | AbortAll | Shutdown
+                  | ListLoRAAdapters | LoadLoRAAdapter | UnloadLoRAAdapter | WeightCall)
 
 
 class Call(msgspec.Struct, tag="call", array_like=True):
@@ -201,8 +208,8 @@ class EngineDead(msgspec.Struct, tag="dead", array_like=True):
     reason: str
 
 
-EngineInput = Union[AddRequest, AbortRequests, Call]
-EngineOutput = Union[EngineCoreOutputs, CallResult, EngineReady, EngineDead]
+EngineInput = AddRequest | AbortRequests | Call
+EngineOutput = EngineCoreOutputs | CallResult | EngineReady | EngineDead
 
 
 def error_result(call_id: int, e: BaseException) -> CallResult:

@@ -10,10 +10,11 @@ process, the other on every message from the engine-core process.
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from rlserve.engine.detokenizer import IncrementalDetokenizer
-from rlserve.engine.outputs import EngineCoreOutputs, FinalTokens, Finished, RequestTiming, Started
+from rlserve.engine.outputs import EngineCoreOutputs, FinalTokens, RequestTiming, Started
 from rlserve.engine.request import CompletionOutput, RequestOutput, sample_ids
 from rlserve.sampling_params import SamplingParams
 from rlserve.sequence import TokenLogprob
@@ -49,7 +50,7 @@ class SampleState:
                  "detok", "finish_reason", "stop_reason", "last_time", "sent_tokens", "started",
                  "sent_all")
 
-    def __init__(self, request: "RequestState", index: int, request_id: str):
+    def __init__(self, request: RequestState, index: int, request_id: str):
         self.request = request
         self.index = index
         self.request_id = request_id
@@ -141,7 +142,7 @@ class OutputProcessor:
         detokenize = p.detokenize and self.tokenizer is not None
         for s in state.samples:
             if detokenize:
-                s.detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop,
+                s.detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, p.stop or [],
                                                  p.include_stop_str_in_output, p.skip_special_tokens,
                                                  p.min_tokens)
             self.samples[s.request_id] = s
@@ -171,7 +172,7 @@ class OutputProcessor:
             s.token_ids.append(token)
             s.token_versions.append(version)
             if logprobs is not None and s.logprobs is not None:
-                s.logprobs.append(logprobs[i])
+                s.logprobs.append(logprobs[i])  # type: ignore[arg-type]  # not None: this sample asked
             self._token_time(s, stamp, now)
             req = s.request
             req.weight_version = version
@@ -186,6 +187,7 @@ class OutputProcessor:
             if s is None:
                 s = self.ending.pop(f.request_id, None)
                 if s is not None and f.timing is not None:
+                    assert self.observer is not None  # only samples it observes wait in `ending`
                     self.observer.request_phases(f.timing, len(s.token_ids))
                 continue
             if f.final is not None:

@@ -7,10 +7,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rlserve.errors import EngineUnavailableError  # noqa: F401 (re-exported: raised by the engine)
 from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
 from rlserve.sequence import Sequence, TokenLogprob
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from rlserve.engine.structured_output import CompiledGrammar, GrammarMatcher
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:
@@ -39,7 +45,7 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
         bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
         raise InvalidRequestError(
             f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
-    for t in params.stop_token_ids:
+    for t in params.stop_token_ids or ():
         if not 0 <= t < vocab_size:
             raise InvalidRequestError(
                 f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
@@ -49,7 +55,7 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
         check_logprobs_limit(name, getattr(params, name), max_logprobs, vocab_size)
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
@@ -100,8 +106,8 @@ class Request(Sequence):
         self.paused_kept = False
         self.kv_capacity = 0  # tokens its KV blocks hold (KVCacheManager keeps it)
         # Structured outputs: the grammar's compile (a Future), then the request's matcher.
-        self.grammar = None
-        self.matcher = None
+        self.grammar: Future[CompiledGrammar] | None = None
+        self.matcher: GrammarMatcher | None = None
         # Fixed for the request's life, read for every token: computed once.
         max_tokens = self.sampling_params.max_tokens
         room = self.max_model_len - self.num_prompt_tokens

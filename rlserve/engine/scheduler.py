@@ -19,7 +19,7 @@ import bisect
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.outputs import (
@@ -36,6 +36,7 @@ from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
+    from rlserve.engine.structured_output import GrammarMatcher
     from rlserve.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ class Scheduler:
         placeholders: list[int] = []
         first: list[Request] = []
         for item in sched.scheduled:
-            req = item.request
+            req = cast(Request, item.request)  # what `schedule` scheduled: Requests
             start = req.num_computed_tokens
             end = req.num_computed_tokens = start + item.num_new_tokens
             if start < req.num_prompt_tokens:
@@ -306,7 +307,7 @@ class Scheduler:
                     req.request_id, req.num_cached_tokens,
                     req.prompt_logprobs if p.prompt_logprobs is not None else None))
         finish, stop_reason = None, None
-        if req.matcher is not None and not _advance_grammar(req, token):
+        if req.matcher is not None and not _advance_grammar(req, req.matcher, token):
             finish = FinishReason.STOP  # the grammar is complete (or could not go on)
         elif token in req.stop_ids and n_out >= req.sampling_params.min_tokens:
             finish = FinishReason.STOP
@@ -326,13 +327,13 @@ def _add_prompt_logprobs(req: Request, start: int, logprobs) -> None:
         req.prompt_logprobs.extend(logprobs)
 
 
-def _advance_grammar(req: Request, token: int) -> bool:
+def _advance_grammar(req: Request, matcher: GrammarMatcher, token: int) -> bool:
     """Feed the token to the request's grammar; False once the grammar is done."""
-    if not req.matcher.accept([token]):
+    if not matcher.accept([token]):
         # Sampled under its mask, a token is always accepted; say so if not.
         logger.warning("request %s: token %d broke its grammar; the request ends here", req.request_id, token)
         return False
-    return not req.matcher.is_terminated()
+    return not matcher.is_terminated()
 
 
 def _final(req: Request) -> FinalTokens:

@@ -32,13 +32,17 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from rlserve.process import die_with_parent
 from rlserve.sampling_params import InvalidRequestError, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
 
 BITMASK_WORD_BITS = 32  # a packed int32 bitmask: bit j % 32 of word j // 32 allows token j
 
@@ -59,7 +63,7 @@ class GrammarLimits(NamedTuple):
 
 class CompiledGrammar(NamedTuple):
     spec: StructuredOutputsParams
-    compiled: object  # xgrammar.CompiledGrammar
+    compiled: xgrammar.CompiledGrammar
 
 
 class GrammarMatcher:
@@ -102,12 +106,12 @@ class GrammarMatcher:
 def fill_bitmask(matchers: Sequence[GrammarMatcher | None], vocab_size: int) -> torch.Tensor | None:
     """The host bitmask for one step's sampling rows, row i from matchers[i] (None: the row
     has no grammar and keeps every token); None when no row has a grammar."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
+    rows = [(i, m) for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
     bitmask = new_bitmask(len(matchers), vocab_size)
-    for i in rows:
-        matchers[i].fill(bitmask, i)
+    for i, m in rows:
+        m.fill(bitmask, i)
     return bitmask
 
 
@@ -127,29 +131,39 @@ def _param(spec: StructuredOutputsParams) -> str:
     return f"structured_outputs.{spec.kind}"
 
 
-def _parse(spec: StructuredOutputsParams):
+def _source(spec: StructuredOutputsParams) -> str:
+    """What xgrammar reads for a spec: its JSON schema, its regex, or its EBNF grammar (a
+    choice's grammar; json_object's schema)."""
+    kind = spec.kind
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "choice":
+        assert spec.choice is not None  # its kind's field is set
+        return choice_grammar(spec.choice)
+    text = spec.json if kind == "json" else spec.regex if kind == "regex" else spec.grammar
+    assert isinstance(text, str)  # set, and a schema is JSON text (StructuredOutputsParams makes it so)
+    return text
+
+
+def _parse(spec: StructuredOutputsParams) -> xgrammar.Grammar:
     """The xgrammar Grammar of a spec (a parse: milliseconds, no token masks)."""
     import xgrammar as xgr
-    kind, any_whitespace = spec.kind, not spec.disable_any_whitespace
-    if kind == "json":
-        return xgr.Grammar.from_json_schema(spec.json, any_whitespace=any_whitespace)
-    if kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+    kind, text = spec.kind, _source(spec)
+    if kind in ("json", "json_object"):
+        return xgr.Grammar.from_json_schema(text, any_whitespace=not spec.disable_any_whitespace)
     if kind == "regex":
-        return xgr.Grammar.from_regex(spec.regex)
-    return xgr.Grammar.from_ebnf(choice_grammar(spec.choice) if kind == "choice" else spec.grammar)
+        return xgr.Grammar.from_regex(text)
+    return xgr.Grammar.from_ebnf(text)
 
 
-def _compile_with(compiler, spec: StructuredOutputsParams):
+def _compile_with(compiler: xgrammar.GrammarCompiler, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
     """The xgrammar CompiledGrammar of a spec (token masks: the slow part)."""
-    kind, any_whitespace = spec.kind, not spec.disable_any_whitespace
-    if kind == "json":
-        return compiler.compile_json_schema(spec.json, any_whitespace=any_whitespace)
-    if kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+    kind, text = spec.kind, _source(spec)
+    if kind in ("json", "json_object"):
+        return compiler.compile_json_schema(text, any_whitespace=not spec.disable_any_whitespace)
     if kind == "regex":
-        return compiler.compile_regex(spec.regex)
-    return compiler.compile_grammar(choice_grammar(spec.choice) if kind == "choice" else spec.grammar)
+        return compiler.compile_regex(text)
+    return compiler.compile_grammar(text)
 
 
 def _trial_compile(tokenizer_info, spec: StructuredOutputsParams, conn) -> None:
@@ -177,7 +191,7 @@ class StructuredOutputCompiler:
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.limits = limits
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="rlserve-grammar")
-        self._cache: OrderedDict[StructuredOutputsParams, Future] = OrderedDict()
+        self._cache: OrderedDict[StructuredOutputsParams, Future[CompiledGrammar]] = OrderedDict()
         self._abandoned: dict[StructuredOutputsParams, threading.Event] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()  # the cache
@@ -202,7 +216,7 @@ class StructuredOutputCompiler:
             raise InvalidRequestError(f"{param}: its grammar is {size} bytes, more than the limit of "
                                       f"{limit} (--max-grammar-size)", param)
 
-    def compile(self, spec: StructuredOutputsParams) -> Future:
+    def compile(self, spec: StructuredOutputsParams) -> Future[CompiledGrammar]:
         """A Future of the CompiledGrammar; requests with equal specs share one compile."""
         with self._lock:
             future = self._cache.get(spec)

@@ -20,12 +20,23 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from rlserve.engine.messages import (Call, CopyWeightsFromPeer, CopyWeightsToPeer, FinishWeightUpdate,
-                                     InitWeightTransfer, SetWeightVersion, ShutdownWeightTransfer,
-                                     StartWeightUpdate, UpdateWeights, WeightChecksums, WeightsLayout)
+from rlserve.engine.messages import (
+    Call,
+    CopyWeightsFromPeer,
+    CopyWeightsToPeer,
+    FinishWeightUpdate,
+    InitWeightTransfer,
+    SetWeightVersion,
+    ShutdownWeightTransfer,
+    StartWeightUpdate,
+    UpdateWeights,
+    WeightChecksums,
+    WeightsLayout,
+)
 from rlserve.errors import ConflictError
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.worker import calls as rank
@@ -33,6 +44,7 @@ from rlserve.worker import calls as rank
 logger = logging.getLogger(__name__)
 
 Answer = Callable[..., None]  # answer(call, value) or answer(call, error=exception)
+Handler = Callable[[Call, Any], Any]  # handler(call, call.body): the answer, or LATER
 
 
 def parse_version(version: Any, field: str = "weight_version") -> int | None:
@@ -92,7 +104,7 @@ class WeightUpdates:
         self.transaction: Transaction | None = None
         self.expired: str | None = None  # why the last transaction timed out, until the next start
         self._numbers = 0
-        self.handlers = {  # the loop runs them; LATER: answered through `answer`
+        self.handlers: dict[type, Handler] = {  # the loop runs them; LATER: answered through `answer`
             InitWeightTransfer: self._init, UpdateWeights: self._update, StartWeightUpdate: self._start,
             FinishWeightUpdate: self._finish, SetWeightVersion: self._set_version,
             ShutdownWeightTransfer: self._shutdown_transfer, WeightChecksums: self._checksums,
@@ -217,7 +229,7 @@ class WeightUpdates:
             if got.error is not None:
                 self._record_failure(got.call, got.error)
             elif self.transaction is not None:
-                self._staged_part(got)
+                self._staged_part(self.transaction, got)
             else:
                 self._apply(got)
         txn = self.transaction
@@ -232,8 +244,7 @@ class WeightUpdates:
             txn.failure = error  # the other parts are dropped with it: finish commits nothing
         self.answer(call, error=error)
 
-    def _staged_part(self, got: _Received) -> None:
-        txn = self.transaction
+    def _staged_part(self, txn: Transaction, got: _Received) -> None:
         txn.parts += 1
         txn.num_bytes += got.num_bytes
         txn.touched = time.monotonic()
