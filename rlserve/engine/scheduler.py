@@ -150,9 +150,19 @@ class Scheduler:
         out = SchedulerOutput()
         if self.stopped:
             return out
-        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        self.num_deferred = 0
+        if not out.preempted:  # admitting new work right after a preemption would only thrash
+            budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if out.scheduled and self.finished_ids:  # told with the next step that runs
+            out.finished_ids, self.finished_ids = self.finished_ids, []
+        return out
 
-        # The loop below runs for every running request every step: kept lean.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests first: a decode is one token, an unfinished prefill its next
+        chunk. Returns the budget left."""
+        # This loop runs for every running request every step: kept lean.
         running, scheduled = self.running, out.scheduled
         i = 0
         while i < len(running) and budget > 0:
@@ -170,12 +180,13 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, n))
             budget -= n
             i += 1
-        preempted = bool(out.preempted)
+        return budget
 
-        # Admitting new work right after a preemption would only thrash.
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Waiting requests, in order, while budget, sequence slots and KV blocks last.
+        Returns the budget left."""
         skipped: list[Request] = []
-        self.num_deferred = 0
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if self._waiting_on_sibling(req):
                 skipped.append(self.waiting.popleft())
@@ -204,11 +215,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
-
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
-        if scheduled and self.finished_ids:  # told with the next step that runs
-            out.finished_ids, self.finished_ids = self.finished_ids, []
-        return out
+        return budget
 
     # -- a step's tokens: accepted, stops checked, requests finished ------------------
     def advance(self, sched: SchedulerOutput) -> tuple[list[int], list[Request]]:
