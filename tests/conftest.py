@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -77,9 +77,11 @@ def greedy_reference(model, llm, prompts: list[str], max_new_tokens: int) -> lis
 
 
 def stream_completion(url: str, model: str, prompt: str, max_tokens: int, results: list,
-                      progress: list, i: int) -> None:
+                      progress: list, i: int, at: tuple[int, Callable[[], object]] | None = None) -> None:
     """One streamed greedy completion; `results[i]` = ([(token_ids, weight version) per
-    chunk], finish reason, version spans); `progress[i]` counts tokens as they arrive."""
+    chunk], finish reason, version spans); `progress[i]` counts tokens as they arrive.
+    `at` = (n, action): the action runs once n tokens have arrived, before the next chunk is
+    read, so it lands while the request still runs however fast the model is."""
     import httpx
     chunks, finish, spans = [], None, None
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
@@ -92,6 +94,9 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int, result
             for c in data["choices"]:
                 chunks.append((c.get("token_ids") or [], data["weight_version"]))
                 progress[i] += len(chunks[-1][0])
+                if at is not None and progress[i] >= at[0]:
+                    at[1]()
+                    at = None
                 finish = c.get("finish_reason") or finish
                 spans = c.get("weight_version_spans") or spans
     results[i] = (chunks, finish, spans)

@@ -107,14 +107,18 @@ def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, tr
     """A streamed request frozen by pause(keep) across a push says which tokens came from
     which weights; sleep and wake-up serve the same bits again."""
     hf, _ = trainer
-    results, progress = [None], [0]
-    t = threading.Thread(target=stream_completion, args=(server.url, "m", PROMPTS[0], 200, results, progress, 0))
-    t.start()
-    while progress[0] < 5:
-        t.join(0.01)
     v0 = httpx.get(f"{server.url}/weight_version").json()["weight_version"]
+    results, progress, frozen = [None], [0], threading.Event()
+
+    def freeze() -> None:  # from the stream's reader, after its 5th token: the request is still running
+        assert httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
+        frozen.set()
+
+    t = threading.Thread(target=stream_completion,
+                         args=(server.url, "m", PROMPTS[0], 400, results, progress, 0, (5, freeze)))
+    t.start()
     # Frozen before the push, so the stream cannot end on the old weights alone.
-    assert httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
+    assert frozen.wait(120)
     sync.push([(n, p.detach()) for n, p in hf.named_parameters()], pause_mode="keep")
     t.join(120)
     chunks, finish, spans = results[0]
