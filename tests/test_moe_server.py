@@ -7,6 +7,7 @@ modes and version spans, sleep, prefix cache, structured outputs) works on an Mo
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import httpx
@@ -108,17 +109,7 @@ def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, tr
     which weights; sleep and wake-up serve the same bits again."""
     hf, _ = trainer
     v0 = httpx.get(f"{server.url}/weight_version").json()["weight_version"]
-    results, progress, frozen = [None], [0], threading.Event()
-
-    def freeze() -> None:  # from the stream's reader, after its 5th token: the request is still running
-        assert httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
-        frozen.set()
-
-    t = threading.Thread(target=stream_completion,
-                         args=(server.url, "m", PROMPTS[0], 400, results, progress, 0, (5, freeze)))
-    t.start()
-    # Frozen before the push, so the stream cannot end on the old weights alone.
-    assert frozen.wait(120)
+    t, results = _stream_frozen_mid_way(server.url)
     sync.push([(n, p.detach()) for n, p in hf.named_parameters()], pause_mode="keep")
     t.join(120)
     chunks, finish, spans = results[0]
@@ -127,6 +118,34 @@ def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, tr
     assert httpx.post(f"{server.url}/sleep", params={"level": 1}, timeout=60).status_code == 200
     assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
     assert served(server.url) == before
+
+
+def _stream_frozen_mid_way(url: str) -> tuple[threading.Thread, list]:
+    """A streamed request frozen by pause(keep) after its fifth token, still unfinished (the
+    tiny model can outrun the pause: then the request is let finish and another one tried)."""
+    for _ in range(5):
+        results, progress = [None], [0]
+
+        def freeze() -> None:  # from the stream's reader, after its fifth token
+            assert httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
+
+        t = threading.Thread(target=stream_completion, args=(url, "m", PROMPTS[0], 400, results, progress, 0,
+                                                             (5, freeze)))
+        t.start()
+        while progress[0] < 5 and t.is_alive():
+            t.join(0.01)
+        while not _paused(url) and t.is_alive():
+            t.join(0.01)
+        stats = httpx.get(f"{url}/metrics", timeout=30).text
+        if re.search(r"^vllm:num_requests_(running|waiting)\{[^}]*\} [1-9]", stats, re.M):
+            return t, results
+        assert httpx.post(f"{url}/resume", timeout=60).status_code == 200
+        t.join(120)
+    pytest.fail("every request finished before its keep-pause landed")
+
+
+def _paused(url: str) -> bool:
+    return httpx.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
 
 
 @pytest.fixture(scope="module")
