@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A pass on a GPU machine; logs go to $OUT (or ./out), a short table at the end.
 #
-#   scripts/gpu_check.sh suite            the whole GPU test suite (pytest -m gpu tests)
+#   scripts/gpu_check.sh suite            the whole GPU test suite (pytest -m gpu tests), in three
+#                                         shards at once
 #   scripts/gpu_check.sh bench [BASE]     offline throughput (Qwen3-0.6B) and the colocated push
 #                                         (Qwen3-8B); with BASE, a directory holding an earlier
 #                                         tree's rlserve/ and benchmarks/, each also on it first,
@@ -31,7 +32,21 @@ run() {
 
 case "${1:-suite}" in
   suite)
-    STEP_TIMEOUT=${STEP_TIMEOUT:-560} TAIL=25 run gpu-suite "$here" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE
+    # Three shards side by side: the kernel tests are bound by Triton's compiles on the host's
+    # cores, the engine and server tests by start-up; each test sizes its own KV cache, so they
+    # share the GPU. Together they fit one call where one pytest did not.
+    shards=("tests/test_triton_ops.py"
+            "tests/test_lora_ops.py tests/test_triton_moe.py tests/test_gpu_sampling.py"
+            "")
+    others=$(ls tests/test_gpu_*.py | grep -v test_gpu_sampling.py | tr '\n' ' ')
+    shards[2]=$others
+    for i in 0 1 2; do
+      # shellcheck disable=SC2086
+      STEP_TIMEOUT=${STEP_TIMEOUT:-540} TAIL=0 run "gpu-suite-$i" "$here" \
+        python3 -m pytest -q -m gpu ${shards[$i]} -p no:cacheprovider -rfE &
+    done
+    wait
+    for i in 0 1 2; do echo "-- shard $i: ${shards[$i]}"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu-suite-$i.log" | tail -n 15; done
     ;;
   bench)
     base=${2:-}
