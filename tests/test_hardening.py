@@ -103,6 +103,10 @@ def test_weight_version_2_to_the_70_is_a_400_and_the_old_weights_serve(server):
     r = _post(server, "/update_weights", {"update_info": {
         "names": ["x"], "dtype_names": ["float32"], "shapes": [[1]], "weight_version": 2**70}})
     _refused(r, "update_info.weight_version", "64 bits")
+    for version in ("9" * 30, "9" * 5000):  # as digits, which vLLM's string versions allow
+        r = _post(server, "/update_weights", {"update_info": {
+            "names": ["x"], "dtype_names": ["float32"], "shapes": [[1]], "weight_version": version}})
+        _refused(r, "weight_version: rlserve numbers weight versions", "0..9223372036854775807")
     assert httpx.get(f"{server.url}/weight_version", timeout=30).json() == {"weight_version": 0}
     _still_serving(server)
 
@@ -177,7 +181,8 @@ def test_a_grammar_compile_is_abandoned_when_its_client_goes_away(server):
 # Integer fields of the control plane, each with values a fuzzer tries first.
 _INIT = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
 _UPDATE = {"names": ["x"], "dtype_names": ["float32"], "shapes": [[1]]}
-_HOSTILE = [10**30, 2**64, -(2**63) - 1, -1, 0, 1.5, float("1e308"), "12", None, True, [1], {"a": 1}]
+_HOSTILE = [10**30, 2**64, 2**63, -(2**63) - 1, -1, 0, 1.5, float("1e308"), "12", "9" * 30, "9" * 5000, None,
+            True, [1], {"a": 1}]
 
 
 def _fuzz_cases():

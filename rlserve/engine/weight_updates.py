@@ -51,13 +51,16 @@ def parse_version(version: Any, field: str = "weight_version") -> int | None:
     """A weight version as vLLM sends it (a string, or an integer), as rlserve numbers it."""
     if version is None:
         return None
-    if isinstance(version, str) and version.strip().isdigit():
-        return int(version)
-    if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
+    if isinstance(version, str) and version.strip().isdigit() and len(version) <= 64:
+        version = int(version)
+    if isinstance(version, int) and not isinstance(version, bool) and 0 <= version <= _MAX_VERSION:
         return version
     raise InvalidRequestError(
         f"{field}: rlserve numbers weight versions (every token's version is reported), so it must be "
-        f"a non-negative integer or a string of digits, got {version!r}", field)
+        f"an integer in 0..{_MAX_VERSION}, or a string of its digits, got {version!r}"[:400], field)
+
+
+_MAX_VERSION = (1 << 63) - 1  # a version travels as a 64-bit integer with every step's tokens
 
 
 def asleep_refusal(core) -> InvalidRequestError | None:
