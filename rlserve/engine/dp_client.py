@@ -1,25 +1,21 @@
 """Data parallel: one front end, N engine-core replicas (`--data-parallel-size N`).
 
 `DPEngineClient` stands where one `EngineCoreClient` stands under `AsyncEngine` (same
-calls, same callbacks). It holds one connection per replica and
+calls, same callbacks). It holds one connection per replica (dp_replica.py) and
 
 - routes each new request to a replica (dp_router.py: least outstanding tokens, prompts
   sharing a prefix kept together), and aborts go where their request went;
-- fans control calls out to every replica: `/init_weight_transfer_engine` once for all,
-  replica i's rank r at `rank_offset + i*TP + r` in the trainer's one group; each
-  `/update_weights` reaches every replica, all or nothing per replica, answered per
-  replica; pause, resume, sleep and wake-up reach all;
+- fans control calls out to every replica: pause, resume, sleep and wake-up reach all;
+  the weights' calls (the trainer's group, updates, a rejoining replica's copy) belong to
+  `ReplicaWeights` (dp_weights.py);
 - takes a replica that dies out of rotation: its requests fail with a 503 that names it,
   or (`dp_retry_on_failure`) those that have produced nothing yet run again on another
-  replica. The replica is restarted (up to `dp_max_restarts` times) and, before it serves,
-  copies the weights and version a healthy replica serves now (weight_transfer/peer.py).
-  With none to copy from it waits, out of rotation, for the trainer's next push
-  (`stale`), so it never serves its checkpoint under a newer version number.
+  replica. The replica is restarted (up to `dp_max_restarts` times) and copies the current
+  weights before it serves.
 
-Replica states: starting -> up; up -> down (died) -> starting; stale: alive, serves
-nothing until it has the current weights. The server dies only when no replica is left.
-Replicas started elsewhere (`config.dp_engines`, rlserve.ray) are attached by address;
-their restart is the launcher's business, which then calls `attach`.
+The server dies only when no replica is left. Replicas started elsewhere
+(`config.dp_engines`, rlserve.ray) are attached by address; their restart is the
+launcher's business, which then calls `attach`.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,14 +31,13 @@ import msgspec
 
 from rlserve.config import EngineConfig
 from rlserve.engine.core_client import EngineAddresses, EngineCoreClient
+from rlserve.engine.dp_replica import DOWN, STALE, STARTING, UP, Replica, combine_errors
 from rlserve.engine.dp_router import Router
+from rlserve.engine.dp_weights import ReplicaWeights
 from rlserve.engine.messages import (
     AbortAll,
     AnyControlCall,
-    CallResult,
     ConflictError,
-    CopyWeightsFromPeer,
-    CopyWeightsToPeer,
     EngineDeadError,
     EngineReady,
     GetStats,
@@ -53,35 +48,14 @@ from rlserve.engine.messages import (
     UpdateWeights,
     WakeUp,
     WeightChecksums,
-    WeightsLayout,
-    error_from_result,
 )
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
 from rlserve.engine.request import EngineUnavailableError, sample_ids
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
-from rlserve.weight_transfer.address import get_open_port
 
 logger = logging.getLogger(__name__)
 
-STARTING, UP, STALE, DOWN = "starting", "up", "stale", "down"
 _RESTART_DELAY_S = 0.5
-
-
-@dataclass
-class Replica:
-    index: int
-    client: EngineCoreClient
-    state: str = STARTING
-    reason: str = ""  # why it is down or stale
-    info: EngineReady | None = None  # once started
-    incarnation: int = 0  # bumped on every restart: callbacks of an old one are ignored
-    restarts: int = 0
-    requests_total: int = 0
-    weight_version: int | None = None
-
-    @property
-    def alive(self) -> bool:
-        return self.state in (UP, STALE)
 
 
 @dataclass
@@ -117,12 +91,9 @@ class DPEngineClient:
         self.on_outputs: Callable[[EngineCoreOutputs], None]  # the owner sets it before start()
         self.on_dead: Callable[[str], None] | None = None
         self.on_request_failed: Callable[[str, BaseException], None] | None = None
-        self.replica_stats: dict[int, EngineStats] = {}
-        self._control = asyncio.Lock()  # one init / update / weight copy at a time
-        self._group: dict[int, int] | None = None  # replica -> incarnation in the trainer's group
-        self._pushed = False  # a trainer has replaced the weights since start
-        self._paused: tuple[str, bool] | None = None
-        self._sleeping = False
+        self.paused: tuple[str, bool] | None = None  # the last /pause, until /resume
+        self.sleeping = False
+        self.weights = ReplicaWeights(self)  # the replicas' weights kept one version (dp_weights.py)
         self._tasks: set[asyncio.Task] = set()
         self._handlers = self._handler_table()
         self.info: EngineReady  # set by start()
@@ -274,7 +245,7 @@ class DPEngineClient:
                            r.index, len(lost), retried, len(lost) - retried)
         restart = self.config.dp_engines is None and r.restarts < self.config.dp_max_restarts
         if restart:
-            self._spawn(self._restart(r))
+            self.spawn(self._restart(r))
         self._check_any_left(f"replica {r.index}: {reason}")
 
     def _check_any_left(self, last: str) -> None:
@@ -284,7 +255,7 @@ class DPEngineClient:
             if self.on_dead is not None:
                 self.on_dead(self.dead)
 
-    def _spawn(self, coro) -> None:
+    def spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -314,7 +285,7 @@ class DPEngineClient:
             return
         r.state = STALE
         r.reason = "joining: copying the current weights"
-        await self._catch_up(r)
+        await self.weights.catch_up(r)
 
     async def attach(self, index: int, input_address: str, output_address: str) -> None:
         """A replica started elsewhere in place of replica `index` (rlserve.ray)."""
@@ -324,52 +295,6 @@ class DPEngineClient:
         if r.alive or r.state == STARTING:
             raise ConflictError(f"replica {index} is {r.state}: only a down replica is replaced")
         await self._restart(r, EngineAddresses(input_address, [output_address]))
-
-    async def _catch_up(self, r: Replica) -> None:
-        """Give replica r the weights and version the serving replicas have now."""
-        async with self._control:
-            if not r.alive:
-                return
-            source = next((x for x in self.replicas if x.state == UP and x is not r), None)
-            if source is None or self._sleeping:
-                if self._pushed or self._sleeping:
-                    r.state = STALE
-                    r.reason = ("no awake replica to copy the current weights from: it serves after "
-                                "the trainer's next /init_weight_transfer_engine and /update_weights")
-                    logger.warning("replica %d: %s", r.index, r.reason)
-                    return
-                r.state, r.reason = UP, ""  # nothing pushed yet: its checkpoint is current
-                return
-            try:
-                await self._copy_weights(source, r)
-                if self._paused is not None:
-                    await r.client.call(Pause(*self._paused))
-            except Exception as e:
-                r.state, r.reason = STALE, f"copying weights from replica {source.index} failed: {e}"
-                logger.error("replica %d: %s", r.index, r.reason)
-                return
-            r.state, r.reason = UP, ""
-            logger.info("replica %d is serving again, weight version %s", r.index, r.weight_version)
-
-    async def _copy_weights(self, source: Replica, target: Replica) -> None:
-        timeout_s = self.config.weight_transfer.timeout_s if self.config.weight_transfer else 120.0
-        digests = await source.client.call(WeightsLayout())
-        version = (await self._stats(source)).weight_version
-        assert source.info is not None  # it serves: it has started
-        host = source.info.host if self.config.dp_engines is not None else "127.0.0.1"
-        ports = [get_open_port() for _ in range(self.tp)]
-        both = await asyncio.gather(
-            source.client.call(CopyWeightsToPeer(host, ports, digests, timeout_s)),
-            target.client.call(CopyWeightsFromPeer(host, ports, digests, timeout_s, version)),
-            return_exceptions=True)
-        sent, got = both  # not unpacked from the await: mypy 2.4 then loses both types
-        if isinstance(sent, BaseException):
-            raise sent
-        if isinstance(got, BaseException):
-            raise got
-        target.weight_version = version
-        logger.info("replica %d: copied %.1f MB of weights (version %d) from replica %d",
-                    target.index, got["num_bytes"] / 1e6, version, source.index)
 
     # -- control calls -------------------------------------------------------------------
     async def call(self, body: AnyControlCall) -> Any:
@@ -383,7 +308,7 @@ class DPEngineClient:
 
     def _handler_table(self) -> dict[type, Callable[[Any], Any]]:
         """The calls that are more than "every live replica, the first answer"."""
-        return {InitWeightTransfer: self._init_transfer, UpdateWeights: self._update,
+        return {InitWeightTransfer: self.weights.init_transfer, UpdateWeights: self.weights.update,
                 GetStats: self._stats_call, Pause: self._pause, Resume: self._resume, Sleep: self._sleep,
                 WakeUp: self._wake_up, AbortAll: self._abort_all, WeightChecksums: self._all_answers}
 
@@ -391,7 +316,7 @@ class DPEngineClient:
         return msgspec.to_builtins(await self.stats())
 
     async def _pause(self, body: Pause) -> dict:
-        self._paused = (body.mode, body.clear_cache)  # a replica that rejoins is paused alike
+        self.paused = (body.mode, body.clear_cache)  # a replica that rejoins is paused alike
         values = list((await self._fan_out(body)).values())
         kept = [v for v in values if isinstance(v, dict) and v.get("mode") == "keep" and "kept" in v]
         if kept:
@@ -399,19 +324,19 @@ class DPEngineClient:
         return values[0]
 
     async def _resume(self, body: Resume) -> None:
-        self._paused = None
+        self.paused = None
         await self._fan_out(body)
 
     async def _sleep(self, body: Sleep) -> None:
-        self._sleeping = True
+        self.sleeping = True
         await self._fan_out(body)
 
     async def _wake_up(self, body: WakeUp) -> None:
         await self._fan_out(body)
-        self._sleeping = False
+        self.sleeping = False
         for r in self.replicas:
-            if r.state == STALE and not self._group_has(r):
-                self._spawn(self._catch_up(r))
+            if r.state == STALE and not self.weights.in_group(r):
+                self.spawn(self.weights.catch_up(r))
 
     async def _abort_all(self, body: AbortAll) -> int:
         return sum((await self._fan_out(body)).values())
@@ -420,22 +345,19 @@ class DPEngineClient:
         """Each replica's answer (a list per replica: one item per rank), one after another."""
         return [item for _, v in sorted((await self._fan_out(body)).items()) for item in v]
 
-    async def _fan_out(self, body: AnyControlCall, replicas: list[Replica] | None = None,
-                       per_replica: Mapping[int, AnyControlCall] | None = None) -> dict[int, Any]:
+    async def _fan_out(self, body: AnyControlCall) -> dict[int, Any]:
         """The call on every live replica; all answers, or the errors, per replica."""
-        targets = [r for r in (replicas or self.replicas) if r.alive]
+        targets = [r for r in self.replicas if r.alive]
         if not targets:
             raise EngineUnavailableError("no data-parallel replica is up")
-        results = await asyncio.gather(*(r.client.call((per_replica or {}).get(r.index, body)) for r in targets),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(r.client.call(body) for r in targets), return_exceptions=True)
         errors = [(r.index, e) for r, e in zip(targets, results) if isinstance(e, BaseException)]
         if errors:
-            raise _combine(errors)
+            raise combine_errors(errors)
         return {r.index: v for r, v in zip(targets, results)}
 
-    async def _stats(self, r: Replica) -> EngineStats:
+    async def stats_of(self, r: Replica) -> EngineStats:
         s = msgspec.convert(await r.client.call(GetStats()), EngineStats)
-        self.replica_stats[r.index] = s
         r.weight_version = s.weight_version
         return s
 
@@ -443,95 +365,12 @@ class DPEngineClient:
         alive = [r for r in self.replicas if r.alive]
         if not alive:
             raise EngineUnavailableError("no data-parallel replica is up")
-        got = await asyncio.gather(*(self._stats(r) for r in alive), return_exceptions=True)
+        got = await asyncio.gather(*(self.stats_of(r) for r in alive), return_exceptions=True)
         stats = [(r, s) for r, s in zip(alive, got) if not isinstance(s, BaseException)]
         if not stats:  # every one failed
             raise next(e for e in got if isinstance(e, BaseException))
         serving = [s for r, s in stats if r.state == UP] or [s for _, s in stats]
-        total = lambda name: sum(getattr(s, name) for _, s in stats)  # noqa: E731
-        capacity = total("kv_cache_capacity_tokens")
-        return EngineStats(
-            num_running=total("num_running"), num_waiting=total("num_waiting"),
-            kv_cache_usage=sum(s.kv_cache_usage * s.kv_cache_capacity_tokens for _, s in stats)
-            / max(capacity, 1),
-            kv_cache_capacity_tokens=capacity, prompt_tokens_total=total("prompt_tokens_total"),
-            generation_tokens_total=total("generation_tokens_total"),
-            aborted_total=total("aborted_total"), preemptions_total=total("preemptions_total"),
-            prefix_cache_queries=total("prefix_cache_queries"),
-            prefix_cache_hit_tokens=total("prefix_cache_hit_tokens"),
-            weight_version=min(s.weight_version for s in serving),
-            paused=any(s.paused for _, s in stats), sleeping=any(s.sleeping for _, s in stats),
-            sleep_level=max(s.sleep_level for _, s in stats),
-            num_waiting_deferred=total("num_waiting_deferred"),
-            iteration_tokens=[sum(c) for c in zip(*(s.iteration_tokens for _, s in stats))],
-            iteration_tokens_sum=total("iteration_tokens_sum"))
-
-    def _group_has(self, r: Replica) -> bool:
-        return self._group is not None and self._group.get(r.index) == r.incarnation
-
-    async def _init_transfer(self, body: InitWeightTransfer) -> None:
-        """Every rank of every replica joins the trainer's one group."""
-        async with self._control:
-            deadline = asyncio.get_running_loop().time() + body.timeout_s
-            while (any(r.state == STARTING for r in self.replicas)
-                   and asyncio.get_running_loop().time() < deadline):
-                await asyncio.sleep(0.2)  # a restarting replica joins too
-            missing = [r for r in self.replicas if not r.alive]
-            if missing:
-                raise EngineUnavailableError(
-                    "init_info: every data-parallel replica joins the group, and "
-                    + "; ".join(f"replica {r.index} is {r.state} ({r.reason})" for r in missing)
-                    + ": retry once /health reports it up")
-            per_replica = {}
-            for r in self.replicas:
-                info = dict(body.init_info)
-                if body.backend != "ipc":
-                    info["rank_offset"] = body.init_info["rank_offset"] + r.index * self.tp
-                per_replica[r.index] = InitWeightTransfer(body.backend, info, body.timeout_s)
-            self._group = None
-            await self._fan_out(body, per_replica=per_replica)
-            self._group = {r.index: r.incarnation for r in self.replicas}
-
-    async def _update(self, body: UpdateWeights) -> dict:
-        """One update into every replica; each all or nothing. A replica whose update
-        failed while another's succeeded leaves rotation and copies the new weights."""
-        async with self._control:
-            if self._group is not None:
-                gone = [r for r in self.replicas if not self._group_has(r)]
-                if gone:
-                    raise ConflictError(
-                        "update_info: " + ", ".join(f"replica {r.index}" for r in gone)
-                        + " restarted since /init_weight_transfer_engine, so its ranks are not "
-                        "in the trainer's group: call /init_weight_transfer_engine again")
-            targets = [r for r in self.replicas if r.alive]
-            if not targets:
-                raise EngineUnavailableError("no data-parallel replica is up")
-            got = await asyncio.gather(*(r.client.call(body) for r in targets), return_exceptions=True)
-            ok = {r.index: v for r, v in zip(targets, got) if not isinstance(v, BaseException)}
-            failed = [(r.index, e) for r, e in zip(targets, got) if isinstance(e, BaseException)]
-            for r in targets:
-                if r.index in ok:
-                    r.weight_version = ok[r.index]["weight_version"]
-                    if r.state == STALE:  # it has the trainer's weights now
-                        r.state, r.reason = UP, ""
-            if ok:
-                self._pushed = True
-            if failed and ok:
-                for i, e in failed:
-                    r = self.replicas[i]
-                    if r.alive:
-                        r.state, r.reason = STALE, f"its update failed ({e}): copying from a replica that succeeded"
-                        self._spawn(self._catch_up(r))
-            if failed:
-                done = "; ".join(f"replica {i} now serves version {v['weight_version']}"
-                                 for i, v in ok.items())
-                raise _combine(failed, done)
-        first = next(iter(ok.values()))
-        return {"weight_version": first["weight_version"], "num_bytes": first["num_bytes"],
-                "receive_seconds": max(v["receive_seconds"] for v in ok.values()),
-                "apply_seconds": max(v["apply_seconds"] for v in ok.values()),
-                "staged": bool(first.get("staged")),  # inside a transaction (every replica's is open)
-                "replicas": [{"replica": i, **v} for i, v in sorted(ok.items())]}
+        return EngineStats.merge([s for _, s in stats], serving)
 
     # -- what /health and /metrics show ------------------------------------------------------
     def status(self) -> list[dict]:
@@ -566,12 +405,3 @@ class DPEngineClient:
             task.cancel()
         await asyncio.gather(*(r.client.shutdown(timeout_s) for r in self.replicas if r.client is not None),
                              return_exceptions=True)
-
-
-def _combine(errors: list[tuple[int, BaseException]], note: str = "") -> BaseException:
-    """Per-replica failures as one exception of the first one's type (so it maps to the
-    same HTTP status), naming every replica."""
-    first = errors[0][1]
-    message = "; ".join(f"replica {i}: {e}" for i, e in errors) + (f" ({note})" if note else "")
-    return error_from_result(CallResult(0, False, error=message, error_type=type(first).__name__,
-                                        param=getattr(first, "param", None)))

@@ -90,6 +90,27 @@ class EngineStats(msgspec.Struct, array_like=True):
     iteration_tokens: list[int] = []
     iteration_tokens_sum: int = 0
 
+    @classmethod
+    def merge(cls, stats: list[EngineStats], serving: list[EngineStats]) -> EngineStats:
+        """Several replicas' stats as one engine's: counts add up, the cache usage is
+        weighted by capacity, and the version is the oldest that `serving` replicas serve."""
+        total = lambda name: sum(getattr(s, name) for s in stats)  # noqa: E731
+        capacity = total("kv_cache_capacity_tokens")
+        return cls(
+            num_running=total("num_running"), num_waiting=total("num_waiting"),
+            kv_cache_usage=sum(s.kv_cache_usage * s.kv_cache_capacity_tokens for s in stats) / max(capacity, 1),
+            kv_cache_capacity_tokens=capacity, prompt_tokens_total=total("prompt_tokens_total"),
+            generation_tokens_total=total("generation_tokens_total"),
+            aborted_total=total("aborted_total"), preemptions_total=total("preemptions_total"),
+            prefix_cache_queries=total("prefix_cache_queries"),
+            prefix_cache_hit_tokens=total("prefix_cache_hit_tokens"),
+            weight_version=min(s.weight_version for s in serving),
+            paused=any(s.paused for s in stats), sleeping=any(s.sleeping for s in stats),
+            sleep_level=max(s.sleep_level for s in stats),
+            num_waiting_deferred=total("num_waiting_deferred"),
+            iteration_tokens=[sum(c) for c in zip(*(s.iteration_tokens for s in stats))],
+            iteration_tokens_sum=total("iteration_tokens_sum"))
+
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="step"):
     version: int  # the weights this step's tokens came from
