@@ -14,11 +14,12 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 
 from rlserve.config import EngineConfig
+from rlserve.engine.grammar_wait import GrammarWait
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, Finished, Rejected, StepOut, merge_outputs
 from rlserve.engine.request import (
@@ -38,15 +39,10 @@ from rlserve.model.loader import (
     resolve_max_model_len,
     resolve_model_path,
 )
-from rlserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
 from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
 from rlserve.worker.model_runner import StepHandle
-
-if TYPE_CHECKING:
-    from concurrent.futures import Future
-
-    from rlserve.engine.structured_output import CompiledGrammar, StructuredOutputCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +98,7 @@ class EngineCore:
         self.paused = False
         self.pause_mode: str | None = None
         self.held: list[Request] = []  # arrived while paused: admitted on resume
-        self.compiling: list[Request] = []  # waiting for their grammar: admitted once compiled
-        self._grammars: StructuredOutputCompiler | None = None  # made at the first grammar
+        self.grammars = GrammarWait(self.tokenizer, self.vocab_size, self.eos_token_ids, config.grammar_limits)
         self.aborted_total = 0
         self.load_seconds = time.perf_counter() - t0
         # Everything built so far lives as long as the engine: keep it out of the cyclic
@@ -139,7 +134,7 @@ class EngineCore:
                                          "--enable-lora)")
             cache_salt = self.lora.resolve(lora_name).cache_salt(cache_salt)
         spec = params.structured_outputs
-        grammar = self._compile_grammar(spec, params) if spec is not None else None
+        grammar = self.grammars.compile(spec, params) if spec is not None else None
         reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, sample_index=i,
                         max_model_len=self.max_model_len, group_id=request_id if params.n > 1 else None,
                         stream=stream, cache_salt=cache_salt, lora_name=lora_name)
@@ -147,22 +142,6 @@ class EngineCore:
         for req in reqs:
             req.grammar = grammar
         return reqs
-
-    def _compile_grammar(self, spec: StructuredOutputsParams, params: SamplingParams) -> Future[CompiledGrammar]:
-        """Check a structured-output spec now (a 400 if bad) and start compiling it on a
-        thread: the request is scheduled once its grammar is ready."""
-        if self.tokenizer is None:
-            raise InvalidRequestError("structured_outputs: needs the tokenizer, which this "
-                                      "engine was started without", "structured_outputs")
-        if params.min_tokens:  # a finished grammar may allow nothing but its end
-            raise InvalidRequestError("min_tokens: cannot be combined with structured outputs",
-                                      "min_tokens")
-        if self._grammars is None:
-            from rlserve.engine.structured_output import StructuredOutputCompiler
-            self._grammars = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                      limits=self.config.grammar_limits)
-        self._grammars.validate(spec)
-        return self._grammars.compile(spec)
 
     def add_request(self, req: Request) -> None:
         if req.request_id in self.scheduler.requests or any(r.request_id == req.request_id for r in self.held):
@@ -172,7 +151,7 @@ class EngineCore:
                 "the weights were dropped by /sleep?level=2: generation resumes after a full "
                 "weight update (POST /update_weights)")
         if req.grammar is not None and req.matcher is None:
-            self.compiling.append(req)
+            self.grammars.waiting.append(req)
         else:
             self._enqueue(req)
 
@@ -182,47 +161,25 @@ class EngineCore:
         else:
             self.scheduler.add(req)
 
-    def _admit_compiled(self, out: StepOut) -> None:
-        """Requests whose grammar is ready join the queue (with their matcher); one whose
-        grammar failed to compile is refused."""
-        grammars = self._grammars
-        assert grammars is not None  # it compiles the grammars these requests wait for
-        # (Every request here has its grammar's future: add_request queues no other.)
-        ready = [(r, g) for r in self.compiling if (g := r.grammar) is not None and g.done()]
-        for req, grammar in ready:
-            self.compiling.remove(req)
-            error = grammar.exception()
-            if error is not None:
-                req.status = RequestStatus.FINISHED
-                if req.sample_index == 0:
-                    out.rejected.append(Rejected(req.group_id or req.request_id, str(error),
-                                                 getattr(error, "param", "structured_outputs")))
-                continue
-            req.matcher = grammars.matcher(grammar.result())
-            self._enqueue(req)
-
     def abort(self, request_ids: Iterable[str]) -> list[Finished]:
         """End requests now; unknown (or already finished) ids are ignored."""
         outputs = []
         for rid in request_ids:
             req = self.scheduler.requests.get(rid)
             if req is None:
-                waiting = self.held if any(r.request_id == rid for r in self.held) else self.compiling
-                found = [r for r in waiting if r.request_id == rid]
-                if not found:
+                req = next((r for r in self.held if r.request_id == rid), None)
+                if req is not None:
+                    self.held.remove(req)
+                else:
+                    req = self.grammars.take(rid)
+                if req is None:
                     continue
-                req = found[0]
-                waiting.remove(req)
-                if waiting is self.compiling and not any(r.grammar is req.grammar for r in waiting):
-                    spec = req.sampling_params.structured_outputs
-                    assert self._grammars is not None and spec is not None  # req waited for its grammar
-                    self._grammars.abandon(spec)  # nobody waits
             outputs.append(self.scheduler.finish(req, FinishReason.ABORT))
             self.aborted_total += 1
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self.inflight is not None or bool(self.compiling)
+        return self.scheduler.num_unfinished > 0 or self.inflight is not None or bool(self.grammars)
 
     def has_work(self) -> bool:
         """A step would compute something now (requests waiting for a grammar do not count:
@@ -232,7 +189,7 @@ class EngineCore:
 
     def unfinished_ids(self) -> list[str]:
         return ([*self.scheduler.requests] + [r.request_id for r in self.held]
-                + [r.request_id for r in self.compiling])
+                + [r.request_id for r in self.grammars.waiting])
 
     # -- the step ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs | None:
@@ -245,8 +202,8 @@ class EngineCore:
         needs the previous step's tokens: its forward pass is queued first, its sampling
         after the previous step is processed (still before the next launch)."""
         early = StepOut()
-        if self.compiling:
-            self._admit_compiled(early)
+        if self.grammars:
+            self.grammars.admit_ready(early.rejected, self._enqueue)
         sched = self.scheduler.schedule()
         if self.scheduler.refused:
             self._end_refused(early)
@@ -430,7 +387,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.held) + len(self.compiling),
+            num_waiting=len(self.scheduler.waiting) + len(self.held) + len(self.grammars),
             kv_cache_usage=self.kv.usage,
             kv_cache_capacity_tokens=self.kv.capacity_tokens,
             prompt_tokens_total=self.scheduler.prompt_tokens_total,
@@ -443,11 +400,10 @@ class EngineCore:
             paused=self.paused,
             sleeping=self.sleeping,
             sleep_level=(2 if self.scheduler.no_weights else 1) if self.sleeping else 0,
-            num_waiting_deferred=len(self.compiling) + self.scheduler.num_deferred,
+            num_waiting_deferred=len(self.grammars) + self.scheduler.num_deferred,
             iteration_tokens=list(self.scheduler.iteration_tokens),
             iteration_tokens_sum=self.scheduler.iteration_tokens_sum)
 
     def shutdown(self) -> None:
-        if self._grammars is not None:
-            self._grammars.shutdown()
+        self.grammars.shutdown()
         self.executor.shutdown()

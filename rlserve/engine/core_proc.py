@@ -176,10 +176,10 @@ class EngineCoreProc:
     def run(self) -> None:
         core, updates = self.core, self.updates
         while not self.stopping:
-            soon = core.compiling or updates.busy or updates.transaction is not None
+            soon = bool(core.grammars) or updates.busy or updates.transaction is not None
             self._read_inputs(block=not core.has_work(), timeout_ms=_SOON_POLL_MS if soon else _IDLE_POLL_MS)
             updates.apply_received()  # between two steps
-            if core.has_work() or core.compiling:
+            if core.has_work() or bool(core.grammars):
                 out = core.step()
                 if out is not None:
                     self._emit(out)
