@@ -84,18 +84,25 @@ def missing_weights(expected: Mapping[str, ExpectedParam], sent: Iterable[str]) 
     return [n for n, e in expected.items() if e.required and n not in covered]
 
 
+# A tensor this large is copied on its own: one launch is hidden behind its bytes, and the
+# plain copy runs at the copy floor where `_foreach_copy_` reached 70% of it (RESULTS.md).
+SINGLE_COPY_BYTES = 32 << 20
+
+
 @torch.no_grad()
 def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """target.copy_(source) for each pair. On CUDA a few fused launches (one
-    `_foreach_copy_` per dtype pair) rather than one a tensor: an MoE update sent per
-    expert is tens of thousands of tensors, and as many launches would take longer than
-    the bytes."""
+    """target.copy_(source) for each pair. On CUDA, the small ones in a few fused launches
+    (one `_foreach_copy_` per dtype pair): an MoE update sent per expert is tens of
+    thousands of tensors of a few MB, and one launch each would take longer than the bytes."""
     if not pairs or pairs[0][0].device.type != "cuda":
         for target, source in pairs:
             target.copy_(source)
         return
     groups: dict[tuple, tuple[list, list]] = {}
     for target, source in pairs:
+        if target.nbytes >= SINGLE_COPY_BYTES:
+            target.copy_(source)
+            continue
         targets, sources = groups.setdefault((target.dtype, source.dtype, source.device), ([], []))
         targets.append(target)
         sources.append(source)
