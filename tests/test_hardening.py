@@ -6,6 +6,7 @@ VLLM_API_KEY, as vLLM reads it) serves them all."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -97,6 +98,18 @@ def test_world_size_10_to_the_20_is_a_400(server):
         "master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2**40}})
     _refused(r, "world_size must be an integer up to 2147483647")
     assert r.json()["error"]["param"] == "init_info"  # the field at fault, not update_info
+
+
+def test_the_integer_check_names_what_is_past_64_bits_and_passes_long_digit_runs_in_text():
+    from rlserve.sampling_params import InvalidRequestError
+    from rlserve.server.limits import check_int_range
+    # Edges that fit, and a 22-digit run inside a name (the fast check's false alarm: walked).
+    check_int_range({"names": ["layers.1234567890123456789012.w"], "top": 2**63 - 1, "bottom": -(2**63),
+                     "float": 1e300, "flag": True}, "update_info")
+    for value, path in (({"a": [1, {"b": 2**63}]}, "update_info.a[1].b"),
+                        ({"s": [[-(2**63) - 1]]}, "update_info.s[0][0]"), ({"x": 10**30}, "update_info.x")):
+        with pytest.raises(InvalidRequestError, match=re.escape(f"{path}: must fit in 64 bits")):
+            check_int_range(value, "update_info")
 
 
 def test_weight_version_2_to_the_70_is_a_400_and_the_old_weights_serve(server):
