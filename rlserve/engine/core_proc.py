@@ -213,6 +213,8 @@ class EngineCoreProc:
         # A large control document (an IPC update of a per-expert MoE checkpoint is some
         # 200,000 values) would trigger hundreds of collections scanning what it builds:
         # 16 ms instead of 10 to decode that one. One collection later sees it all once.
+        if not gc.isenabled():
+            return self.decoder.decode(buffer)
         gc.disable()
         try:
             return self.decoder.decode(buffer)
