@@ -31,7 +31,7 @@ import msgspec
 
 from rlserve.config import EngineConfig
 from rlserve.engine.core_client import EngineAddresses, EngineCoreClient
-from rlserve.engine.dp_replica import DOWN, STALE, STARTING, UP, Replica, combine_errors
+from rlserve.engine.dp_replica import DOWN, STALE, STARTING, UP, Replica, call_all
 from rlserve.engine.dp_router import Router
 from rlserve.engine.dp_weights import ReplicaWeights
 from rlserve.engine.messages import (
@@ -350,11 +350,7 @@ class DPEngineClient:
         targets = [r for r in self.replicas if r.alive]
         if not targets:
             raise EngineUnavailableError("no data-parallel replica is up")
-        results = await asyncio.gather(*(r.client.call(body) for r in targets), return_exceptions=True)
-        errors = [(r.index, e) for r, e in zip(targets, results) if isinstance(e, BaseException)]
-        if errors:
-            raise combine_errors(errors)
-        return {r.index: v for r, v in zip(targets, results)}
+        return await call_all(targets, lambda r: body)
 
     async def stats_of(self, r: Replica) -> EngineStats:
         s = msgspec.convert(await r.client.call(GetStats()), EngineStats)

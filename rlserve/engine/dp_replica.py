@@ -7,10 +7,13 @@ until it has the current weights (dp_weights.py).
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from rlserve.engine.core_client import EngineCoreClient
-from rlserve.engine.messages import CallResult, EngineReady, error_from_result
+from rlserve.engine.messages import AnyControlCall, CallResult, EngineReady, error_from_result
 
 STARTING, UP, STALE, DOWN = "starting", "up", "stale", "down"
 
@@ -39,3 +42,13 @@ def combine_errors(errors: list[tuple[int, BaseException]], note: str = "") -> B
     message = "; ".join(f"replica {i}: {e}" for i, e in errors) + (f" ({note})" if note else "")
     return error_from_result(CallResult(0, False, error=message, error_type=type(first).__name__,
                                         param=getattr(first, "param", None)))
+
+
+async def call_all(replicas: list[Replica], body: Callable[[Replica], AnyControlCall]) -> dict[int, Any]:
+    """Each replica's answer to its call (`body(replica)`), by index; any failure raises
+    every replica's at once (combine_errors)."""
+    got = await asyncio.gather(*(r.client.call(body(r)) for r in replicas), return_exceptions=True)
+    failed = [(r.index, e) for r, e in zip(replicas, got) if isinstance(e, BaseException)]
+    if failed:
+        raise combine_errors(failed)
+    return {r.index: v for r, v in zip(replicas, got)}

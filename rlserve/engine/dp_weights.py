@@ -20,7 +20,7 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from rlserve.config import EngineConfig
-from rlserve.engine.dp_replica import STALE, STARTING, UP, Replica, combine_errors
+from rlserve.engine.dp_replica import STALE, STARTING, UP, Replica, call_all, combine_errors
 from rlserve.engine.messages import (
     ConflictError,
     CopyWeightsFromPeer,
@@ -75,17 +75,15 @@ class ReplicaWeights:
                     "init_info: every data-parallel replica joins the group, and "
                     + "; ".join(f"replica {r.index} is {r.state} ({r.reason})" for r in missing)
                     + ": retry once /health reports it up")
-            calls = []
-            for r in front.replicas:
+
+            def joining(r: Replica) -> InitWeightTransfer:
                 info = dict(body.init_info)
                 if body.backend != "ipc":
                     info["rank_offset"] = body.init_info["rank_offset"] + r.index * front.tp
-                calls.append(r.client.call(InitWeightTransfer(body.backend, info, body.timeout_s)))
+                return InitWeightTransfer(body.backend, info, body.timeout_s)
+
             self.group = None
-            got = await asyncio.gather(*calls, return_exceptions=True)
-            failed = [(r.index, e) for r, e in zip(front.replicas, got) if isinstance(e, BaseException)]
-            if failed:
-                raise combine_errors(failed)
+            await call_all(front.replicas, joining)
             self.group = {r.index: r.incarnation for r in front.replicas}
 
     async def update(self, body: UpdateWeights) -> dict:
