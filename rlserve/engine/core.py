@@ -151,7 +151,7 @@ class EngineCore:
                 "the weights were dropped by /sleep?level=2: generation resumes after a full "
                 "weight update (POST /update_weights)")
         if req.grammar is not None and req.matcher is None:
-            self.grammars.waiting.append(req)
+            self.grammars.add(req)
         else:
             self._enqueue(req)
 

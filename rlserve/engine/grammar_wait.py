@@ -43,6 +43,10 @@ class GrammarWait:
         self._compiler.validate(spec)
         return self._compiler.compile(spec)
 
+    def add(self, req: Request) -> None:
+        """A request whose grammar (`req.grammar`, from `compile`) is still compiling."""
+        self.waiting.append(req)
+
     def admit_ready(self, rejected: list[Rejected], enqueue: Callable[[Request], None]) -> None:
         """Requests whose grammar is ready are enqueued with their matcher; one whose
         grammar failed to compile is refused (once per prompt)."""
