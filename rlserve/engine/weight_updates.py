@@ -47,6 +47,9 @@ Answer = Callable[..., None]  # answer(call, value) or answer(call, error=except
 Handler = Callable[[Call, Any], Any]  # handler(call, call.body): the answer, or LATER
 
 
+_MAX_VERSION = (1 << 63) - 1  # a version travels as a 64-bit integer with every step's tokens
+
+
 def parse_version(version: Any, field: str = "weight_version") -> int | None:
     """A weight version as vLLM sends it (a string, or an integer), as rlserve numbers it."""
     if version is None:
@@ -57,10 +60,7 @@ def parse_version(version: Any, field: str = "weight_version") -> int | None:
         return version
     raise InvalidRequestError(
         f"{field}: rlserve numbers weight versions (every token's version is reported), so it must be "
-        f"an integer in 0..{_MAX_VERSION}, or a string of its digits, got {version!r}"[:400], field)
-
-
-_MAX_VERSION = (1 << 63) - 1  # a version travels as a 64-bit integer with every step's tokens
+        f"an integer in 0..{_MAX_VERSION}, or a string of its digits, got {version!r:.200}", field)
 
 
 def asleep_refusal(core) -> InvalidRequestError | None:
