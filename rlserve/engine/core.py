@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
+import msgspec
 import torch
 
 from rlserve.config import EngineConfig
@@ -32,6 +33,7 @@ from rlserve.engine.request import (
 )
 from rlserve.engine.scheduler import Scheduler
 from rlserve.errors import ConflictError, ModelNotFoundError
+from rlserve.memory import GiB, MemoryProfile
 from rlserve.model.loader import (
     eos_token_ids,
     load_hf_config,
@@ -42,6 +44,7 @@ from rlserve.model.loader import (
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
 from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
+from rlserve.worker.memory_profile import KVSizing
 from rlserve.worker.model_runner import StepHandle
 
 logger = logging.getLogger(__name__)
@@ -75,7 +78,13 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, self.model_path)
 
         self.executor = Executor(config, hf_config, self.model_path)
-        num_blocks = min(self.executor.collective_rpc(rank.DetermineNumBlocks()))
+        # Every rank sizes its own cache; the smallest decides (a rank's shard of the KV heads
+        # is the same size everywhere, the memory beside it may not be).
+        sizes = [msgspec.convert(r, KVSizing) for r in
+                 self.executor.collective_rpc(rank.SizeKVCache(self.max_model_len))]
+        sizing = min(sizes, key=lambda s: s.num_blocks)
+        num_blocks = sizing.num_blocks
+        self.memory: MemoryProfile | None = sizing.profile
         self.executor.collective_rpc(rank.InitKVCache(num_blocks))
         if not config.enforce_eager:
             t1 = time.perf_counter()
@@ -109,6 +118,9 @@ class EngineCore:
                     config.model, type(self.executor.driver.model).__name__,
                     self.executor.driver.dtype, self.load_seconds, num_blocks,
                     self.kv.capacity_tokens)
+        if self.memory is not None:
+            logger.info("device memory (%.2f GiB, %.0f%% this server's): %s", self.memory.total / GiB,
+                        100 * config.gpu_memory_utilization, self.memory.describe(self.kv.capacity_tokens))
 
     @property
     def world_size(self) -> int:

@@ -31,6 +31,7 @@ from rlserve.errors import (  # noqa: F401 (re-exported)
     from_wire,
     to_wire,
 )
+from rlserve.memory import MemoryProfile
 from rlserve.sampling_params import SamplingParams
 
 
@@ -193,6 +194,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     load_seconds: float
     pid: int
     host: str = ""  # an address other hosts reach this one at (data-parallel weight copies)
+    memory: MemoryProfile | None = None  # rank 0's device memory at start (None: not measured)
 
 
 class CallResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True):

@@ -74,6 +74,7 @@ def _lifespan(engine: AsyncEngine, config: EngineConfig, metrics: ServerMetrics,
                     "weight version %d", engine.model_name, info.model_type, info.device, info.dtype,
                     info.load_seconds, info.max_model_len, info.kv_capacity_tokens, info.weight_version)
         engine.set_latency_observer(metrics)
+        metrics.memory = info.memory
         metrics.set_max_model_len(engine.max_model_len)
         app.state.completions = CompletionServing(engine, config, metrics, serving)
         app.state.chat = ChatServing(engine, config, metrics, serving)

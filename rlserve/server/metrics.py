@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from rlserve.config import EngineConfig
     from rlserve.engine.output_processor import RequestState
     from rlserve.engine.outputs import EngineStats, RequestTiming
+    from rlserve.memory import MemoryProfile
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -97,6 +98,7 @@ class ServerMetrics:
         self.labels = (model_name, "0")
         self.config = config  # its cache settings label vllm:cache_config_info
         self.stats: EngineStats | None = None  # fetched by the /metrics handler
+        self.memory: MemoryProfile | None = None  # the engine's measured split, set at start
         self.ttft = _Histogram("vllm:time_to_first_token_seconds",
                                "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
         self.itl = _Histogram("vllm:inter_token_latency_seconds",
@@ -191,6 +193,8 @@ class ServerMetrics:
             yield from _engine_families(self.stats, labels)
             if self.config is not None:
                 yield _cache_config_info(self.config, self.stats)
+        if self.memory is not None:
+            yield _memory_family(self.memory, labels)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=(*LABELS, "finished_reason"))
         for reason, n in self.finished_samples.items():
@@ -286,4 +290,14 @@ def _cache_config_info(config: EngineConfig, stats: EngineStats) -> GaugeMetricF
 def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc, labels=LABELS)
     family.add_metric(labels, value)
+    return family
+
+
+def _memory_family(memory: MemoryProfile, labels: list[str]) -> GaugeMetricFamily:
+    """The device memory split measured at start (rank 0): what sized the KV cache."""
+    family = GaugeMetricFamily("rlserve_device_memory_bytes",
+                               "Device memory at start, by part (weights, peak activations, CUDA graphs, "
+                               "non-torch, KV cache) and the device's total.", labels=(*LABELS, "part"))
+    for part in ("total", "weights", "activations", "cuda_graphs", "non_torch", "kv_cache"):
+        family.add_metric([*labels, part], getattr(memory, part))
     return family

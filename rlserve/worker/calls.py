@@ -21,9 +21,13 @@ class RankCall(msgspec.Struct, array_like=True, tag=True):
         raise NotImplementedError
 
 
-class DetermineNumBlocks(RankCall):
-    def run(self, worker) -> int:
-        return worker.determine_num_blocks()
+class SizeKVCache(RankCall):
+    """The rank's KVSizing (worker/memory_profile.py), in msgpack's vocabulary."""
+
+    max_model_len: int
+
+    def run(self, worker) -> Any:
+        return msgspec.to_builtins(worker.size_kv_cache(self.max_model_len))
 
 
 class InitKVCache(RankCall):
@@ -175,6 +179,6 @@ class LoadLoRA(TensorCall):
 
 
 AnyTensorCall = LoadWeights | LoadLoRA  # what a "load" message carries
-AnyRankCall = (DetermineNumBlocks | InitKVCache | CaptureCudaGraphs | Sleep | WakeUp | RemoveLoRA | SwapLoRA
+AnyRankCall = (SizeKVCache | InitKVCache | CaptureCudaGraphs | Sleep | WakeUp | RemoveLoRA | SwapLoRA
                | JoinTransfer | ReceiveWeights | RefuseUpdate | ApplyStaged | DropStaged | CloseTransfer
                | Checksums | WeightsLayout | CopyPeer | AnyTensorCall)

@@ -21,12 +21,13 @@ class CudaGraphs:
     """
 
     def __init__(self, model: CausalLM, device: torch.device, block_size: int, lora, max_batch: int,
-                 max_model_len: int):
-        """`lora`: the model's rlserve.model.lora.LoRAModel, or None."""
+                 max_model_len: int, largest_only: bool = False):
+        """`lora`: the model's rlserve.model.lora.LoRAModel, or None. `largest_only`: capture
+        the largest batch alone (memory profiling: the smaller graphs share its pool)."""
         self.model = model
         self.max_model_len = max_model_len
-        self.sizes = sorted({s for s in [1, 2, 4, 8] + list(range(16, max_batch + 1, 16)) if s <= max_batch}
-                            | {max_batch})
+        self.sizes = [max_batch] if largest_only else sorted(
+            {s for s in [1, 2, 4, 8] + list(range(16, max_batch + 1, 16)) if s <= max_batch} | {max_batch})
         self.max_batch = self.sizes[-1]
         dev = device
         max_blocks = -(-max_model_len // block_size)

@@ -29,6 +29,9 @@ from rlserve.worker.step_inputs import BatchInputs, StepHandle, StepInputs
 
 logger = logging.getLogger(__name__)
 
+# Prompt logprobs: logits elements (rows x vocabulary) computed at once, about 256 MiB in float32.
+_PROMPT_LOGITS_ELEMENTS = 1 << 26
+
 
 @dataclass
 class ModelRunnerOutput:
@@ -99,12 +102,12 @@ class ModelRunner:
         self.graphs = None  # they captured the cache's addresses
         self.sampling.penalties.reset()  # device memory too
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture decode steps for a ladder of batch sizes; see CudaGraphs."""
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, largest_only: bool = False) -> None:
+        """Capture decode steps for a ladder of batch sizes (or its largest alone); see CudaGraphs."""
         if self.device.type != "cuda" or not self.kernels.graphs:
             return  # the torch reference ops read tensors on the host: not capturable
         self.graphs = CudaGraphs(self.model, self.device, self.block_size, self.lora, min(max_num_seqs, 512),
-                                 max_model_len)
+                                 max_model_len, largest_only)
 
     # -- inputs ------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
@@ -145,32 +148,50 @@ class ModelRunner:
         n, padded = batch.num_logits, batch.logits_indices.shape[0]
         if not n:
             return StepHandle([], None, {}, {})
-        # A decode graph's rows are the padded rows the LM head wants: no gather.
-        rows = hidden[:padded] if batch.logits_identity and hidden.shape[0] >= padded \
-            else hidden[batch.logits_indices]
-        logits = self.model.compute_logits(rows)
-        if padded != n:
-            logits = logits[:n]
+        if batch.prompt_rows:
+            rows_logits, prompt, prompt_start = self._prompt_logprobs(sched, batch, hidden)
+        else:
+            # A decode graph's rows are the padded rows the LM head wants: no gather.
+            rows = hidden[:padded] if batch.logits_identity and hidden.shape[0] >= padded \
+                else hidden[batch.logits_indices]
+            rows_logits = self.model.compute_logits(rows)
+            if padded != n:
+                rows_logits = rows_logits[:n]
+            prompt, prompt_start = {}, {}
         sampled = pending = None
         if batch.sampling is not None:
-            # Every logits row samples unless some are prompt positions.
-            rows_logits = logits if batch.sample_index is None else logits[batch.sample_index]
             if sample:
                 sampled = S.sample(rows_logits, batch.sampling, self.kernels.sample)
             else:
                 pending = (rows_logits, batch.sampling)
+        handle = StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests, pending)
+        if pending is None:
+            self._copy_out(handle)
+        return handle
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor):
+        """The sampling rows' logits, and each prompt's logprob stats computed in slices of
+        rows, so that a long chunk's logits never sit on the device whole (the memory
+        profile measures one slice)."""
+        index = batch.logits_indices[:batch.num_logits]
+        assert batch.sample_index is not None  # prompt rows are logits rows that do not sample
+        rows_logits = self.model.compute_logits(hidden[index[batch.sample_index]])
+        step = max(1, _PROMPT_LOGITS_ELEMENTS // self.model.config.vocab_size)
         prompt, prompt_start = {}, {}
         for rid, (first, targets) in batch.prompt_rows.items():
             req = next(it.request for it in sched.scheduled if it.request.request_id == rid)
             k = req.sampling_params.prompt_logprobs
             assert k is not None  # prompt_rows holds the requests that asked for prompt logprobs
-            lp = S.raw_logprobs(logits[first:first + len(targets)])
-            prompt[rid] = (targets, k, S.logprob_stats(lp, torch.tensor(targets, device=lp.device), k))
+            ids = torch.tensor(targets, device=hidden.device)
+            parts = []
+            for s in range(0, len(targets), step):
+                rows = index[first + s:first + min(s + step, len(targets))]
+                parts.append(S.logprob_stats(S.raw_logprobs(self.model.compute_logits(hidden[rows])),
+                                             ids[s:s + step], k))
+            stats = tuple(_cat([p[i] for p in parts]) for i in range(4))
+            prompt[rid] = (targets, k, stats)
             prompt_start[rid] = req.num_computed_tokens
-        handle = StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests, pending)
-        if pending is None:
-            self._copy_out(handle)
-        return handle
+        return rows_logits, prompt, prompt_start
 
     def _copy_out(self, handle: StepHandle) -> None:
         """Queue the copy of the step's results to the host right behind the step itself.
@@ -260,3 +281,7 @@ class ModelRunner:
                 top = TopLogprobs(ids[start:end], lps[start:end])
             result.append(TokenLogprob(tok, chosen[i], ranks[i], top))
         return result
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if parts[0] is None else torch.cat(cast(list[torch.Tensor], parts))

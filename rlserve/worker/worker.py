@@ -7,6 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 import torch
 
@@ -15,6 +16,13 @@ from rlserve.distributed import TPGroup, tp_device, tp_group_scope
 from rlserve.model.loader import build_model
 from rlserve.model.peft import LoRAConfig, pair_tensors
 from rlserve.sequence import SchedulerOutput
+from rlserve.worker.memory_profile import (
+    KVSizing,
+    WorstSteps,
+    kv_cache_blocks,
+    kv_cache_budget,
+    profile_memory,
+)
 from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from rlserve.worker.weight_receiver import WeightReceiver
 
@@ -67,33 +75,22 @@ class Worker:
             self.model.load_weights((name, buf.narrow(p.dim, start, size)) for name, start, size in p.pieces)
 
     # -- KV cache sizing ---------------------------------------------------------------
-    def determine_num_blocks(self) -> int:
+    def size_kv_cache(self, max_model_len: int) -> KVSizing:
+        """The KV cache's blocks: fixed by the config, or what the budget holds; on a GPU the
+        budget is measured (memory_profile.py)."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
+            return KVSizing(cfg.num_kv_blocks)
         per_block = self.runner.kv_bytes_per_block()
         if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            # gpu_memory_utilization is this server's share of the device (as in vLLM), so
-            # other processes on the GPU (a colocated trainer) do not count against it;
-            # what is actually free still caps it.
-            ours = torch.cuda.memory_reserved(self.device)
-            # Room for activations of the largest step; the rest of the share is KV cache.
-            hf = self.model.config
-            activations = cfg.max_num_batched_tokens * self.model.activation_width() * self.dtype.itemsize * 4
-            logits = cfg.max_num_seqs * hf.vocab_size * 4 * 4
-            reserve = activations + logits + (1 << 30)
-            budget = min(int(total * cfg.gpu_memory_utilization) - ours, free) - reserve
-        else:
-            budget = _CPU_KV_DEFAULT_BYTES
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, "
-                             f"{per_block} bytes per block): raise gpu_memory_utilization or "
-                             "kv_cache_memory_bytes, or use a smaller model")
-        return int(num_blocks)
+            return KVSizing(kv_cache_blocks(cfg.kv_cache_memory_bytes, per_block))
+        if self.device.type != "cuda":
+            return KVSizing(kv_cache_blocks(_CPU_KV_DEFAULT_BYTES, per_block))
+        limits = WorstSteps(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len, cfg.max_logprobs,
+                            capture_graphs=not cfg.enforce_eager)
+        profile = profile_memory(self.runner, limits)
+        num_blocks = kv_cache_blocks(kv_cache_budget(profile, cfg.gpu_memory_utilization), per_block)
+        return KVSizing(num_blocks, msgspec.structs.replace(profile, kv_cache=num_blocks * per_block))
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
