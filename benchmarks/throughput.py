@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import os
 import random
 import statistics
 import time
@@ -32,6 +31,8 @@ import time
 import torch
 
 from bounds import bound_tokens_per_s, roofline_tokens_per_s, shape
+from expert_routing import RoutingSample
+from random_adapters import write_random_adapters
 from rlserve.model.presets import PRESETS, model_dir  # noqa: F401  (the benchmarks' presets)
 
 
@@ -74,77 +75,6 @@ def attention_by_batch(intervals, cfg: dict, prompts, out_lens) -> None:
         if n:
             print(f"  {lo:3d}-{hi:3d}: {n:4d} steps, attention {attn / 1e6:.3f} s at {kv / attn / 1e6:.2f} TB/s, "
                   f"the rest {other / 1e6:.3f} s ({other / n:.0f} us a step)")
-
-
-class RoutingSample:
-    """Which experts the model's routers pick for the warm-up's prompt tokens: from each
-    expert's share of them, the experts a decode step of B sequences touches, on average
-    over the layers (sum over experts of 1 - (1 - share)^B, tokens routed independently)."""
-
-    def __init__(self, llm) -> None:
-        from rlserve.model.moe import SparseMoeBlock
-        blocks = [m for m in llm.engine.executor.driver.model.modules() if isinstance(m, SparseMoeBlock)]
-        self.counts = [None] * len(blocks)
-        self.tokens = 0
-        self.num_experts = blocks[0].gate.out_features if blocks else 0
-        self.top_k = blocks[0].top_k if blocks else 0
-        self.hooks = [b.gate.register_forward_hook(self._hook(i, b.top_k)) for i, b in enumerate(blocks)]
-
-    def _hook(self, layer: int, k: int):
-        def record(module, inputs, logits) -> None:
-            ids = torch.topk(logits, k, dim=-1).indices.flatten()
-            counts = torch.bincount(ids, minlength=logits.shape[-1]).cpu()
-            self.counts[layer] = counts if self.counts[layer] is None else self.counts[layer] + counts
-            if layer == 0:
-                self.tokens += logits.shape[0]
-        return record
-
-    def stop(self) -> None:
-        for h in self.hooks:
-            h.remove()
-
-    def touched(self, batch: int) -> float:
-        layers = [c.double() / self.tokens for c in self.counts if c is not None]
-        return sum(float((1 - (1 - share) ** batch).sum()) for share in layers) / len(layers)
-
-    def report(self) -> None:
-        e, k = self.num_experts, self.top_k
-        sizes = [1, 8, 32, 64, 128, 256]
-        print(f"routing of {self.tokens} warm-up tokens: experts a decode step touches per layer, of {e}: " +
-              ", ".join(f"{b} seqs {self.touched(b):.1f} (uniform {e * (1 - (1 - k / e) ** b):.1f})" for b in sizes))
-
-
-def write_random_adapters(path: str, num: int, rank: int, root: str) -> list[str]:
-    """`num` PEFT adapter directories with random weights on every projection of `path`'s
-    architecture (Llama / Qwen names)."""
-    import json
-
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(path)
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-              "mlp.down_proj": (inter, h)}
-    dirs = []
-    for i in range(num):
-        gen = torch.Generator().manual_seed(i)
-        tensors = {}
-        for layer in range(cfg.num_hidden_layers):
-            for module, (fan_in, fan_out) in shapes.items():
-                name = f"base_model.model.model.layers.{layer}.{module}"
-                tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
-                tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 1e-3
-        d = os.path.join(root, f"adapter{i}")
-        os.makedirs(d, exist_ok=True)
-        save_file(tensors, os.path.join(d, "adapter_model.safetensors"))
-        with open(os.path.join(d, "adapter_config.json"), "w") as f:
-            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                       "target_modules": [m.split(".")[1] for m in shapes]}, f)
-        dirs.append(d)
-    return dirs
 
 
 def in_own_process(fn, *args):
