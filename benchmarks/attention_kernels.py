@@ -204,9 +204,9 @@ def main() -> None:
     # ---------------------------------------------------------------- prefill
     # throughput.py's first prefill step: its workload's prompts up to a 16384-token budget
     # (the last one cut to fit, as the scheduler's chunk).
-    from throughput import workload
+    from workloads import nano_vllm_draw
     first_chunk, budget = [], 16384
-    for p in workload(256, 100, 1024, 1024)[0]:
+    for p in nano_vllm_draw(256, 100, 1024, 1024)[0]:
         first_chunk.append(min(len(p), budget - sum(first_chunk)))
         if sum(first_chunk) == budget:
             break

@@ -5,12 +5,67 @@ A mixture-of-experts step reads the dense weights and only the experts its token
 routed to: `touched(batch)` says how many of a layer's experts a decode step of `batch`
 sequences touches (measured from the model's own routing, see throughput.py), so the
 bound counts those experts' bytes, not the whole model's.
+
+The peaks are the card's own, detected from its name (`device_peak`); a card this file does
+not know gets no bound unless its figures are given (`--hbm-tb-s`, `--tflops`).
 """
 
 from __future__ import annotations
 
+import argparse
+import re
 from collections.abc import Callable
 from typing import NamedTuple
+
+# Datasheet peaks: (name pattern, HBM bytes/s, dense bf16 FLOP/s), the more specific first.
+# Word boundaries keep a GH200 (an H100 with its own memory) from reading as an H200.
+_PEAKS = (
+    (r"\bH200 NVL\b", 4.8e12, 835e12),
+    (r"\bH200\b", 4.8e12, 989e12),
+    (r"\bH100 NVL\b", 3.9e12, 835e12),
+    (r"\bH100 PCIe\b", 2.0e12, 756e12),
+    (r"\bH100\b", 3.35e12, 989e12),  # SXM: "NVIDIA H100 80GB HBM3"
+)
+
+
+class DevicePeak(NamedTuple):
+    card: str  # the device's name
+    hbm_bytes_per_s: float | None  # None: unknown card, no figure given
+    flops_per_s: float | None  # dense bf16
+    given: bool  # a figure came from the command line, not the datasheet table
+
+    def describe(self, flops: bool = False) -> str:
+        """The card and its figure(s), for the line that prints a bound."""
+        tb = f"{self.hbm_bytes_per_s / 1e12:.2f} TB/s" if self.hbm_bytes_per_s else "HBM rate unknown"
+        tf = f", {self.flops_per_s / 1e12:.0f} TFLOP/s" if self.flops_per_s else ", TFLOP/s unknown"
+        return f"{self.card}, {tb}{tf if flops else ''}{' (given)' if self.given else ''}"
+
+
+def add_peak_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hbm-tb-s", type=float, default=None,
+                        help="the card's peak HBM rate in TB/s (default: from its name; H100 SXM 3.35, "
+                             "H100 PCIe 2.0, H200 4.8)")
+    parser.add_argument("--tflops", type=float, default=None,
+                        help="the card's dense bf16 peak in TFLOP/s (default: from its name; H100 SXM 989)")
+
+
+def device_peak(hbm_tb_s: float | None = None, tflops: float | None = None, card: str | None = None) -> DevicePeak:
+    """The peaks of `card` (default: the current CUDA device's name); a figure given here
+    replaces the table's."""
+    if card is None:
+        import torch
+        card = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    hbm = flops = None
+    for pattern, table_hbm, table_flops in _PEAKS:
+        if re.search(pattern, card):
+            hbm, flops = table_hbm, table_flops
+            break
+    return DevicePeak(card, hbm_tb_s * 1e12 if hbm_tb_s else hbm, tflops * 1e12 if tflops else flops,
+                      given=bool(hbm_tb_s or tflops))
+
+
+def unknown_card(peak: DevicePeak, what: str = "--hbm-tb-s") -> str:
+    return f"no bound: {peak.card} is not a card benchmarks/bounds.py knows; pass {what} to print one"
 
 
 class Shape(NamedTuple):
@@ -46,29 +101,30 @@ def _step_weight_bytes(s: Shape, batch: int, touched: Callable[[int], float] | N
     return (s.dense_params + s.moe_layers * experts * s.expert_params) * dtype_bytes
 
 
-def bound_tokens_per_s(cfg: dict, prompts, out_lens, dtype_bytes: int = 2,
-                       hbm_bytes_per_s: float = 4.8e12, kv_fp8: bool = False,
-                       touched: Callable[[int], float] | None = None) -> float:
+def bound_tokens_per_s(cfg: dict, prompts, out_lens, hbm_bytes_per_s: float, dtype_bytes: int = 2,
+                       kv_fp8: bool = False, touched: Callable[[int], float] | None = None,
+                       n: int = 1) -> float:
     """Bytes-moved bound: each decode step reads the weights it uses once (an MoE model's
     dense weights and the experts `touched(live sequences)` per layer) and every live
-    token's KV once (kv_fp8: a byte per element and a float32 scale per head row)."""
+    token's KV once (kv_fp8: a byte per element and a float32 scale per head row).
+    `n` samples per prompt, each `out_lens[i]` long, each reading its whole context."""
     s = shape(cfg, kv_fp8, dtype_bytes)
     lens = list(map(len, prompts))
     total = 0.0
     for step in range(max(out_lens)):
         live = [p + step for p, o in zip(lens, out_lens) if o > step]
-        total += _step_weight_bytes(s, len(live), touched, dtype_bytes) + s.kv_per_token * sum(live)
-    return sum(out_lens) / (total / hbm_bytes_per_s)
+        total += _step_weight_bytes(s, n * len(live), touched, dtype_bytes) + s.kv_per_token * n * sum(live)
+    return n * sum(out_lens) / (total / hbm_bytes_per_s)
 
 
-def roofline_tokens_per_s(cfg: dict, prompts, out_lens, hbm_bytes_per_s: float = 4.8e12,
-                          flops_per_s: float = 989e12, dtype_bytes: int = 2,
-                          touched: Callable[[int], float] | None = None) -> float:
+def roofline_tokens_per_s(cfg: dict, prompts, out_lens, hbm_bytes_per_s: float, flops_per_s: float,
+                          dtype_bytes: int = 2, touched: Callable[[int], float] | None = None,
+                          n: int = 1) -> float:
     """The byte bound with arithmetic counted too: the prefill's FLOPs (every prompt token
-    through the layers, causal attention, one LM-head row per prompt) at `flops_per_s`,
-    and each decode step at the slower of its bytes and its FLOPs. The H200's dense bf16
-    peak is 989 TFLOP/s. A larger model's prefill is compute-bound and costs seconds the
-    byte bound leaves out."""
+    through the layers, causal attention, one LM-head row per prompt; once per prompt
+    whatever its `n`) at `flops_per_s`, and each decode step at the slower of its bytes and
+    its FLOPs. A larger model's prefill is compute-bound and costs seconds the byte bound
+    leaves out."""
     s = shape(cfg, dtype_bytes=dtype_bytes)
     vocab_h = cfg["vocab_size"] * cfg["hidden_size"]
     lens = list(map(len, prompts))
@@ -77,8 +133,8 @@ def roofline_tokens_per_s(cfg: dict, prompts, out_lens, hbm_bytes_per_s: float =
     seconds = prefill / flops_per_s
     for step in range(max(out_lens)):
         contexts = [p + step for p, o in zip(lens, out_lens) if o > step]
-        tokens = sum(contexts)
-        bytes_ = _step_weight_bytes(s, len(contexts), touched, dtype_bytes) + s.kv_per_token * tokens
-        flops = 2 * (s.active_gemm + vocab_h) * len(contexts) + 2 * 2 * s.attn_width * tokens
+        seqs, tokens = n * len(contexts), n * sum(contexts)
+        bytes_ = _step_weight_bytes(s, seqs, touched, dtype_bytes) + s.kv_per_token * tokens
+        flops = 2 * (s.active_gemm + vocab_h) * seqs + 2 * 2 * s.attn_width * tokens
         seconds += max(bytes_ / hbm_bytes_per_s, flops / flops_per_s)
-    return sum(out_lens) / seconds
+    return n * sum(out_lens) / seconds

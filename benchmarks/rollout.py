@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from rlserve.model.presets import model_dir  # noqa: E402
 from serve import percentile  # noqa: E402
-from throughput import workload  # noqa: E402
+from workloads import nano_vllm_draw  # noqa: E402
 
 MODES = ("nonstream", "stream", "notext")
 
@@ -49,9 +49,9 @@ def engine_flags(args) -> dict:
 def offline(args, path: str, queue) -> None:
     """Child process: the offline LLM on the workload; puts output tok/s on `queue`."""
     from rlserve import LLM, SamplingParams
-    prompts, out_lens = workload(args.num_seqs, args.min_len, args.max_len, args.max_out or args.max_len)
+    prompts, out_lens = nano_vllm_draw(args.num_seqs, args.min_len, args.max_len, args.max_out or args.max_len)
     llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, **engine_flags(args))
-    warm, _ = workload(32, args.min_len, args.max_len, args.max_len, seed=1)
+    warm, _ = nano_vllm_draw(32, args.min_len, args.max_len, args.max_len, seed=1)
     llm.generate(warm, SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=16,
                                       detokenize=False))
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n,
@@ -162,7 +162,7 @@ def serve_and_measure(args, path: str, tokenizer: str, prompts, out_lens) -> lis
         flags += ["--api-server-count", str(args.api_server_count)]
     if args.data_parallel_size > 1:
         flags += ["--data-parallel-size", str(args.data_parallel_size)]
-    warm, _ = workload(32, args.min_len, args.max_len, args.max_len, seed=1)
+    warm, _ = nano_vllm_draw(32, args.min_len, args.max_len, args.max_len, seed=1)
     log = os.path.join(args.log_dir, "server.log") if args.log_dir else None
     results = []
     with ServerProcess(path, *flags, log=log, timeout_s=900, die_with_parent=True) as server:
@@ -243,7 +243,7 @@ def main() -> None:
         else:
             from rlserve.model.demo_model import demo_model_path
             args.tokenizer = demo_model_path()
-    prompts, out_lens = workload(args.num_seqs, args.min_len, args.max_len, args.max_out or args.max_len)
+    prompts, out_lens = nano_vllm_draw(args.num_seqs, args.min_len, args.max_len, args.max_out or args.max_len)
     print(f"workload: {len(prompts)} seqs, {sum(map(len, prompts))} prompt tokens, {sum(out_lens)} "
           f"output tokens; model {args.model} on {args.device}; tokenizer {args.tokenizer}", flush=True)
     report = {"model": args.model, "device": args.device, "num_seqs": args.num_seqs,

@@ -1,7 +1,9 @@
 """Offline throughput on nano-vllm's published workload (a script, not a test).
 
 256 sequences; prompt and output lengths uniform in [100, 1024]; random token ids below
-10000 from `random.seed(0)`; ignore_eos; dummy weights. Prints output tokens/s.
+10000 from `random.seed(0)`; ignore_eos; dummy weights. Prints output tokens/s, the KV
+cache's capacity in tokens, the run's preemptions, the engine's measured device memory
+split (where it has one) and, on a GPU, the bounds of the card it runs on (bounds.py).
 
     python benchmarks/throughput.py --model qwen3-0.6b                 # GPU, bf16
     python benchmarks/throughput.py --model qwen3-0.6b --runs 3        # median of three, one engine
@@ -12,6 +14,14 @@
 --model takes a preset (qwen3-0.6b, llama-3.1-8b, qwen3-8b, qwen3-30b-a3b, tiny, moe-tiny,
 smollm2) or an HF directory. For a mixture of experts the bound counts the experts each decode
 step touches, from the routing the model gives the warm-up's prompt tokens.
+
+--workload grpo: a GRPO-shaped rollout instead (workloads.py): 128 prompts x n=8 samples,
+prompts U[200, 1000], each prompt's output length from a long tail (mean 400, cut at 2000),
+T=1.0, the sampled token's logprob; --num-prompts, --n, --max-len, --max-out shrink it:
+
+    python benchmarks/throughput.py --model qwen3-30b-a3b --workload grpo
+    python benchmarks/throughput.py --model smollm2 --device cpu --workload grpo --num-prompts 4 --n 2 \
+        --max-len 64 --max-out 32
 
 --loras N: the same workload on the base model, then with N random rank-`--lora-rank` adapters
 on every projection, request i on adapter i mod N (all N in every batch), and the ratio:
@@ -24,24 +34,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import os
-import random
 import statistics
 import time
 
 import torch
 
-from bounds import bound_tokens_per_s, roofline_tokens_per_s, shape
+from bounds import add_peak_args, bound_tokens_per_s, device_peak, roofline_tokens_per_s, shape, unknown_card
+from expert_routing import RoutingSample
+from random_adapters import write_random_adapters
 from rlserve.model.presets import PRESETS, model_dir  # noqa: F401  (the benchmarks' presets)
-
-
-def workload(num_seqs: int, min_len: int, max_len: int, max_out: int, seed: int = 0):
-    """nano-vllm's bench.py workload, drawn in the same order from the same seed."""
-    random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))]
-               for _ in range(num_seqs)]
-    out_lens = [random.randint(min_len, max_out) for _ in range(num_seqs)]
-    return prompts, out_lens
+from workloads import Workload, grpo, nano_vllm
 
 
 def attention_by_batch(intervals, cfg: dict, prompts, out_lens) -> None:
@@ -76,87 +78,16 @@ def attention_by_batch(intervals, cfg: dict, prompts, out_lens) -> None:
                   f"the rest {other / 1e6:.3f} s ({other / n:.0f} us a step)")
 
 
-class RoutingSample:
-    """Which experts the model's routers pick for the warm-up's prompt tokens: from each
-    expert's share of them, the experts a decode step of B sequences touches, on average
-    over the layers (sum over experts of 1 - (1 - share)^B, tokens routed independently)."""
-
-    def __init__(self, llm) -> None:
-        from rlserve.model.moe import SparseMoeBlock
-        blocks = [m for m in llm.engine.executor.driver.model.modules() if isinstance(m, SparseMoeBlock)]
-        self.counts = [None] * len(blocks)
-        self.tokens = 0
-        self.num_experts = blocks[0].gate.out_features if blocks else 0
-        self.top_k = blocks[0].top_k if blocks else 0
-        self.hooks = [b.gate.register_forward_hook(self._hook(i, b.top_k)) for i, b in enumerate(blocks)]
-
-    def _hook(self, layer: int, k: int):
-        def record(module, inputs, logits) -> None:
-            ids = torch.topk(logits, k, dim=-1).indices.flatten()
-            counts = torch.bincount(ids, minlength=logits.shape[-1]).cpu()
-            self.counts[layer] = counts if self.counts[layer] is None else self.counts[layer] + counts
-            if layer == 0:
-                self.tokens += logits.shape[0]
-        return record
-
-    def stop(self) -> None:
-        for h in self.hooks:
-            h.remove()
-
-    def touched(self, batch: int) -> float:
-        layers = [c.double() / self.tokens for c in self.counts if c is not None]
-        return sum(float((1 - (1 - share) ** batch).sum()) for share in layers) / len(layers)
-
-    def report(self) -> None:
-        e, k = self.num_experts, self.top_k
-        sizes = [1, 8, 32, 64, 128, 256]
-        print(f"routing of {self.tokens} warm-up tokens: experts a decode step touches per layer, of {e}: " +
-              ", ".join(f"{b} seqs {self.touched(b):.1f} (uniform {e * (1 - (1 - k / e) ** b):.1f})" for b in sizes))
-
-
-def write_random_adapters(path: str, num: int, rank: int, root: str) -> list[str]:
-    """`num` PEFT adapter directories with random weights on every projection of `path`'s
-    architecture (Llama / Qwen names)."""
-    import json
-
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
-    cfg = AutoConfig.from_pretrained(path)
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-              "mlp.down_proj": (inter, h)}
-    dirs = []
-    for i in range(num):
-        gen = torch.Generator().manual_seed(i)
-        tensors = {}
-        for layer in range(cfg.num_hidden_layers):
-            for module, (fan_in, fan_out) in shapes.items():
-                name = f"base_model.model.model.layers.{layer}.{module}"
-                tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
-                tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 1e-3
-        d = os.path.join(root, f"adapter{i}")
-        os.makedirs(d, exist_ok=True)
-        save_file(tensors, os.path.join(d, "adapter_model.safetensors"))
-        with open(os.path.join(d, "adapter_config.json"), "w") as f:
-            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                       "target_modules": [m.split(".")[1] for m in shapes]}, f)
-        dirs.append(d)
-    return dirs
-
-
 def in_own_process(fn, *args):
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
 
 
-def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] | None = None) -> float:
+def run_rlserve(args, path, wl: Workload, profiler=None, loras: list[str] | None = None) -> float:
     """Output tokens/s of the timed run; `profiler` (a torch.profiler context) covers only it.
-    `loras`: PEFT adapter directories, request i on adapter i mod len(loras)."""
-    from rlserve import LLM, SamplingParams
+    `loras`: PEFT adapter directories, prompt i on adapter i mod len(loras)."""
+    from rlserve import LLM
     lora_kw = {}
     if loras:
         lora_kw = dict(enable_lora=True, max_loras=len(loras), max_lora_rank=args.lora_rank,
@@ -167,15 +98,14 @@ def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] |
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
               kv_cache_dtype=args.kv_cache_dtype,
               **({"block_size": args.block_size} if args.block_size else {}), **lora_kw)
-    names = [f"lora{i % len(loras)}" for i in range(len(prompts))] if loras else None
+    print_memory(llm.engine)
+    names = [f"lora{i % len(loras)}" for i in range(len(wl.prompts))] if loras else None
     routing = RoutingSample(llm)
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n,
-                             detokenize=False) for n in out_lens]
+    params = wl.params()
     # Warm-up on a slice of the workload's shapes: Triton compiles a kernel variant the first
     # time it meets one (prefill tile sizes, split counts), which is start-up cost, not throughput.
-    llm.generate(prompts[:32], SamplingParams(temperature=args.temperature, ignore_eos=True,
-                                              max_tokens=16, detokenize=False),
-                 lora_request=names[:32] if names else None)
+    warm_prompts, warm_params = wl.warm_up()
+    llm.generate(warm_prompts, warm_params, lora_request=names[:len(warm_prompts)] if names else None)
     routing.stop()
     if routing.hooks:
         routing.report()
@@ -183,21 +113,25 @@ def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] |
     rates = []
     for _ in range(1 if profiler else args.runs):
         llm.reset_prefix_cache()  # the timed run must not find these prompts cached
+        preempted = llm.engine.stats().preemptions_total
         sync()
         with profiler or contextlib.nullcontext(), triton_variants_met() as met:
             t = time.perf_counter()
-            outs = llm.generate(prompts, params, lora_request=names)
+            outs = llm.generate(wl.prompts, params, lora_request=names)
             sync()
             elapsed = time.perf_counter() - t
         if met:  # each one compiled (or at best loaded from Triton's disk cache) inside the timed run
             print(f"Triton kernel variants first met in the timed run: {len(met)}: {sorted(set(met))}")
-        produced = sum(len(o.outputs[0].token_ids) for o in outs)
-        assert produced == sum(out_lens), (produced, sum(out_lens))
+        samples = [c for o in outs for c in o.outputs]
+        produced = sum(len(c.token_ids) for c in samples)
+        assert produced == wl.output_tokens, (produced, wl.output_tokens)
+        if wl.logprobs is not None:  # one logprob entry per sampled token
+            assert sum(len(c.logprobs or ()) for c in samples) == produced
         stats = llm.engine.stats()
         what = f" with {len(loras)} LoRA adapters mixed" if loras else ""
         print(f"rlserve{what}: {produced} tokens in {elapsed:.2f}s = {produced / elapsed:,.0f} output tok/s "
-              f"(preemptions {stats.preemptions_total}, KV capacity {stats.kv_cache_capacity_tokens} tokens)",
-              flush=True)
+              f"(preemptions in this run {stats.preemptions_total - preempted}, "
+              f"KV capacity {stats.kv_cache_capacity_tokens} tokens)", flush=True)
         rates.append(produced / elapsed)
     if len(rates) > 1:
         print(f"median of {len(rates)} runs: {statistics.median(rates):,.0f} output tok/s")
@@ -206,6 +140,18 @@ def run_rlserve(args, path, prompts, out_lens, profiler=None, loras: list[str] |
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return statistics.median(rates)
+
+
+def print_memory(engine) -> None:
+    """The KV cache's capacity and, where the engine measured it at start (its `memory`, a
+    rlserve.memory.MemoryProfile), how the device's memory was split."""
+    capacity = engine.kv.capacity_tokens
+    memory = getattr(engine, "memory", None)
+    if memory is None:
+        print(f"KV cache: {capacity} tokens (no measured memory split on this engine)")
+        return
+    describe = getattr(memory, "describe", None)
+    print(f"device memory: {describe(capacity) if describe else memory}")
 
 
 @contextlib.contextmanager
@@ -272,16 +218,22 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--min-len", type=int, default=100)
-    p.add_argument("--max-len", type=int, default=1024, help="largest prompt")
-    p.add_argument("--max-out", type=int, default=None, help="largest output (default: --max-len)")
-    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--workload", choices=("nano-vllm", "grpo"), default="nano-vllm")
+    p.add_argument("--num-seqs", type=int, default=256, help="nano-vllm: sequences")
+    p.add_argument("--num-prompts", type=int, default=128, help="grpo: prompts")
+    p.add_argument("--n", type=int, default=8, help="grpo: samples per prompt")
+    p.add_argument("--min-len", type=int, default=None,
+                   help="smallest prompt (default: nano-vllm 100, grpo 200, or --max-len if smaller)")
+    p.add_argument("--max-len", type=int, default=None, help="largest prompt (default: nano-vllm 1024, grpo 1000)")
+    p.add_argument("--max-out", type=int, default=None,
+                   help="largest output (default: nano-vllm --max-len, grpo 2000)")
+    p.add_argument("--mean-out", type=float, default=400, help="grpo: the long tail's mean output length")
+    p.add_argument("--temperature", type=float, default=None, help="default: nano-vllm 0.6, grpo 1.0")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -306,13 +258,57 @@ def main() -> None:
     p.add_argument("--transformers", action="store_true", help="also run transformers' continuous batching")
     p.add_argument("--transformers-num-seqs", type=int, default=None,
                    help="run transformers on the first N sequences only (it is slow)")
+    add_peak_args(p)
     args = p.parse_args()
-    path = model_dir(args.model)
-    prompts, out_lens = workload(args.num_seqs, args.min_len, args.max_len, args.max_out or args.max_len)
-    print(f"workload: {len(prompts)} seqs, {sum(map(len, prompts))} prompt tokens, "
-          f"{sum(out_lens)} output tokens; model {args.model} on {args.device}")
     if args.device_profile and not args.device.startswith("cuda"):
         p.error("--device-profile records CUDA kernels: it needs --device cuda")
+    if args.transformers and args.workload != "nano-vllm":
+        p.error("--transformers runs nano-vllm's workload only")
+    return args
+
+
+def make_workload(args) -> Workload:
+    grpo_shaped = args.workload == "grpo"
+    max_len = args.max_len or (1000 if grpo_shaped else 1024)
+    # A --max-len below the default smallest prompt lowers that too.
+    min_len = args.min_len or min(max_len, 200 if grpo_shaped else 100)
+    if grpo_shaped:
+        wl = grpo(args.num_prompts, args.n, min_len, max_len, args.mean_out, args.max_out or 2000,
+                  1.0 if args.temperature is None else args.temperature)
+    else:
+        wl = nano_vllm(args.num_seqs, min_len, max_len, args.max_out or max_len,
+                       0.6 if args.temperature is None else args.temperature)
+    args.temperature = wl.temperature  # transformers' run samples as the workload does
+    return wl
+
+
+def print_bounds(args, wl: Workload, ours: float) -> None:
+    """The bytes-moved bound and the roofline on the card this runs on, and rlserve's share."""
+    cfg, touched = PRESETS[args.model], getattr(args, "touched", None)  # MoE: the experts a step reads
+    peak = device_peak(args.hbm_tb_s, args.tflops)
+    if peak.hbm_bytes_per_s is None:
+        print(unknown_card(peak, "--hbm-tb-s and --tflops"))
+        return
+    work = dict(prompts=wl.prompts, out_lens=wl.out_lens, n=wl.n, touched=touched)
+    bound = bound_tokens_per_s(cfg, hbm_bytes_per_s=peak.hbm_bytes_per_s, **work)
+    print(f"byte-counting bound ({peak.describe()}): {bound:,.0f} tok/s; rlserve at {ours / bound:.0%}")
+    if peak.flops_per_s is None:
+        print(unknown_card(peak, "--tflops") + " (the roofline)")
+    else:
+        roof = roofline_tokens_per_s(cfg, hbm_bytes_per_s=peak.hbm_bytes_per_s, flops_per_s=peak.flops_per_s,
+                                     **work)
+        print(f"roofline with the prefill's FLOPs ({peak.describe(flops=True)}): {roof:,.0f} tok/s; "
+              f"rlserve at {ours / roof:.0%}")
+    if args.kv_cache_dtype.startswith("fp8"):
+        fp8 = bound_tokens_per_s(cfg, hbm_bytes_per_s=peak.hbm_bytes_per_s, kv_fp8=True, **work)
+        print(f"the same bound for an fp8 cache: {fp8:,.0f} tok/s; rlserve at {ours / fp8:.0%}")
+
+
+def main() -> None:
+    args = parse_args()
+    path = model_dir(args.model)
+    wl = make_workload(args)
+    print(f"workload {wl.describe()}; model {args.model} on {args.device}")
     if args.device_profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -324,20 +320,20 @@ def main() -> None:
         # idle time that is not the engine's. The engine's explicit collections still run.
         gc.disable()
         try:
-            ours = run_rlserve(args, path, prompts, out_lens, profiler=prof)
+            ours = run_rlserve(args, path, wl, profiler=prof)
         finally:
             gc.enable()
         prof.export_chrome_trace(args.device_profile)
         intervals = summarize(args.device_profile)
         idle_per_step(intervals)
         longest_gaps(intervals, 30)
-        if args.model in PRESETS:
-            attention_by_batch(intervals, PRESETS[args.model], prompts, out_lens)
+        if args.model in PRESETS and wl.n == 1:
+            attention_by_batch(intervals, PRESETS[args.model], wl.prompts, wl.out_lens)
     elif args.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         prof = profile(activities=acts)
-        ours = run_rlserve(args, path, prompts, out_lens, profiler=prof)
+        ours = run_rlserve(args, path, wl, profiler=prof)
         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
@@ -348,27 +344,19 @@ def main() -> None:
     elif args.loras:
         # Each run in a process of its own: a run's device memory is only surely back when
         # its process ends, and the next run sizes its KV cache from what is free.
-        ours = in_own_process(run_rlserve, args, path, prompts, out_lens)
+        ours = in_own_process(run_rlserve, args, path, wl)
     else:
-        ours = run_rlserve(args, path, prompts, out_lens)
+        ours = run_rlserve(args, path, wl)
     if args.model in PRESETS and args.device.startswith("cuda"):
-        touched = getattr(args, "touched", None)  # an MoE model: the experts a step reads
-        bound = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens, touched=touched)
-        print(f"byte-counting bound (H200, 4.8 TB/s): {bound:,.0f} tok/s; rlserve at {ours / bound:.0%}")
-        roof = roofline_tokens_per_s(PRESETS[args.model], prompts, out_lens, touched=touched)
-        print(f"roofline with the prefill's FLOPs (4.8 TB/s, 989 TFLOP/s): {roof:,.0f} tok/s; "
-              f"rlserve at {ours / roof:.0%}")
-        if args.kv_cache_dtype.startswith("fp8"):
-            fp8 = bound_tokens_per_s(PRESETS[args.model], prompts, out_lens, kv_fp8=True, touched=touched)
-            print(f"the same bound for an fp8 cache: {fp8:,.0f} tok/s; rlserve at {ours / fp8:.0%}")
+        print_bounds(args, wl, ours)
     if args.loras:
         import tempfile
         with tempfile.TemporaryDirectory() as root:
             loras = write_random_adapters(path, args.loras, args.lora_rank, root)
-            with_loras = in_own_process(run_rlserve, args, path, prompts, out_lens, None, loras)
+            with_loras = in_own_process(run_rlserve, args, path, wl, None, loras)
         print(f"{args.loras} LoRA adapters mixed: {with_loras / ours:.0%} of the base model's throughput")
     if args.transformers:
-        theirs = run_transformers(args, path, prompts, out_lens)
+        theirs = run_transformers(args, path, wl.prompts, wl.out_lens)
         print(f"ratio rlserve / transformers: {ours / theirs:.1f}x")
 
 
