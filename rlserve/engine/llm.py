@@ -96,6 +96,7 @@ class LLM:
         lora_names = self._lora_names(lora_request, len(prompts))
 
         processor = OutputProcessor(self.tokenizer)
+        processor.routes_expected = self.engine.kv.routes is not None
         # Validate everything before admitting anything, so a bad prompt leaves no work behind.
         pending: list[tuple[RequestState, list[Request]]] = []
         converted: dict[int, SamplingParams] = {}  # bad_words as token ids, once per params object
