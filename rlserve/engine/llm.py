@@ -16,6 +16,7 @@ from rlserve.config import EngineConfig
 from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.core import EngineCore
 from rlserve.engine.output_processor import OutputProcessor, RequestState
+from rlserve.engine.outputs import EngineCoreOutputs
 from rlserve.engine.request import Request, RequestOutput, check_cache_salt
 from rlserve.model.base import missing_weights
 from rlserve.sampling_params import SamplingParams
@@ -126,7 +127,9 @@ class LLM:
                 if out is not None:
                     aborts = processor.process(out)
                     if aborts:  # stop strings: the samples ended here
-                        engine.abort(aborts)
+                        ended = engine.abort(aborts)
+                        if ended and processor.routes_expected:  # they bring the samples' routes
+                            processor.process(EngineCoreOutputs(engine.weight_version, finished=ended))
                     for rid in [f.request_id for f in out.finished] + aborts:
                         progress.sample_done(owners.pop(rid, None))
         finally:

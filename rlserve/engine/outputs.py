@@ -66,7 +66,7 @@ class RoutedExperts(msgspec.Struct, array_like=True):
         return cls(np.ascontiguousarray(routes, dtype=np.int32).tobytes(), (rows, layers, k))
 
     def array(self) -> np.ndarray:
-        return np.frombuffer(self.data, dtype=np.int32).reshape(self.shape)
+        return np.frombuffer(self.data, dtype=np.int32).reshape(self.shape).copy()  # writable, the user's
 
 
 def check_return_routed_experts(wanted: bool | None, moe: bool, capturing: bool) -> None:

@@ -14,7 +14,7 @@ engine stores them beside the KV blocks (engine/kv_cache.py: RouteStore).
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -52,7 +52,7 @@ class RoutedExpertsCapturer:
             logger.warning("enable_return_routed_experts: %s has no mixture-of-experts layers; "
                            "no routes are captured", type(model).__name__)
             return None
-        config = model.config  # type: ignore[union-attr]
+        config: Any = model.config
         shape = RoutesShape(int(config.num_hidden_layers), blocks[0].top_k)
         capturer = cls(shape, max_tokens, device)
         for block in blocks:

@@ -73,6 +73,14 @@ class WeightVersionSpan(_Response):
     end: int
 
 
+# vLLM's routed_experts of a choice: [prompt + output tokens - 1][num_hidden_layers][top_k]
+# expert ids, with its end (null when the server does not record routes, or the request
+# set return_routed_experts: false)
+RoutedExpertsField = list[list[list[int]]] | None
+ROUTED_EXPERTS: Any = Field(None, description="The experts each token went to at every layer "
+                                              "(--enable-return-routed-experts), with the choice's end.")
+
+
 class CompletionLogprobs(_Response):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -106,6 +114,7 @@ class CompletionStreamChoice(_Response):
     token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpan] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()
+    routed_experts: RoutedExpertsField = ROUTED_EXPERTS
 
 
 class CompletionChoice(CompletionStreamChoice):
@@ -173,6 +182,7 @@ class ChatChoice(_Response):
     token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpan] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()
+    routed_experts: RoutedExpertsField = ROUTED_EXPERTS
 
 
 class ChatCompletionResponse(_Response):
@@ -220,6 +230,7 @@ class ChatChunkChoice(_Response):
     token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpan] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()
+    routed_experts: RoutedExpertsField = ROUTED_EXPERTS
 
 
 class ChatCompletionChunk(_Response):

@@ -77,10 +77,14 @@ def usage(prompts: Sequence[Prompt], completion_tokens: int, cached: int) -> Usa
 
 def finish_choice(choice: CompletionStreamChoice | ChatChoice | ChatChunkChoice,
                   body: CompletionRequest | ChatCompletionRequest, state: RequestState, delta: SampleDelta) -> None:
-    """What a choice's last body or chunk adds: its stop reason and, when asked for, which
-    weights made which tokens, as vLLM's `weight_versions` (the version as the string
-    /weight_info reports) and rlserve's older `weight_version_spans` (an integer)."""
+    """What a choice's last body or chunk adds: its stop reason, its routed experts when the
+    engine records them, and, when asked for, which weights made which tokens, as vLLM's
+    `weight_versions` (the version as the string /weight_info reports) and rlserve's older
+    `weight_version_spans` (an integer)."""
     choice.stop_reason = delta.stop_reason
+    routes = state.samples[delta.index].routed_experts
+    if routes is not None:
+        choice.routed_experts = routes.tolist()
     if body.return_weight_versions:
         spans = version_spans(state.samples[delta.index].token_versions)
         choice.weight_versions = [WeightVersionSpan(version=str(s.version), start=s.start, end=s.end)
@@ -354,6 +358,7 @@ class OpenAIServing:
             prompt_logprobs=prompt_logprobs,
             detokenize=body.detokenize,
             skip_special_tokens=body.skip_special_tokens,
+            return_routed_experts=body.return_routed_experts,
         )
         return convert_bad_words(params, self.tokenizer)
 
