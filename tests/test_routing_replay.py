@@ -20,12 +20,13 @@ MAX_TOKENS = 10
 
 
 def preset_config():
-    """The moe-tiny preset (Qwen3-MoE, 8 experts, top-2, layer 1 dense) with a small vocabulary."""
+    """The moe-tiny preset (Qwen3-MoE, 8 experts, top-2, layer 1 dense) with a small vocabulary,
+    untied (tied wide random embeddings make a model repeat its input token, and samples alike)."""
     from transformers import Qwen3MoeConfig
 
     from rlserve.model.presets import PRESETS
     fields = {k: v for k, v in PRESETS["moe-tiny"].items() if k not in ("torch_dtype", "model_type")}
-    return Qwen3MoeConfig(**{**fields, "vocab_size": 256, "eos_token_id": 0})
+    return Qwen3MoeConfig(**{**fields, "vocab_size": 256, "eos_token_id": 0, "tie_word_embeddings": False})
 
 
 @pytest.fixture(scope="module", params=["moe-tiny", "qwen2_moe"])
@@ -49,7 +50,7 @@ def hf_routes(hf, token_ids: list[int]) -> np.ndarray:
             continue
 
         def record(_module, _args, output, i=i):
-            out[:, i] = output[2].numpy()
+            out[:, i] = output[2].cpu().numpy()
         hooks.append(gate.register_forward_hook(record))
     try:
         with torch.no_grad():
