@@ -35,7 +35,8 @@ def checkpoint(tmp_path_factory):
 
 def run(path: str, **kw) -> list:
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 4096, (int(n),), generator=g).tolist() for n in torch.randint(8, 300, (24,), generator=g)]
+    lengths = torch.randint(8, 300, (24,), generator=g)
+    prompts = [torch.randint(2, 4096, (int(n),), generator=g).tolist() for n in lengths]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     with LLM(path, dtype="bfloat16", max_model_len=1024, enable_return_routed_experts=True, **kw) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -89,7 +89,7 @@ def test_chat_and_streams_carry_the_routes_with_the_final_chunk(pushed, trainer)
     assert with_routes[0].choices[0].model_extra["routed_experts"] == r.choices[0].model_extra["routed_experts"]
     stream = list(pushed.completions.create(model="m", prompt="t8 t19 t200", max_tokens=5, temperature=0,
                                             stream=True, extra_body={"return_token_ids": True}))
-    routes = [c.choices[0].model_extra["routed_experts"] for c in stream if c.choices]
+    routes = [(c.choices[0].model_extra or {}).get("routed_experts") for c in stream if c.choices]
     assert all(x is None for x in routes[:-1]) and routes[-1] is not None
     prompt_ids = next(c.choices[0].prompt_token_ids for c in stream if c.choices and c.choices[0].prompt_token_ids)
     check(hf, prompt_ids, [t for c in stream if c.choices for t in (c.choices[0].token_ids or [])], routes[-1])

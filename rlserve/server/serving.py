@@ -34,6 +34,7 @@ from rlserve.server.responses import (
     Usage,
     WeightVersionSpan,
 )
+from rlserve.server.routes_json import RoutesJSON, splice
 from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
 
@@ -60,12 +61,12 @@ class ServingOptions:
 
 
 def json_response(model: BaseModel) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json")
+    return Response(splice(model.model_dump_json()), media_type="application/json")
 
 
 def sse(model: BaseModel, exclude_unset: bool = False) -> str:
     """One server-sent event. `exclude_unset`: only the fields set (vLLM's chat chunks)."""
-    return f"data: {model.model_dump_json(exclude_unset=exclude_unset)}\n\n"
+    return f"data: {splice(model.model_dump_json(exclude_unset=exclude_unset))}\n\n"
 
 
 def usage(prompts: Sequence[Prompt], completion_tokens: int, cached: int) -> Usage:
@@ -84,7 +85,7 @@ def finish_choice(choice: CompletionStreamChoice | ChatChoice | ChatChunkChoice,
     choice.stop_reason = delta.stop_reason
     routes = state.samples[delta.index].routed_experts
     if routes is not None:
-        choice.routed_experts = routes.tolist()
+        choice.routed_experts = RoutesJSON(routes)
     if body.return_weight_versions:
         spans = version_spans(state.samples[delta.index].token_versions)
         choice.weight_versions = [WeightVersionSpan(version=str(s.version), start=s.start, end=s.end)
