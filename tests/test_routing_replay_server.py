@@ -111,3 +111,16 @@ def test_dense_model_starts_with_the_flag_and_refuses_the_field(tmp_path):
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "return_routed_experts"
     finally:
         stop_server(srv)
+
+
+def test_routes_json_text_is_the_nested_lists():
+    """The fast encoding (fixed-width ids, spliced into the body) parses to vLLM's lists."""
+    from rlserve.server.responses import CompletionChoice
+    from rlserve.server.routes_json import RoutesJSON, splice
+    g = np.random.default_rng(0)
+    for shape in [(0, 3, 2), (1, 1, 1), (5, 3, 2), (40, 4, 8)]:
+        routes = g.integers(-1, 300, shape).astype(np.int32)
+        choice = CompletionChoice(index=0, text="\x00 a text with a NUL")
+        choice.routed_experts = RoutesJSON(routes)
+        body = json.loads(splice(choice.model_dump_json()))
+        assert body["routed_experts"] == routes.tolist() and body["text"] == "\x00 a text with a NUL"
