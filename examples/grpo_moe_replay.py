@@ -107,7 +107,7 @@ def grpo_step(model, samples: list[dict], opt, clip: float = 0.2) -> float:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def main() -> int:
