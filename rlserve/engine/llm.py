@@ -126,10 +126,8 @@ class LLM:
                     time.sleep(0.001)  # only grammars still compiling
                 if out is not None:
                     aborts = processor.process(out)
-                    if aborts:  # stop strings: the samples ended here
-                        ended = engine.abort(aborts)
-                        if ended and processor.routes_expected:  # they bring the samples' routes
-                            processor.process(EngineCoreOutputs(engine.weight_version, finished=ended))
+                    if aborts:  # stop strings: the samples ended here; the aborts bring their routes
+                        processor.process(EngineCoreOutputs(engine.weight_version, finished=engine.abort(aborts)))
                     for rid in [f.request_id for f in out.finished] + aborts:
                         progress.sample_done(owners.pop(rid, None))
         finally:

@@ -187,21 +187,14 @@ class OutputProcessor:
             if s.detok is not None:
                 match = s.detok.add(token)
                 if match is not None:
-                    if self.routes_expected and s.request.params.return_routed_experts is not False:
-                        # ends once the engine's Finished brings its routes (the abort below)
-                        samples.pop(rid)
-                        self.awaiting_routes[rid] = (s, match.stop)
-                    else:
-                        self._finish(s, "stop", match.stop, now)
+                    self._stop_string(s, match.stop, now)
                     aborts.append(rid)
         for f in out.finished:
             s = samples.get(f.request_id)
-            waiting = self.awaiting_routes.pop(f.request_id, None) if s is None else None
-            if waiting is not None:
-                s, stop = waiting
+            if s is None and f.request_id in self.awaiting_routes:
+                s, stop = self.awaiting_routes.pop(f.request_id)
                 self._take_routes(s, f)
-                req = s.request
-                touched[id(req)] = req
+                touched[id(s.request)] = s.request
                 self._finish(s, "stop", stop, now, f.timing)
                 continue
             if s is None:
@@ -255,6 +248,15 @@ class OutputProcessor:
             n = len(final.token_ids)
             if n > 1:
                 self.observer.inter_token(timing.decode / (n - 1), n - 1)
+
+    def _stop_string(self, s: SampleState, stop: str, now: float) -> None:
+        """A stop string ended `s` here; with routes recorded it ends once the engine's
+        Finished for it (the abort) brings them."""
+        if self.routes_expected and s.request.params.return_routed_experts is not False:
+            self.samples.pop(s.request_id)
+            self.awaiting_routes[s.request_id] = (s, stop)
+        else:
+            self._finish(s, "stop", stop, now)
 
     @staticmethod
     def _take_routes(s: SampleState, f: Finished) -> None:
