@@ -149,3 +149,15 @@ def test_moe_model_without_the_flag_returns_none_and_refuses_the_field(checkpoin
         assert out.outputs[0].routed_experts is None
         with pytest.raises(InvalidRequestError, match="--enable-return-routed-experts"):
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(return_routed_experts=True), use_tqdm=False)
+
+
+def test_tensor_parallel_two_returns_one_copy_of_the_same_routes(tmp_path):
+    """Rank 0 alone captures (the router is replicated): the routes of tensor parallel 2."""
+    hf = seeded_wide_model(moe_config("qwen2_moe")).eval()
+    hf.save_pretrained(tmp_path)
+    ids = prompts(3, hf.config.vocab_size)
+    with LLM(str(tmp_path), device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+             enable_return_routed_experts=True, tensor_parallel_size=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], greedy(), use_tqdm=False)
+    for p, o in zip(ids, outs):
+        check_rows(hf, p, o.outputs[0])

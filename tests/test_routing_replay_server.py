@@ -124,3 +124,20 @@ def test_routes_json_text_is_the_nested_lists():
         choice.routed_experts = RoutesJSON(routes)
         body = json.loads(splice(choice.model_dump_json()))
         assert body["routed_experts"] == routes.tolist() and body["text"] == "\x00 a text with a NUL"
+
+
+def test_data_parallel_replicas_return_their_routes(trainer, tmp_path):
+    """Two replicas, each with its own route store: whichever serves a request returns its rows."""
+    from dp_helpers import complete_all, routed
+    hf, path = trainer
+    srv = start_server(path, tmp_path / "server.log", "--served-model-name", "m", "--max-model-len", "256",
+                       "--data-parallel-size", "2", "--enable-return-routed-experts")
+    try:
+        prompts = [" ".join(f"t{(7 * i + j) % 250 + 2}" for j in range(5 + i)) for i in range(6)]
+        out = complete_all(srv.url, prompts, max_tokens=6)
+        assert len(routed(srv.url)) == 2 and all(n > 0 for n in routed(srv.url).values())
+        for prompt in prompts:
+            choice = out[prompt]["choices"][0]
+            check(hf, choice["prompt_token_ids"], choice["token_ids"], choice["routed_experts"])
+    finally:
+        stop_server(srv)
