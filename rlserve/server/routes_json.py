@@ -38,7 +38,10 @@ def encode(routes: np.ndarray) -> str:
     # One token's row: "[" + per layer "[" + k x (id + "," or "]") + ("," or "]") + ",".
     layer = "[" + ("#" * width + ",") * (k - 1) + "#" * width + "]"
     row = np.frombuffer(("[" + ",".join([layer] * layers) + "],").encode(), np.uint8)
-    out = np.tile(row, (t, 1))
+    flat = np.empty(1 + t * row.size, np.uint8)  # "[" + rows, the last row's "," made "]"
+    flat[0] = ord("[")
+    out = flat[1:].reshape(t, row.size)
+    out[:] = row
     # The "#"s as one strided view [tokens, layers, k, width]; filled a digit column at a time
     # (byte gathers and strided byte stores, which numpy runs as tight loops).
     ids = np.lib.stride_tricks.as_strided(out.reshape(-1)[2:], (t, layers, k, width),
@@ -46,7 +49,8 @@ def encode(routes: np.ndarray) -> str:
     index = (routes - lo).astype(np.intp)
     for c in range(width):
         ids[..., c] = table[:, c][index]
-    return "[" + out.reshape(-1)[:-1].tobytes().decode("ascii") + "]"
+    flat[-1] = ord("]")
+    return str(memoryview(flat), "ascii")
 
 
 class RoutesJSON:
