@@ -50,7 +50,7 @@ def encode(routes: np.ndarray) -> str:
     for c in range(width):
         ids[..., c] = table[:, c][index]
     flat[-1] = ord("]")
-    return str(memoryview(flat), "ascii")
+    return str(flat.data, "ascii")
 
 
 class RoutesJSON:
