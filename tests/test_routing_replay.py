@@ -161,3 +161,29 @@ def test_tensor_parallel_two_returns_one_copy_of_the_same_routes(tmp_path):
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], greedy(), use_tqdm=False)
     for p, o in zip(ids, outs):
         check_rows(hf, p, o.outputs[0])
+
+
+def test_lora_on_the_attention_routes_as_the_merged_model(tmp_path):
+    """With an adapter on the attention the hidden states change, and with them the routes:
+    they are the merged model's top-k; the base model's requests in the same batch keep theirs."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from conftest import save_word_tokenizer
+    from lora_adapters import make_adapter
+    hf = seeded_wide_model(moe_config("qwen3_moe")).eval()
+    hf.save_pretrained(tmp_path / "base")
+    save_word_tokenizer(tmp_path / "base", hf.config.vocab_size)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "base")
+    adapter = make_adapter(copy.deepcopy(hf), tok, str(tmp_path / "attn"), 8, ["q_proj", "v_proj", "o_proj"],
+                           seed=1, scale=0.3)
+    merged = copy.deepcopy(adapter.peft_model).merge_and_unload().eval()
+    prompts_ = [[5, 17, 3, 99, 64, 12], [1, 2, 3, 4]]
+    with LLM(str(tmp_path / "base"), device="cpu", dtype="float32", max_model_len=256, enable_lora=True,
+             max_loras=1, max_lora_rank=8, enable_return_routed_experts=True) as llm:
+        llm.load_lora_adapter("attn", adapter.path)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts_ * 2], greedy(),
+                            lora_request=["attn", "attn", None, None], use_tqdm=False)
+    for i, (p, o) in enumerate(zip(prompts_ * 2, outs)):
+        check_rows(merged if i < 2 else hf, p, o.outputs[0])
