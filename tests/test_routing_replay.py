@@ -187,3 +187,40 @@ def test_lora_on_the_attention_routes_as_the_merged_model(tmp_path):
                             lora_request=["attn", "attn", None, None], use_tqdm=False)
     for i, (p, o) in enumerate(zip(prompts_ * 2, outs)):
         check_rows(merged if i < 2 else hf, p, o.outputs[0])
+
+
+def test_rows_before_a_live_update_are_the_old_weights_and_versions_say_where(tmp_path):
+    """A request spanning an update: its tokens' versions split at the update; the rows of
+    the tokens computed before it are the old weights' top-k, those after it are not."""
+    from rlserve.engine.output_processor import OutputProcessor, RequestState
+    old = seeded_wide_model(moe_config("qwen3_moe")).eval()
+    old.save_pretrained(tmp_path)
+    torch.manual_seed(5)
+    new = [(n, torch.randn_like(p) * 0.1) for n, p in old.named_parameters()]
+    prompt = prompts(1, old.config.vocab_size)[0]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(str(tmp_path), device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=256,
+             enable_return_routed_experts=True) as llm:
+        engine, processor = llm.engine, OutputProcessor(None)
+        processor.routes_expected = True
+        state = RequestState("r", None, prompt, params, stream=True)
+        processor.add(state)
+        for req in engine.make_requests(prompt, params, "r", stream=True):
+            engine.add_request(req)
+        while len(state.samples[0].token_ids) < 5:
+            out = engine.step()
+            if out is not None:
+                processor.process(out)
+        llm.update_weights(new)
+        while engine.has_unfinished():
+            out = engine.step()
+            if out is not None:
+                processor.process(out)
+    sample = state.output().outputs[0]
+    before = sample.token_versions.count(0)
+    assert before >= 5 and set(sample.token_versions[before:]) == {1}
+    tokens = prompt + sample.token_ids
+    want = hf_routes(old, tokens[:-1])
+    computed_before = len(prompt) + before - 1  # the last old token went in after the update
+    assert np.array_equal(sample.routed_experts[:computed_before], want[:computed_before])
+    assert not np.array_equal(sample.routed_experts[computed_before:], want[computed_before:])
