@@ -205,6 +205,11 @@ class EngineConfig:
         "the most logprobs, top_logprobs or prompt_logprobs a request may ask for; -1: no limit "
         "(a request's -1 asks for the whole vocabulary, vocab_size x 8 bytes a token on the host)",
         type=logprobs_count, metavar="N", group="sampling defaults and outputs"))
+    enable_return_routed_experts: bool = field(default=False, metadata=flag(
+        "mixture-of-experts models: record the experts every token went to at every layer and "
+        "return them (CompletionOutput.routed_experts; each choice's routed_experts), for "
+        "routing replay in the trainer; a dense model starts with a warning",
+        group="sampling defaults and outputs"))
     max_grammar_size: int = field(default=1 << 20, metadata=flag(
         "structured outputs: a spec (JSON schema, regex, grammar, choices), or the grammar "
         "made from it, larger than this is refused with 400", type=byte_size,

@@ -140,6 +140,9 @@ class SamplingParams:
     # The last token of each sequence is masked when the output so far ends with the rest.
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Routing replay (SGLang's request field): None follows the engine's
+    # enable_return_routed_experts; False skips this request's routes; True requires them
+    return_routed_experts: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

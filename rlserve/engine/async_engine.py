@@ -43,7 +43,7 @@ from rlserve.engine.messages import (
     WeightChecksums,
 )
 from rlserve.engine.output_processor import LatencyObserver, OutputProcessor, RequestState
-from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
+from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, check_return_routed_experts
 from rlserve.engine.request import EngineUnavailableError, RequestOutput, check_cache_salt, sample_ids, validate_prompt
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
 
@@ -105,6 +105,7 @@ class AsyncEngine:
             self.client.on_request_failed = self._on_request_failed
         self.info = await self.client.start()
         self.weight_version = self.info.weight_version
+        self.processor.routes_expected = self.info.routed_experts
         return self.info
 
     # -- what the engine serves ------------------------------------------------------------
@@ -140,6 +141,7 @@ class AsyncEngine:
         `lora_name`: a loaded LoRA adapter to run with (the engine resolves it: 404 if not
         loaded), None for the base model."""
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, self.max_logprobs)
+        check_return_routed_experts(params.return_routed_experts, self.info.moe, self.info.routed_experts)
         check_cache_salt(cache_salt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:

@@ -17,12 +17,21 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import msgspec
+import numpy as np
 import torch
 
 from rlserve.config import EngineConfig
 from rlserve.engine.grammar_wait import GrammarWait
-from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, Finished, Rejected, StepOut, merge_outputs
+from rlserve.engine.kv_cache import KVCacheManager, RouteStore
+from rlserve.engine.outputs import (
+    EngineCoreOutputs,
+    EngineStats,
+    Finished,
+    Rejected,
+    StepOut,
+    check_return_routed_experts,
+    merge_outputs,
+)
 from rlserve.engine.request import (
     EngineUnavailableError,
     FinishReason,
@@ -41,6 +50,7 @@ from rlserve.model.loader import (
     resolve_max_model_len,
     resolve_model_path,
 )
+from rlserve.model.moe import SparseMoeBlock, config_value
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
 from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
@@ -60,6 +70,7 @@ class _InFlight:
     index: list[int]  # per sampling row: where its placeholder sits in the request's token_ids
     version: int  # the weights it ran on
     first: list[Request] = field(default_factory=list)  # rows sampling their request's first token
+    slots: np.ndarray | None = None  # routing capture: the KV slot of each of its tokens
 
 
 class EngineCore:
@@ -98,6 +109,12 @@ class EngineCore:
             for name, path in config.lora_modules.items():
                 self.lora.load(name, path)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # Routing replay: whether the model has MoE layers, and the capture when it runs
+        self.moe = any(isinstance(m, SparseMoeBlock) for m in self.executor.driver.model.modules())
+        capturer = self.executor.driver.runner.routes
+        if capturer is not None:
+            experts = int(config_value(hf_config, "num_experts", "num_local_experts", default=0))
+            self.kv.routes = RouteStore(self.kv.capacity_tokens, *capturer.shape, experts)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.lora)
         # Overlapped scheduling needs a device that runs ahead of the host, and one rank.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -140,6 +157,7 @@ class EngineCore:
         requests of the same salt. `lora_name`: a loaded LoRA adapter to run with (its slot
         is given when the request is scheduled)."""
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, self.config.max_logprobs)
+        check_return_routed_experts(params.return_routed_experts, self.moe, self.kv.routes is not None)
         if lora_name is not None:
             if self.lora is None:
                 raise ModelNotFoundError(f"model: {lora_name!r} is not served (LoRA adapters need "
@@ -228,8 +246,9 @@ class EngineCore:
             handle = self.executor.launch(sched, self._tables(sched),
                                           overlapped.handle if overlapped is not None else None,
                                           sample=not masked)
+            slots = self.kv.step_slots(sched.scheduled) if self.kv.routes is not None else None
             placeholders, first = self.scheduler.advance(sched)
-            launched = _InFlight(handle, placeholders, self.weight_version, first)
+            launched = _InFlight(handle, placeholders, self.weight_version, first, slots)
         if not self.async_scheduling:
             if masked:
                 assert launched is not None  # masked rows were launched
@@ -276,6 +295,8 @@ class EngineCore:
         """Bring a launched step's tokens back; the scheduler turns them into request
         state and outputs."""
         result = self.executor.collect(inflight.handle)
+        if result.routes is not None and inflight.slots is not None and self.kv.routes is not None:
+            self.kv.routes.record(inflight.slots, result.routes)
         return self.scheduler.update_from_output(result, inflight.handle.prompt_start, inflight.index,
                                                  inflight.first, inflight.version)
 

@@ -173,7 +173,8 @@ class EngineCoreProc:
             weight_version=core.weight_version, kv_capacity_tokens=core.kv.capacity_tokens,
             model_type=type(core.executor.driver.model).__name__, device=str(core.device),
             dtype=str(core.executor.driver.dtype).removeprefix("torch."),
-            load_seconds=core.load_seconds, pid=os.getpid(), host=get_ip(), memory=core.memory))
+            load_seconds=core.load_seconds, pid=os.getpid(), host=get_ip(), memory=core.memory, moe=core.moe,
+            routed_experts=core.kv.routes is not None))
 
     def run(self) -> None:
         core, updates = self.core, self.updates

@@ -165,6 +165,29 @@ class BlockTables:
         return self.array[idx, :width]
 
 
+class RouteStore:
+    """Routing replay: each KV slot's routes (its token's experts at every layer), kept
+    beside the KV cache as vLLM keeps them per slot, so a prefix-cache hit returns the rows
+    of the tokens it skips. Held on the host, int16 where the expert ids fit (half of
+    vLLM's int32), handed out as int32. A slot's rows are those of the last step that
+    computed its token, so recomputed tokens (preemption) and tokens after a weight update
+    carry the routes of the weights that made their KV."""
+
+    def __init__(self, num_slots: int, num_layers: int, top_k: int, num_experts: int):
+        dtype = np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32
+        self.rows = np.full((num_slots, num_layers, top_k), -1, dtype=dtype)
+
+    def record(self, slots: np.ndarray, routes: np.ndarray) -> None:
+        """A step's routes: row i of `routes` is the token of KV slot `slots[i]`."""
+        self.rows[slots] = routes[:len(slots)]
+
+    def gather(self, blocks: list[int], block_size: int, num_tokens: int) -> np.ndarray:
+        """The routes of a request's first `num_tokens` tokens: [num_tokens, layers, k] int32."""
+        pos = np.arange(num_tokens)
+        slots = np.asarray(blocks, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+        return self.rows[slots].astype(np.int32)
+
+
 class _Chain:
     """A request's registered full blocks: how many, and the last one's key and content id."""
 
@@ -188,6 +211,7 @@ class KVCacheManager:
         self.prefix_queries = 0
         # Requests whose KV predates a prefix-cache reset: never registered for reuse.
         self.uncacheable: set[str] = set()
+        self.routes: RouteStore | None = None  # enable_return_routed_experts, MoE models
 
     @property
     def usage(self) -> float:
@@ -299,6 +323,27 @@ class KVCacheManager:
 
     def block_table(self, req: Request) -> list[int]:
         return self.blocks[req.request_id]
+
+    def step_slots(self, scheduled) -> np.ndarray:
+        """The KV slot of every token of a step about to launch (ScheduledRequest items, in
+        row order; their num_computed_tokens not yet advanced): where its routes go."""
+        n = len(scheduled)
+        counts = np.fromiter((it.num_new_tokens for it in scheduled), dtype=np.int64, count=n)
+        starts = np.fromiter((it.request.num_computed_tokens for it in scheduled), dtype=np.int64, count=n)
+        tables = self.block_table_array([it.request for it in scheduled])
+        rows = np.repeat(np.arange(n), counts)
+        pos = np.arange(int(counts.sum())) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+        bs = self.block_size
+        return tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+
+    def routes_of(self, req: Request) -> np.ndarray | None:
+        """A request's routes as vLLM returns them: a row for every token that went through
+        the model, i.e. every token but the last sampled one; None where they are not all
+        known (it ended before its first token, or while preempted)."""
+        blocks = self.blocks.get(req.request_id)
+        if self.routes is None or blocks is None or not req.token_versions:
+            return None
+        return self.routes.gather(blocks, self.block_size, req.num_prompt_tokens + len(req.token_versions) - 1)
 
     def block_table_array(self, reqs: list[Request]) -> np.ndarray:
         """The block tables of `reqs` as one int32 array [len(reqs), most blocks], 0-padded."""

@@ -16,6 +16,7 @@ from rlserve.config import EngineConfig
 from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.core import EngineCore
 from rlserve.engine.output_processor import OutputProcessor, RequestState
+from rlserve.engine.outputs import EngineCoreOutputs
 from rlserve.engine.request import Request, RequestOutput, check_cache_salt
 from rlserve.model.base import missing_weights
 from rlserve.sampling_params import SamplingParams
@@ -96,6 +97,7 @@ class LLM:
         lora_names = self._lora_names(lora_request, len(prompts))
 
         processor = OutputProcessor(self.tokenizer)
+        processor.routes_expected = self.engine.kv.routes is not None
         # Validate everything before admitting anything, so a bad prompt leaves no work behind.
         pending: list[tuple[RequestState, list[Request]]] = []
         converted: dict[int, SamplingParams] = {}  # bad_words as token ids, once per params object
@@ -124,8 +126,8 @@ class LLM:
                     time.sleep(0.001)  # only grammars still compiling
                 if out is not None:
                     aborts = processor.process(out)
-                    if aborts:  # stop strings: the samples ended here
-                        engine.abort(aborts)
+                    if aborts:  # stop strings: the samples ended here; the aborts bring their routes
+                        processor.process(EngineCoreOutputs(engine.weight_version, finished=engine.abort(aborts)))
                     for rid in [f.request_id for f in out.finished] + aborts:
                         progress.sample_done(owners.pop(rid, None))
         finally:

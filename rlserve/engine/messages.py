@@ -195,6 +195,8 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     pid: int
     host: str = ""  # an address other hosts reach this one at (data-parallel weight copies)
     memory: MemoryProfile | None = None  # rank 0's device memory at start (None: not measured)
+    moe: bool = False  # the model has mixture-of-experts layers
+    routed_experts: bool = False  # it records them (enable_return_routed_experts)
 
 
 class CallResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True):

@@ -13,8 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+
 from rlserve.engine.detokenizer import IncrementalDetokenizer
-from rlserve.engine.outputs import EngineCoreOutputs, FinalTokens, RequestTiming, Started
+from rlserve.engine.outputs import EngineCoreOutputs, FinalTokens, Finished, RequestTiming, Started
 from rlserve.engine.request import CompletionOutput, RequestOutput, sample_ids
 from rlserve.sampling_params import SamplingParams
 from rlserve.sequence import TokenLogprob
@@ -48,7 +50,7 @@ class SampleState:
 
     __slots__ = ("request", "index", "request_id", "token_ids", "logprobs", "token_versions",
                  "detok", "finish_reason", "stop_reason", "last_time", "sent_tokens", "started",
-                 "sent_all")
+                 "sent_all", "routed_experts")
 
     def __init__(self, request: RequestState, index: int, request_id: str):
         self.request = request
@@ -64,6 +66,7 @@ class SampleState:
         self.sent_tokens = 0  # tokens the consumer has seen
         self.started = False  # the consumer has seen something of it
         self.sent_all = False  # the consumer has seen its end
+        self.routed_experts: np.ndarray | None = None  # with its end, when the engine records routes
 
     @property
     def text(self) -> str:
@@ -122,7 +125,7 @@ class RequestState:
     def output(self) -> RequestOutput:
         """Everything so far as the offline API's RequestOutput (lists are not copied)."""
         outs = [CompletionOutput(s.index, s.text, s.token_ids, s.logprobs, s.finish_reason,
-                                 s.stop_reason, s.token_versions) for s in self.samples]
+                                 s.stop_reason, s.token_versions, s.routed_experts) for s in self.samples]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              self.prompt_logprobs, outs, self.finished, self.weight_version,
                              self.num_cached_tokens)
@@ -136,6 +139,10 @@ class OutputProcessor:
         # Samples a stop string ended here: their phases in the engine come with the engine's
         # Finished for them (the abort, or their own end if it came first)
         self.ending: dict[str, SampleState] = {}
+        # Samples a stop string ended here that wait for their routes, which come with the
+        # engine's Finished for them: (sample, the stop string)
+        self.awaiting_routes: dict[str, tuple[SampleState, str]] = {}
+        self.routes_expected = False  # the engine records routes (set by its owner)
 
     def add(self, state: RequestState) -> None:
         p = state.params
@@ -180,10 +187,16 @@ class OutputProcessor:
             if s.detok is not None:
                 match = s.detok.add(token)
                 if match is not None:
-                    self._finish(s, "stop", match.stop, now)
+                    self._stop_string(s, match.stop, now)
                     aborts.append(rid)
         for f in out.finished:
             s = samples.get(f.request_id)
+            if s is None and f.request_id in self.awaiting_routes:
+                s, stop = self.awaiting_routes.pop(f.request_id)
+                self._take_routes(s, f)
+                touched[id(s.request)] = s.request
+                self._finish(s, "stop", stop, now, f.timing)
+                continue
             if s is None:
                 s = self.ending.pop(f.request_id, None)
                 if s is not None and f.timing is not None:
@@ -192,6 +205,7 @@ class OutputProcessor:
                 continue
             if f.final is not None:
                 self._absorb(s, f.final, now, f.timing)
+            self._take_routes(s, f)
             req = s.request
             req.weight_version = max(req.weight_version, version)
             touched[id(req)] = req
@@ -235,6 +249,22 @@ class OutputProcessor:
             if n > 1:
                 self.observer.inter_token(timing.decode / (n - 1), n - 1)
 
+    def _stop_string(self, s: SampleState, stop: str, now: float) -> None:
+        """A stop string ended `s` here; with routes recorded it ends once the engine's
+        Finished for it (the abort) brings them."""
+        if self.routes_expected and s.request.params.return_routed_experts is not False:
+            self.samples.pop(s.request_id)
+            self.awaiting_routes[s.request_id] = (s, stop)
+        else:
+            self._finish(s, "stop", stop, now)
+
+    @staticmethod
+    def _take_routes(s: SampleState, f: Finished) -> None:
+        """A finished sample's routes: a row for each of its tokens that went through the
+        model (the engine may have run a token or two past a stop string: cut off)."""
+        if f.routed_experts is not None:
+            s.routed_experts = f.routed_experts.array()[:len(s.request.prompt_token_ids) + len(s.token_ids) - 1]
+
     def _token_time(self, s: SampleState, stamp: float, now: float) -> None:
         """A streamed token: TTFT on arrival here, a gap between the engine's stamps after."""
         if self.observer is None:
@@ -264,6 +294,7 @@ class OutputProcessor:
         for s in state.samples:
             self.samples.pop(s.request_id, None)
             self.ending.pop(s.request_id, None)
+            self.awaiting_routes.pop(s.request_id, None)
         if state.notify is not None:
             state.notify()
 
@@ -274,4 +305,6 @@ class OutputProcessor:
     def remove(self, state: RequestState) -> list[str]:
         """Forget a request (its consumer left); returns the engine ids still running."""
         running = [s.request_id for s in state.samples if self.samples.pop(s.request_id, None)]
+        for s in state.samples:
+            self.awaiting_routes.pop(s.request_id, None)
         return running

@@ -10,7 +10,9 @@ pickle). Text is not the engine's business: the front end detokenizes.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
+from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
 
 # vllm:iteration_tokens_total's buckets (tokens a step produced, prompts counted whole at
@@ -51,12 +53,42 @@ class RequestTiming(msgspec.Struct, array_like=True):
     num_preemptions: int
 
 
+class RoutedExperts(msgspec.Struct, array_like=True):
+    """A finished request's routes (routing replay): int32 [tokens, num_hidden_layers,
+    top_k], packed, one message for the whole request."""
+
+    data: bytes  # int32, native byte order
+    shape: tuple[int, int, int]
+
+    @classmethod
+    def pack(cls, routes: np.ndarray) -> RoutedExperts:
+        rows, layers, k = routes.shape
+        return cls(np.ascontiguousarray(routes, dtype=np.int32).tobytes(), (rows, layers, k))
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.int32).reshape(self.shape).copy()  # writable, the user's
+
+
+def check_return_routed_experts(wanted: bool | None, moe: bool, capturing: bool) -> None:
+    """A request that asks for routes the engine cannot give is refused, naming the field."""
+    if not wanted:
+        return
+    if not moe:
+        raise InvalidRequestError("return_routed_experts: the model has no mixture-of-experts layers, "
+                                  "so there are no routed experts to return", "return_routed_experts")
+    if not capturing:
+        raise InvalidRequestError("return_routed_experts: the engine does not record routes; start it "
+                                  "with --enable-return-routed-experts", "return_routed_experts")
+
+
 class Finished(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     reason: str  # stop | length | abort
     stop_reason: int | None = None  # the stop token id, when one ended it (not eos)
     final: FinalTokens | None = None  # non-streamed requests only
     timing: RequestTiming | None = None
+    # enable_return_routed_experts: a row per token that went through the model
+    routed_experts: RoutedExperts | None = None
 
 
 class Rejected(msgspec.Struct, array_like=True):

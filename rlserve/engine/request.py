@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from rlserve.errors import EngineUnavailableError  # noqa: F401 (re-exported: raised by the engine)
 from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
 from rlserve.sequence import Sequence, TokenLogprob
@@ -145,6 +147,9 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None = None
     token_versions: list[int] = field(default_factory=list)
+    # enable_return_routed_experts (vLLM's field): int32 [prompt + output tokens - 1,
+    # num_hidden_layers, top_k], the experts of every token that went through the model
+    routed_experts: np.ndarray | None = None
 
     @property
     def weight_version_spans(self) -> list[VersionSpan]:

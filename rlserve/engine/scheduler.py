@@ -28,6 +28,7 @@ from rlserve.engine.outputs import (
     FinalTokens,
     Finished,
     RequestTiming,
+    RoutedExperts,
     Started,
     StepOut,
 )
@@ -84,11 +85,16 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        routes = None
+        if self.kv.routes is not None and req.sampling_params.return_routed_experts is not False:
+            rows = self.kv.routes_of(req)  # before its blocks go back
+            routes = None if rows is None else RoutedExperts.pack(rows)
         self.kv.free(req)
         if req.lora_slot >= 0:
             self.lora.release(req)
         return Finished(req.request_id, reason.value, stop_reason,
-                        None if req.stream else _final(req), request_timing(req, time.monotonic()))
+                        None if req.stream else _final(req), request_timing(req, time.monotonic()),
+                        routes)
 
     def drop_kv(self, req: Request) -> None:
         """Forget a request's KV so it is recomputed (keep-mode pause with clear_cache)."""

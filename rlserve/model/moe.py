@@ -183,12 +183,18 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(moe.num_experts, config.hidden_size, moe.intermediate_size, names)
         self.shared_expert: SharedExpert | None = None
         self.shared_expert_gate: nn.Linear | None = None
+        self.layer_index = 0  # the decoder layer it is the MLP of (its column of routes)
+        # Routing capture (model/routed_experts.py): [max_tokens, top_k] int32, this
+        # layer's column of the step's routes; None: not captured
+        self.capture: torch.Tensor | None = None
         if moe.shared_intermediate_size:
             self.shared_expert = SharedExpert(config.hidden_size, moe.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(self.gate(x), self.top_k, self.renormalize)
+        if self.capture is not None:
+            self.capture[:x.shape[0]].copy_(routing.ids)
         out = self.experts(x, routing.weights, routing.ids)
         shared, gate = self.shared_expert, self.shared_expert_gate
         if shared is not None and gate is not None:

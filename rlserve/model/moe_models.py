@@ -20,7 +20,9 @@ class _MoEForCausalLM(LlamaForCausalLM):
     def mlp(self, config, layer: int) -> LlamaMLP | SparseMoeBlock:
         moe = MoEConfig.read(config, self.renormalize)
         if moe.num_experts and moe.is_sparse(layer):
-            return SparseMoeBlock(config, moe, self.expert_names)
+            block = SparseMoeBlock(config, moe, self.expert_names)
+            block.layer_index = layer
+            return block
         return LlamaMLP(config)
 
 

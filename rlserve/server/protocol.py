@@ -138,6 +138,10 @@ class _SamplingRequest(_Request):
     cache_salt: str | None = Field(
         None, min_length=1, description="Prefix-cache isolation: blocks are shared only with "
                                         "requests of the same salt.")
+    return_routed_experts: bool | None = Field(
+        None, description="SGLang's name: false skips this request's routed_experts; true "
+                          "requires them (400 on a dense model or without "
+                          "--enable-return-routed-experts); default: the server's flag.")
 
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]

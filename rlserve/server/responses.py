@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from rlserve.server.routes_json import RoutesField
+
 
 def _omit_none(value: Any) -> bool:
     return value is None
@@ -73,6 +75,14 @@ class WeightVersionSpan(_Response):
     end: int
 
 
+# vLLM's routed_experts of a choice: [prompt + output tokens - 1][num_hidden_layers][top_k]
+# expert ids, with its end (null when the server does not record routes, or the request
+# set return_routed_experts: false)
+RoutedExpertsField = RoutesField  # a RoutesJSON (server/routes_json.py): the JSON text, written fast
+ROUTED_EXPERTS: Any = Field(None, description="The experts each token went to at every layer "
+                                              "(--enable-return-routed-experts), with the choice's end.")
+
+
 class CompletionLogprobs(_Response):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -106,10 +116,13 @@ class CompletionStreamChoice(_Response):
     token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpan] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()
+    # Only in a choice's last chunk (vLLM's stream choice has no such field: left out while unset)
+    routed_experts: RoutedExpertsField = Extension()
 
 
 class CompletionChoice(CompletionStreamChoice):
     prompt_logprobs: PromptLogprobs | None = None
+    routed_experts: RoutedExpertsField = ROUTED_EXPERTS
 
 
 class CompletionStreamResponse(_Response):
@@ -173,6 +186,7 @@ class ChatChoice(_Response):
     token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpan] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()
+    routed_experts: RoutedExpertsField = ROUTED_EXPERTS
 
 
 class ChatCompletionResponse(_Response):
@@ -220,6 +234,7 @@ class ChatChunkChoice(_Response):
     token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpan] | None = Extension()
     weight_version_spans: list[WeightVersionSpan] | None = Extension()
+    routed_experts: RoutedExpertsField = ROUTED_EXPERTS
 
 
 class ChatCompletionChunk(_Response):

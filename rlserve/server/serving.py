@@ -34,6 +34,7 @@ from rlserve.server.responses import (
     Usage,
     WeightVersionSpan,
 )
+from rlserve.server.routes_json import RoutesJSON, splice
 from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
 
@@ -60,12 +61,12 @@ class ServingOptions:
 
 
 def json_response(model: BaseModel) -> Response:
-    return Response(model.model_dump_json(), media_type="application/json")
+    return Response(splice(model.model_dump_json()), media_type="application/json")
 
 
 def sse(model: BaseModel, exclude_unset: bool = False) -> str:
     """One server-sent event. `exclude_unset`: only the fields set (vLLM's chat chunks)."""
-    return f"data: {model.model_dump_json(exclude_unset=exclude_unset)}\n\n"
+    return f"data: {splice(model.model_dump_json(exclude_unset=exclude_unset))}\n\n"
 
 
 def usage(prompts: Sequence[Prompt], completion_tokens: int, cached: int) -> Usage:
@@ -77,10 +78,14 @@ def usage(prompts: Sequence[Prompt], completion_tokens: int, cached: int) -> Usa
 
 def finish_choice(choice: CompletionStreamChoice | ChatChoice | ChatChunkChoice,
                   body: CompletionRequest | ChatCompletionRequest, state: RequestState, delta: SampleDelta) -> None:
-    """What a choice's last body or chunk adds: its stop reason and, when asked for, which
-    weights made which tokens, as vLLM's `weight_versions` (the version as the string
-    /weight_info reports) and rlserve's older `weight_version_spans` (an integer)."""
+    """What a choice's last body or chunk adds: its stop reason, its routed experts when the
+    engine records them, and, when asked for, which weights made which tokens, as vLLM's
+    `weight_versions` (the version as the string /weight_info reports) and rlserve's older
+    `weight_version_spans` (an integer)."""
     choice.stop_reason = delta.stop_reason
+    routes = state.samples[delta.index].routed_experts
+    if routes is not None:
+        choice.routed_experts = RoutesJSON(routes)
     if body.return_weight_versions:
         spans = version_spans(state.samples[delta.index].token_versions)
         choice.weight_versions = [WeightVersionSpan(version=str(s.version), start=s.start, end=s.end)
@@ -354,6 +359,7 @@ class OpenAIServing:
             prompt_logprobs=prompt_logprobs,
             detokenize=body.detokenize,
             skip_special_tokens=body.skip_special_tokens,
+            return_routed_experts=body.return_routed_experts,
         )
         return convert_bad_words(params, self.tokenizer)
 

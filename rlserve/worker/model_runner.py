@@ -19,6 +19,7 @@ import torch
 
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import PagedAttention
+from rlserve.model.routed_experts import RoutedExpertsCapturer
 from rlserve.ops import kernels
 from rlserve.ops.attention import FP8_DTYPES
 from rlserve.sequence import NO_ALTERNATIVES, SchedulerOutput, TokenLogprob, TopLogprobs
@@ -42,6 +43,9 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprob | None]
     # request id -> logprobs of the prompt tokens this step covered, in order
     prompt_logprobs: dict[str, list[TokenLogprob]]
+    # Routing capture: [tokens, num_hidden_layers, top_k] int32, a row per input token of
+    # the step in schedule order (then any padding rows); None: not captured
+    routes: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -65,6 +69,12 @@ class ModelRunner:
         self.graphs: CudaGraphs | None = None
         self.sampling = SamplingInputs(model.config.vocab_size, device, logprobs_mode == "processed_logprobs")
         self.inputs = StepInputs(block_size, device, None if lora is None else lora.max_loras, self.sampling)
+        self.routes: RoutedExpertsCapturer | None = None  # enable_return_routed_experts, MoE models
+
+    def capture_routes(self, max_tokens: int) -> None:
+        """Record every token's experts at every MoE layer (before CUDA graphs are captured:
+        they write into the buffer made here)."""
+        self.routes = RoutedExpertsCapturer.attach(self.model, max_tokens, self.device)
 
     @property
     def fused_sampling(self) -> bool:
@@ -145,9 +155,10 @@ class ModelRunner:
         grammar mask that the host can only fill once the previous step's tokens are back."""
         batch = self.prepare(sched, block_tables, prev)
         hidden = self.forward(batch, decode_only=batch.meta.max_query_len == 1)
+        routes = self._copy_routes(batch.input_ids.shape[0]) if self.routes is not None else None
         n, padded = batch.num_logits, batch.logits_indices.shape[0]
         if not n:
-            return StepHandle([], None, {}, {})
+            return StepHandle([], None, {}, {}, routes=routes)
         if batch.prompt_rows:
             rows_logits, prompt, prompt_start = self._prompt_logprobs(sched, batch, hidden)
         else:
@@ -164,7 +175,8 @@ class ModelRunner:
                 sampled = S.sample(rows_logits, batch.sampling, self.kernels.sample)
             else:
                 pending = (rows_logits, batch.sampling)
-        handle = StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests, pending)
+        handle = StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests, pending,
+                            routes=routes)
         if pending is None:
             self._copy_out(handle)
         return handle
@@ -192,6 +204,16 @@ class ModelRunner:
             prompt[rid] = (targets, k, stats)
             prompt_start[rid] = req.num_computed_tokens
         return rows_logits, prompt, prompt_start
+
+    def _copy_routes(self, num_tokens: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queue the copy of the step's routes to the host, right behind its forward pass."""
+        assert self.routes is not None
+        host = self.routes.copy_out(num_tokens)
+        if self.device.type != "cuda":
+            return host, None
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
     def _copy_out(self, handle: StepHandle) -> None:
         """Queue the copy of the step's results to the host right behind the step itself.
@@ -242,7 +264,13 @@ class ModelRunner:
         # Every prompt row asked for logprobs (an int k): its list holds no None.
         prompt_lps = {rid: cast(list[TokenLogprob], self._pack_logprobs(targets, *stats, [k] * len(targets)))
                       for rid, (targets, k, stats) in prompt.items()}
-        return ModelRunnerOutput(handle.sample_requests, token_ids, logprobs, prompt_lps)
+        routes = None
+        if handle.routes is not None:
+            host, routes_ready = handle.routes
+            if routes_ready is not None:
+                routes_ready.synchronize()
+            routes = host.numpy()
+        return ModelRunnerOutput(handle.sample_requests, token_ids, logprobs, prompt_lps, routes)
 
     def execute(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
                 token_bitmask: torch.Tensor | np.ndarray | None = None) -> ModelRunnerOutput:

@@ -86,6 +86,9 @@ class StepHandle:
     # The results on their way to page-locked host memory (`sampled` and `prompt` with host
     # tensors), and the event that marks their arrival; None where they are on the host.
     copied: tuple[S.SamplerOutput | None, dict, torch.cuda.Event] | None = None
+    # Routing capture: the step's routes on their way to the host ([tokens, layers, k]
+    # int32; row i is the step's input token i) and the event marking their arrival
+    routes: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
     def row_of(self) -> dict[str, int]:
         return {item.request.request_id: i for i, item in enumerate(self.sample_requests)}

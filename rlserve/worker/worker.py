@@ -60,6 +60,9 @@ class Worker:
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size,
                                   config.logprobs_mode, lora=self.lora,
                                   kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype))
+        if config.enable_return_routed_experts and self.rank == 0:
+            # Rank 0 alone: every rank routes alike (the router is replicated), one copy is returned.
+            self.runner.capture_routes(max(config.max_num_batched_tokens, min(config.max_num_seqs, 512)))
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
         self.receiver = WeightReceiver(self.model, self.device, self.dtype, self.lora, rank)
 
