@@ -145,6 +145,9 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None = None
     token_versions: list[int] = field(default_factory=list)
+    # LLM.chat with a reasoning_parser: `text` split into the thinking and the answer.
+    reasoning: str | None = None
+    content: str | None = None
 
     @property
     def weight_version_spans(self) -> list[VersionSpan]:

@@ -44,6 +44,8 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     unimplemented_fields = unimplemented.STREAM_OPTIONS
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="With include_usage: every chunk "
+                                                            "carries its choice's usage so far.")
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -234,6 +236,8 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = Field(None, description="Passed to the chat template.")
     chat_template_kwargs: dict[str, Any] | None = None
     return_tokens_as_token_ids: bool | None = None
+    include_reasoning: bool = Field(True, description="False: the reasoning --reasoning-parser "
+                                                      "splits off is dropped, not returned")
 
 
 class BatchChatCompletionRequest(ChatCompletionRequest):

@@ -67,7 +67,6 @@ CHAT = {
     "mm_processor_kwargs": refuse("multimodal inputs are not supported"),
     "reasoning_effort": refuse("reasoning controls are not implemented; pass template variables in "
                             "chat_template_kwargs"),
-    "include_reasoning": refuse("reasoning is not parsed out of the output", True),
     "return_prompt_text": refuse("send the messages to /tokenize to see the rendered prompt", False),
     "functions": refuse("the deprecated functions API is not supported; use tools"),
     "function_call": refuse("the deprecated functions API is not supported; use tool_choice"),
@@ -92,7 +91,6 @@ STRUCTURED_OUTPUTS = {
 }
 
 STREAM_OPTIONS = {
-    "continuous_usage_stats": refuse("usage is sent once, at the end of the stream", False),
     "include_obfuscation": refuse("stream chunks are never padded", False),
 }
 
