@@ -57,6 +57,7 @@ class ServingOptions:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     return_tokens_as_token_ids: bool = False  # the default of the request field
     tool_call_parser: str = "hermes"
+    force_include_usage: bool = False  # every stream ends with usage (--enable-force-include-usage)
 
 
 def json_response(model: BaseModel) -> Response:
@@ -73,6 +74,11 @@ def usage(prompts: Sequence[Prompt], completion_tokens: int, cached: int) -> Usa
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def usage_so_far(prompt: Prompt, state: RequestState, index: int) -> Usage:
+    """A streamed choice's usage up to its latest chunk (continuous_usage_stats)."""
+    return usage([prompt], len(state.samples[index].token_ids), state.num_cached_tokens)
 
 
 def finish_choice(choice: CompletionStreamChoice | ChatChoice | ChatChunkChoice,
@@ -297,6 +303,14 @@ class OpenAIServing:
             if isinstance(value, int) and not isinstance(value, bool):
                 check_logprobs_limit(name if name == param else f"{param}: {name}", value,
                                      self.engine.max_logprobs, self.vocab_size, param)
+
+    def usage_wanted(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+        """(a stream ends with a usage chunk, each chunk carries the usage so far): vLLM's
+        stream_options.include_usage (or --enable-force-include-usage), and with it
+        stream_options.continuous_usage_stats."""
+        opts = body.stream_options
+        final = self.options.force_include_usage or bool(opts and opts.include_usage)
+        return final, final and bool(opts and opts.continuous_usage_stats)
 
     def as_token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
         """Whether logprob tokens are written 'token_id:<id>'."""

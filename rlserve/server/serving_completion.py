@@ -19,7 +19,7 @@ from rlserve.server.responses import (
     CompletionStreamChoice,
     CompletionStreamResponse,
 )
-from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage
+from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage, usage_so_far
 from rlserve.server.token_strings import floor_logprob
 
 
@@ -145,6 +145,7 @@ class CompletionServing(OpenAIServing):
         offsets: dict[int, int] = {}
         wants_tokens = body.logprobs is not None or body.return_token_ids
         version = self.engine.weight_version
+        final_usage, running_usage = self.usage_wanted(body)
         async for _ in generation.turns():
             parts = []
             for i, state in enumerate(generation.states):
@@ -156,10 +157,11 @@ class CompletionServing(OpenAIServing):
                     choice = self._choice(body, i * body.n + delta.index, prompts[i], state, delta, offsets)
                     parts.append(sse(CompletionStreamResponse(
                         id=request_id, created=created, model=body.model or self.model_name, choices=[choice],
-                        weight_version=version)))
+                        weight_version=version,
+                        usage=usage_so_far(prompts[i], state, delta.index) if running_usage else None)))
             if parts:
                 yield "".join(parts)
-        if body.stream_options and body.stream_options.include_usage:
+        if final_usage:
             states = generation.states
             u = usage(prompts, sum(len(s.token_ids) for st in states for s in st.samples),
                       sum(st.num_cached_tokens for st in states))
