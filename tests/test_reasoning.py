@@ -8,6 +8,7 @@ sampler and detokenizer; the stream then splits it wherever the tokens fall."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -46,7 +47,8 @@ VLLM_FLAGS = ("--reasoning-parser", "qwen3", "--enable-prompt-tokens-details",
               "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking",
               "--enable-per-request-metrics", "--show-hidden-metrics-for-version", "0.10",
               "--structured-outputs-config.backend", "xgrammar",
-              "--watermark-config", '{"watermark_alpha": 0.5}', "--enable-auto-tool-choice")
+              "--watermark-config", '{"watermark_alpha": 0.5}', "--enable-auto-tool-choice",
+              "--enable-sleep-mode")
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +210,74 @@ def test_offline_chat_splits_reasoning(qwen3_dir):
         assert off.outputs[0].content == off.outputs[0].text and off.outputs[0].reasoning is None
     with pytest.raises(ValueError, match="reasoning_parser"):
         LLM(qwen3_dir, device="cpu", reasoning_parser="granite")
+
+
+# ---------------------------------------------------------------- the rest of the command line
+# The server above runs with VLLM_FLAGS: what each of them does here.
+
+
+def test_root_path_serves_with_and_without_the_prefix(server):
+    for prefix in ("", "/gateway"):
+        r = httpx.get(f"{server.url}{prefix}/v1/models", timeout=60)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "q"
+    schema = httpx.get(f"{server.url}/openapi.json", timeout=60).json()
+    assert {"url": "/gateway"} in schema["servers"]
+
+
+def test_force_include_usage_and_continuous_usage_stats(server):
+    plain = stream(server, max_tokens=4, ignore_eos=True)  # no stream_options: usage all the same
+    assert plain[-1]["choices"] == [] and plain[-1]["usage"]["completion_tokens"] == 4
+    assert all("usage" not in c for c in plain[:-1])
+    chunks = stream(server, max_tokens=4, ignore_eos=True,
+                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    running = [c["usage"]["completion_tokens"] for c in chunks[1:-1]]
+    assert running == sorted(running) and running[-1] == 4, running
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks[1:])
+    body = {"model": "q", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=300) as r:
+        usages = [json.loads(line[6:]).get("usage") for line in r.iter_lines() if line.startswith("data: {")]
+    assert [u["completion_tokens"] for u in usages] == [1, 2, 3, 3]
+
+
+def test_tokenizer_info_endpoint(server):
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=60).json()
+    assert info["tokenizer_class"] and info["chat_template"] == THINK_TEMPLATE
+    assert {"content": "<think>", "special": False} in info["added_tokens_decoder"].values()
+
+
+def test_server_load_counts_requests_in_flight(server):
+    """A request waits while the server sleeps: it is in flight until woken and answered."""
+    def load() -> int:
+        return httpx.get(f"{server.url}/load", timeout=60).json()["server_load"]
+
+    def until(value: int) -> int:
+        for _ in range(300):
+            if (now := load()) == value:
+                break
+        return now
+
+    assert load() == 0
+    assert httpx.post(f"{server.url}/sleep", timeout=60).status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            answer = pool.submit(chat, server, max_tokens=2)
+            assert until(1) == 1
+        finally:
+            assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
+        assert answer.result()["usage"]["completion_tokens"] == 2
+    assert until(0) == 0
+
+
+def test_collective_rpc_says_what_to_use(server):
+    r = httpx.post(f"{server.url}/collective_rpc", json={"method": "report_device_id"}, timeout=60)
+    assert r.status_code == 501, r.text
+    assert "worker extensions" in r.json()["error"]["message"] and "/update_weights" in r.json()["error"]["message"]
+
+
+def test_accepted_flags_say_why_in_the_log(server):
+    log = server.log.read_text()
+    for name in ("--enable-prompt-tokens-details", "--enable-per-request-metrics",
+                 "--show-hidden-metrics-for-version", "--structured-outputs-config.backend",
+                 "--watermark-config"):
+        assert f"{name}: accepted, nothing to do" in log, name
