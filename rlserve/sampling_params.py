@@ -126,6 +126,9 @@ class SamplingParams:
     # -1: every token of the vocabulary (allowed up to the engine's max_logprobs)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The alternatives are these tokens at every position, in this order, instead of the
+    # most likely ones (vLLM's logprob_token_ids: a verifier's or reward's tokens).
+    logprob_token_ids: list[int] | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     # Penalties: repetition over prompt and output tokens (1 = off; a positive logit is
@@ -158,6 +161,10 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         if self.bad_words_token_ids is not None:
             self.bad_words_token_ids = [list(seq) for seq in self.bad_words_token_ids]
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(self.logprob_token_ids)
+            if self.logprobs is None:
+                self.logprobs = 0  # the sampled token's, and the chosen ones
         if isinstance(self.structured_outputs, dict):  # from a step message (dataclasses.asdict)
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
@@ -206,6 +213,10 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 bad("allowed_token_ids", "must not be empty (leave it unset to allow every token)")
             _check_ids("allowed_token_ids", self.allowed_token_ids)
+        if self.logprob_token_ids is not None:
+            if not self.logprob_token_ids:
+                bad("logprob_token_ids", "must not be empty (leave it unset for the top logprobs)")
+            _check_ids("logprob_token_ids", self.logprob_token_ids)
         if any(not isinstance(w, str) or not w for w in self.bad_words or ()):
             bad("bad_words", "must be non-empty strings")
         for seq in self.bad_words_token_ids or ():
@@ -222,6 +233,7 @@ class SamplingParams:
         vocabulary, and `bad_words` were turned into token ids (the front end's job)."""
         for name, ids in (("logit_bias", self.logit_bias or ()),
                           ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("logprob_token_ids", self.logprob_token_ids or ()),
                           ("bad_words_token_ids", [t for seq in self.bad_words_token_ids or () for t in seq])):
             out = [t for t in ids if t >= vocab_size]
             if out:

@@ -293,6 +293,11 @@ class OpenAIServing:
         if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
             raise InvalidRequestError("stream_options: stream options can only be defined when "
                                       "`stream=True` (as in vLLM)", "stream_options")
+        if body.logprob_token_ids is not None and body.logprobs in (None, False):
+            raise InvalidRequestError("logprob_token_ids: needs logprobs (the top-k it replaces) set",
+                                      "logprob_token_ids")
+        if body.logprob_token_ids is not None:
+            self.check_ids(body.logprob_token_ids, "logprob_token_ids")
         if body.prompt_logprobs and body.stream:
             raise InvalidRequestError("prompt_logprobs: not available with stream (as in vLLM); "
                                       "send the request without stream", "prompt_logprobs")
@@ -311,6 +316,21 @@ class OpenAIServing:
         opts = body.stream_options
         final = self.options.force_include_usage or bool(opts and opts.include_usage)
         return final, final and bool(opts and opts.continuous_usage_stats)
+
+    def truncate(self, prompt: Prompt, body: CompletionRequest | ChatCompletionRequest) -> Prompt:
+        """The prompt's last truncate_prompt_tokens tokens (vLLM's left truncation)."""
+        keep = body.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        limit = self.engine.max_model_len
+        if keep == 0 or keep > limit:
+            raise InvalidRequestError(f"truncate_prompt_tokens: {keep}: must be -1 (max_model_len) or "
+                                      f"1 to max_model_len ({limit})", "truncate_prompt_tokens")
+        keep = limit if keep == -1 else keep
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        ids = prompt.token_ids[-keep:]
+        return Prompt(ids, self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else "")
 
     def as_token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
         """Whether logprob tokens are written 'token_id:<id>'."""
@@ -365,6 +385,7 @@ class OpenAIServing:
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
+            logprob_token_ids=body.logprob_token_ids,
             prompt_logprobs=prompt_logprobs,
             detokenize=body.detokenize,
             skip_special_tokens=body.skip_special_tokens,

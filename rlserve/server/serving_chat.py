@@ -62,10 +62,10 @@ class ChatServing(OpenAIServing):
             raise InvalidRequestError("tool_choice: needs tools", "tool_choice")
         if isinstance(body, BatchChatCompletionRequest):
             _check_batch(body)
-            prompts = [await self.chat_prompt_async(body.model_copy(update={"messages": messages}))
-                       for messages in body.messages]
+            prompts = [self.truncate(await self.chat_prompt_async(body.model_copy(update={"messages": messages})),
+                                     body) for messages in body.messages]
         else:
-            prompts = [await self.chat_prompt_async(body)]
+            prompts = [self.truncate(await self.chat_prompt_async(body), body)]
         k = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = self.sampling_params(body, max_tokens, k,
@@ -105,7 +105,8 @@ class ChatServing(OpenAIServing):
 
     def _extras(self, body: ChatCompletionRequest, choice: ChatChoice | ChatChunkChoice,
                 state: RequestState, delta: SampleDelta) -> None:
-        choice.logprobs = (self._logprobs(delta.logprobs or [], body.top_logprobs or 0,
+        k = -1 if body.logprob_token_ids else body.top_logprobs or 0  # the chosen ones, all of them
+        choice.logprobs = (self._logprobs(delta.logprobs or [], k,
                                           self.as_token_ids(body), body.detokenize)
                            if body.logprobs else None)
         choice.token_ids = delta.token_ids if body.return_token_ids else None

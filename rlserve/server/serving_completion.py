@@ -31,7 +31,7 @@ class CompletionServing(OpenAIServing):
             raise InvalidRequestError("suffix: not supported", "suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidRequestError("best_of: only best_of == n is supported", "best_of")
-        prompts = await self._prompts(body.prompt, body.detokenize, body.add_special_tokens)
+        prompts = await self._prompts(body)
         k = body.logprobs
         # Echoed logprobs cover the prompt too: the engine computes the larger top-k. A
         # stream never carries prompt_logprobs (0 is accepted there, as in vLLM).
@@ -48,10 +48,10 @@ class CompletionServing(OpenAIServing):
         return await self.respond(generation, events,
                                   lambda: self._body(body, request_id, created, prompts, generation), body)
 
-    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]], detokenize: bool,
-                       add_special_tokens: bool = True) -> list[Prompt]:
+    async def _prompts(self, body: CompletionRequest) -> list[Prompt]:
         """One prompt (a string or a token-id list) or a batch of them; never empty. Token
         prompts are decoded for `echo` unless the request skips detokenization."""
+        prompt, detokenize, add_special_tokens = body.prompt, body.detokenize, body.add_special_tokens
         if isinstance(prompt, str) or isinstance(prompt[0], int):
             items: list[str | list[int]] = [prompt]
         else:
@@ -68,6 +68,7 @@ class CompletionServing(OpenAIServing):
             else:
                 self.check_ids(item, "prompt")
                 prompts.append(Prompt(list(item), ""))
+            prompts[-1] = self.truncate(prompts[-1], body)
             if not prompts[-1].token_ids:  # a string can tokenize to nothing
                 raise InvalidRequestError("prompt: must not be empty", "prompt")
         return prompts
@@ -109,7 +110,8 @@ class CompletionServing(OpenAIServing):
                 prompt_lps = list(state.prompt_logprobs or [])
                 lps = prompt_lps + [None] * (len(prompt.token_ids) - len(prompt_lps)) + lps
             as_ids = self.as_token_ids(body)
-            choice.logprobs, offset = self._logprobs(ids, lps, body.logprobs,
+            k = -1 if body.logprob_token_ids else body.logprobs  # the chosen ones, all of them
+            choice.logprobs, offset = self._logprobs(ids, lps, k,
                                                      offsets.get(index, 0) if offsets else 0, as_ids,
                                                      body.detokenize)
             if offsets is not None:
