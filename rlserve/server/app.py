@@ -177,8 +177,8 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         elif e.get("type") == "extra_forbidden":
             message = ("unknown field (rlserve refuses the fields it does not implement rather "
                        "than ignoring them)")
-        if loc and param is None:
-            param = loc[0]
+        if loc and param is None:  # a query or path parameter is named with its place
+            param = ".".join(loc[:2]) if loc[0] in ("query", "path", "header") else loc[0]
         parts.append(f"{'.'.join(loc) or 'body'}: {message}")
     if len(errors) > 3:
         parts.append(f"and {len(errors) - 3} more")

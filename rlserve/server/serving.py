@@ -213,8 +213,8 @@ class OpenAIServing:
         for t in ids:
             if t >= self.vocab_size:
                 raise InvalidRequestError(
-                    f"{param}: token id {t} is out of range; the vocabulary has "
-                    f"{self.vocab_size} tokens", param)
+                    f"{param}: token id {t} is out of vocabulary (ids 0 to {self.vocab_size - 1})",
+                    param)
 
     def _no_tokenizer(self, param: str) -> InvalidRequestError:
         return InvalidRequestError(f"{param}: text needs the tokenizer, and this server runs with "
@@ -293,7 +293,7 @@ class OpenAIServing:
         if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
             raise InvalidRequestError("stream_options: stream options can only be defined when "
                                       "`stream=True` (as in vLLM)", "stream_options")
-        if body.logprob_token_ids is not None and body.logprobs in (None, False):
+        if body.logprob_token_ids is not None and (body.logprobs is None or body.logprobs is False):
             raise InvalidRequestError("logprob_token_ids: needs logprobs (the top-k it replaces) set",
                                       "logprob_token_ids")
         if body.logprob_token_ids is not None:

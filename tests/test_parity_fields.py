@@ -1,0 +1,175 @@
+"""Request fields RL users send to vLLM (logprob_token_ids, truncate_prompt_tokens),
+streamed tool_choice "required", vLLM's admission and cache metrics, and the wording of
+errors vLLM users match on; over HTTP against one tiny server."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import MAX_MODEL_LEN, start_tiny_server, stop_server
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "<|im_start|>assistant\n")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "pattern": "[A-Za-z]{3,8}"}},
+    "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    srv = start_tiny_server(tmp_path_factory.mktemp("fields") / "server.log", "--chat-template", TEMPLATE)
+    yield srv
+    stop_server(srv)
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json={"model": "m", **body}, timeout=300)
+
+
+def ok(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def refused(r: httpx.Response, param: str, *words: str) -> str:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and all(w in err["message"] for w in words), err
+    return err["message"]
+
+
+# ---------------------------------------------------------------- logprob_token_ids
+
+
+def test_logprob_token_ids_are_the_chosen_tokens_logprobs_at_every_position(tiny):
+    """The logprobs of the chosen ids equal what the top-k alternatives say of the same
+    ids, in the order asked for; the sampled token's own logprob is unchanged."""
+    base = {"messages": CHAT, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": True,
+            "return_tokens_as_token_ids": True}
+    top = ok(post(tiny, "/v1/chat/completions", {**base, "top_logprobs": 5}))["choices"][0]["logprobs"]["content"]
+    first = [int(e["token"].removeprefix("token_id:")) for e in top[0]["top_logprobs"]]
+    wanted = [first[2], first[0], 7]
+    content = ok(post(tiny, "/v1/chat/completions", {**base, "logprob_token_ids": wanted})
+                 )["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [e["token"] for e in top]
+    for got, ref in zip(content, top):
+        assert [e["token"] for e in got["top_logprobs"]] == [f"token_id:{t}" for t in wanted]
+        assert got["logprob"] == pytest.approx(ref["logprob"], abs=1e-5)
+        by_token = {e["token"]: e["logprob"] for e in ref["top_logprobs"]}
+        for entry in got["top_logprobs"]:
+            if entry["token"] in by_token:
+                assert entry["logprob"] == pytest.approx(by_token[entry["token"]], abs=1e-5)
+    assert [e["logprob"] for e in content[0]["top_logprobs"][:2]] == pytest.approx(
+        [top[0]["top_logprobs"][2]["logprob"], top[0]["top_logprobs"][0]["logprob"]], abs=1e-5)
+    # Completions: the chosen tokens (and the sampled one) at every position.
+    body = {"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "logprob_token_ids": [7, 8], "return_tokens_as_token_ids": True}
+    lps = ok(post(tiny, "/v1/completions", body))["choices"][0]["logprobs"]
+    for sampled, top_lp in zip(lps["tokens"], lps["top_logprobs"]):
+        assert {"token_id:7", "token_id:8"} <= set(top_lp) and set(top_lp) <= {"token_id:7", "token_id:8", sampled}
+
+
+def test_logprob_token_ids_bad_values_are_named(tiny):
+    base = {"messages": CHAT, "max_tokens": 1}
+    refused(post(tiny, "/v1/chat/completions", {**base, "logprob_token_ids": [1]}), "logprob_token_ids", "logprobs")
+    refused(post(tiny, "/v1/chat/completions", {**base, "logprobs": True, "logprob_token_ids": [1, 10**6]}),
+            "logprob_token_ids", "1000000", "out of vocabulary")
+    r = post(tiny, "/v1/chat/completions", {**base, "logprobs": True, "logprob_token_ids": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_token_ids"
+
+
+# ---------------------------------------------------------------- truncate_prompt_tokens
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny):
+    prompt = list(range(10, 60))
+    out = ok(post(tiny, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 10,
+                                            "return_token_ids": True}))
+    assert out["usage"]["prompt_tokens"] == 10 and out["choices"][0]["prompt_token_ids"] == prompt[-10:]
+    long_chat = [{"role": "user", "content": "word " * 100}]
+    out = ok(post(tiny, "/v1/chat/completions", {"messages": long_chat, "max_tokens": 1,
+                                                 "truncate_prompt_tokens": 8, "return_token_ids": True}))
+    full = ok(post(tiny, "/v1/chat/completions", {"messages": long_chat, "max_tokens": 1, "return_token_ids": True}))
+    assert out["prompt_token_ids"] == full["prompt_token_ids"][-8:]
+    for bad in (0, MAX_MODEL_LEN + 1):
+        refused(post(tiny, "/v1/completions", {"prompt": prompt, "truncate_prompt_tokens": bad}),
+                "truncate_prompt_tokens", str(MAX_MODEL_LEN))
+
+
+# ---------------------------------------------------------------- tool_choice required, streamed
+
+
+def _stream(server, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={"model": "m", **body, "stream": True},
+                      timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_required_tool_calls_stream_as_they_are_generated(tiny):
+    body = {"messages": CHAT, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 60,
+            "temperature": 0, "parallel_tool_calls": False}
+    chunks = _stream(tiny, body)
+    deltas = [(i, t) for i, c in enumerate(chunks) for t in c["choices"][0]["delta"].get("tool_calls") or []]
+    named = [i for i, t in deltas if t["function"].get("name")]
+    assert len(named) == 1 and deltas[0][1]["function"]["name"] == "get_weather"
+    with_args = [i for i, t in deltas if t["function"].get("arguments")]
+    assert len(set(with_args)) > 2, "arguments arrive in pieces, as they are generated"
+    assert named[0] < len(chunks) - 2, "the name goes out before the end"
+    arguments = json.loads("".join(t["function"].get("arguments") or "" for _, t in deltas))
+    whole = ok(post(tiny, "/v1/chat/completions", {**body}))
+    assert arguments == json.loads(whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
+    # Cut by max_tokens inside the arguments: what was generated went out as the call, not as content.
+    cut = _stream(tiny, {**body, "max_tokens": whole["usage"]["completion_tokens"] - 3})
+    assert cut[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any(c["choices"][0]["delta"].get("content") for c in cut)
+    assert any(t["function"].get("name") == "get_weather"
+               for c in cut for t in c["choices"][0]["delta"].get("tool_calls") or [])
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def _families(server) -> dict:
+    text = httpx.get(f"{server.url}/metrics", timeout=60).text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_admission_rejections_and_cache_config_info(tiny):
+    before = _families(tiny)["vllm:admission_rejections"].samples[0].value
+    refused(post(tiny, "/v1/completions", {"prompt": "hi", "temperature": -1}), "temperature")
+    refused(post(tiny, "/v1/completions", {"prompt": [10**6]}), "prompt", "out of vocabulary")
+    families = _families(tiny)
+    assert families["vllm:admission_rejections"].samples[0].value == before + 2
+    labels = families["vllm:cache_config_info"].samples[0].labels
+    capacity = families["rlserve_kv_cache_capacity_tokens"].samples[0].value
+    assert int(labels["kv_cache_size_tokens"]) == capacity > 0
+    assert float(labels["kv_cache_max_concurrency"]) == pytest.approx(capacity / MAX_MODEL_LEN, abs=0.01)
+
+
+# ---------------------------------------------------------------- wording
+
+
+def test_error_wording_names_the_limit_and_every_bad_key(tiny):
+    base = {"prompt": "hi", "max_tokens": 1}
+    refused(post(tiny, "/v1/completions", {**base, "seed": 2**63}), "seed", str(2**63 - 1))
+    refused(post(tiny, "/v1/completions", {**base, "seed": -(2**63) - 1}), "seed", str(-(2**63)))
+    refused(post(tiny, "/v1/completions", {**base, "stop_token_ids": [10**6]}), "stop_token_ids",
+            "out of vocabulary")
+    refused(post(tiny, "/v1/completions", {**base, "logit_bias": {"a": 1, "1": 2, "b": 3}}), "logit_bias",
+            "'a'", "'b'")
+    refused(post(tiny, "/v1/completions", {**base, "logit_bias": {"900000": 1, "800000": 2}}), "logit_bias",
+            "800000", "900000", "out of vocabulary")
+
+
+def test_offline_seed_bound_is_named():
+    from rlserve import SamplingParams
+    from rlserve.sampling_params import InvalidRequestError
+    with pytest.raises(InvalidRequestError, match=str(2**63 - 1)):
+        SamplingParams(seed=2**63)
