@@ -130,7 +130,7 @@ def tokenizer(demo_model):
 # for something. Fields rlserve implements are tested elsewhere; every other must be refused.
 VLLM_FIELDS = {
     "use_beam_search": True, "length_penalty": 0.5, "early_stopping": True, "watermarking": True,
-    "spaces_between_special_tokens": False, "truncation_side": "left",
+    "spaces_between_special_tokens": False, "truncation_side": "right",
     "logits_processors": ["m.P"], "priority": 1, "session_id": "s",
     "return_token_offsets": True, "return_mm_kwargs": False, "kv_transfer_params": {"a": 1},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "repetition_detection": {"n": 3},
