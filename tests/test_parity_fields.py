@@ -47,8 +47,8 @@ def refused(r: httpx.Response, param: str, *words: str) -> str:
 
 
 def test_logprob_token_ids_are_the_chosen_tokens_logprobs_at_every_position(tiny):
-    """The logprobs of the chosen ids equal what the top-k alternatives say of the same
-    ids, in the order asked for; the sampled token's own logprob is unchanged."""
+    """Over HTTP: the chosen ids at every position, in the order asked for, the sampled
+    token's own logprob unchanged (their values: the offline test below, on real logits)."""
     base = {"messages": CHAT, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": True,
             "return_tokens_as_token_ids": True}
     top = ok(post(tiny, "/v1/chat/completions", {**base, "top_logprobs": 5}))["choices"][0]["logprobs"]["content"]
@@ -173,3 +173,33 @@ def test_offline_seed_bound_is_named():
     from rlserve.sampling_params import InvalidRequestError
     with pytest.raises(InvalidRequestError, match=str(2**63 - 1)):
         SamplingParams(seed=2**63)
+
+
+def test_logprob_token_ids_values_in_a_mixed_batch(offline_llm):
+    """On the demo model's real logits (the tiny server's dummy ones are flat): rows asking
+    for chosen tokens beside a row asking for the top k each get what they asked for, the
+    chosen ids' values equal to what the top 20 say of them."""
+    from rlserve import SamplingParams
+    prompts = ["The capital of France is", "Water boils at", "One, two,"]
+    base = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = offline_llm.generate(prompts, SamplingParams(logprobs=20, **base), use_tqdm=False)
+    wanted = [[t for t, _ in o.outputs[0].logprobs[0].top.head(20)][::-4] for o in ref]
+    params = [SamplingParams(logprobs=0, logprob_token_ids=wanted[0], **base),
+              SamplingParams(logprobs=2, **base),
+              SamplingParams(logprob_token_ids=wanted[2], **base)]
+    outs = offline_llm.generate(prompts, params, use_tqdm=False)
+    compared = 0
+    for i, (out, r) in enumerate(zip(outs, ref)):
+        assert out.outputs[0].token_ids == r.outputs[0].token_ids
+        for got, top in zip(out.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert got.rank == top.rank and got.logprob == pytest.approx(top.logprob, abs=1e-4)
+            if i == 1:
+                assert [t for t, _ in got.top] == [t for t, _ in top.top.head(2)]
+                continue
+            assert [t for t, _ in got.top] == wanted[i]
+            known = dict(top.top.head(20))
+            for t, v in got.top:
+                if t in known:
+                    compared += 1
+                    assert v == pytest.approx(known[t], abs=1e-4)
+    assert compared >= 10
