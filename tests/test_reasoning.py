@@ -13,25 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import start_server, stop_server
+from conftest import THINK_TEMPLATE, RunningServer
 from rlserve.server.reasoning_parsers import REASONING_PARSERS, ThinkStream, split_whole
-
-# Qwen3's manner: reasoning of past turns in <think>, and with enable_thinking false an
-# empty think block closes the thinking in the prompt.
-THINK_TEMPLATE = """\
-{%- for message in messages %}<|im_start|>{{ message.role }}
-{% if message.role == "assistant" and message.reasoning_content %}<think>
-{{ message.reasoning_content }}
-</think>
-
-{% endif %}{{ message.content or "" }}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
-
-</think>
-
-{% endif %}{% endif %}"""
 
 CHAT = [{"role": "user", "content": "What is two plus two?"}]
 THOUGHT = "\nTwo and two make four.\n"
@@ -41,44 +24,14 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
-# Every flag of `vllm serve` that rlserve accepts without a model-specific meaning, at once.
-VLLM_FLAGS = ("--reasoning-parser", "qwen3", "--enable-prompt-tokens-details",
-              "--enable-force-include-usage", "--root-path", "/gateway",
-              "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking",
-              "--enable-per-request-metrics", "--show-hidden-metrics-for-version", "0.10",
-              "--structured-outputs-config.backend", "xgrammar",
-              "--watermark-config", '{"watermark_alpha": 0.5}', "--enable-auto-tool-choice",
-              "--enable-sleep-mode")
+@pytest.fixture
+def server(flags_server: RunningServer) -> RunningServer:
+    return flags_server
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory) -> str:
-    """A two-layer random Qwen3 with the demo model's tokenizer, <think> and </think> added
-    as words (as Qwen3's vocabulary has them), and THINK_TEMPLATE."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
-
-    from rlserve.model.demo_model import demo_model_path
-    path = tmp_path_factory.mktemp("qwen3-think")
-    tok = AutoTokenizer.from_pretrained(demo_model_path())
-    tok.add_tokens(["<think>", "</think>"])
-    tok.chat_template = THINK_TEMPLATE
-    tok.save_pretrained(path)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=1024, tie_word_embeddings=True,
-                      architectures=["Qwen3ForCausalLM"], eos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def server(qwen3_dir, tmp_path_factory):
-    srv = start_server(qwen3_dir, tmp_path_factory.mktemp("reasoning") / "server.log",
-                       "--served-model-name", "q", *VLLM_FLAGS)
-    yield srv
-    stop_server(srv)
+@pytest.fixture
+def qwen3_dir(think_model: str) -> str:
+    return think_model
 
 
 def chat(server, **kw) -> dict:
