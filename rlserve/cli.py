@@ -85,6 +85,16 @@ _VLLM_NO_OPS: tuple[tuple[str, dict[str, Any], tuple[Any, ...] | None, str], ...
      "tensor-parallel ranks are local processes (for Ray, see rlserve.ray)"),
     ("--pipeline-parallel-size", {"type": int, "metavar": "1", "aliases": ("-pp",)}, (1,),
      "rlserve has no pipeline parallelism; use --tensor-parallel-size"),
+    ("--enable-prompt-tokens-details", {"action": "store_true"}, None,
+     "usage.prompt_tokens_details (cached_tokens) is always sent"),
+    ("--enable-per-request-metrics", {"action": "store_true"}, None,
+     "each request's queue, prefill, decode and end-to-end times are always in /metrics' histograms"),
+    ("--show-hidden-metrics-for-version", {"metavar": "VERSION"}, None,
+     "rlserve hides no deprecated metrics: /metrics shows every family it has"),
+    ("--structured-outputs-config.backend", {"metavar": "xgrammar"}, ("auto", "xgrammar"),
+     "structured outputs always use xgrammar"),
+    ("--watermark-config", {"metavar": "JSON"}, None,
+     "watermarking is not implemented; a request that asks for it (watermarking: true) is refused"),
 )
 # `vllm serve` flags refused by name: what to use instead.
 _VLLM_REFUSED = (("--quantization", "-q", "quantized weights are not served yet: weights are "

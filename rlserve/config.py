@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from rlserve.flags import byte_size, flag, no_flag, positive_int
 from rlserve.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
+from rlserve.server.reasoning_parsers import REASONING_PARSERS
+
+REASONING_PARSER_NAMES = tuple(sorted(REASONING_PARSERS))
 
 if TYPE_CHECKING:
     import torch
@@ -188,6 +191,10 @@ class EngineConfig:
     chat_template: str | None = field(default=None, metadata=flag(
         "Jinja chat template, as a file path or inline (default: the tokenizer's)",
         type=read_chat_template, group="server"))
+    reasoning_parser: str | None = field(default=None, metadata=flag(
+        "split a thinking model's reasoning from its answer (<think>...</think>): chat messages "
+        "get `reasoning`, LLM.chat outputs `reasoning` and `content`",
+        choices=list(REASONING_PARSER_NAMES), group="server"))
     weight_transfer: WeightTransferConfig | None = field(default=None, metadata=flag(
         'enable live weight updates, e.g. \'{"backend": "nccl"}\' (backends: nccl, gloo, ipc)',
         name="--weight-transfer-config", metavar="JSON", type=str, group=_RUN))
@@ -238,6 +245,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = default_device()
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise ValueError(f"reasoning_parser: unknown {self.reasoning_parser!r}; "
+                             f"choose one of {', '.join(REASONING_PARSER_NAMES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: unknown {self.load_format!r}; "
                              f"choose one of {', '.join(LOAD_FORMATS)}")

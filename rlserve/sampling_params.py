@@ -126,6 +126,9 @@ class SamplingParams:
     # -1: every token of the vocabulary (allowed up to the engine's max_logprobs)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The alternatives are these tokens at every position, in this order, instead of the
+    # most likely ones (vLLM's logprob_token_ids: a verifier's or reward's tokens).
+    logprob_token_ids: list[int] | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     # Penalties: repetition over prompt and output tokens (1 = off; a positive logit is
@@ -161,6 +164,10 @@ class SamplingParams:
             self.bad_words = list(self.bad_words)
         if self.bad_words_token_ids is not None:
             self.bad_words_token_ids = [list(seq) for seq in self.bad_words_token_ids]
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(self.logprob_token_ids)
+            if self.logprobs is None:
+                self.logprobs = 0  # the sampled token's, and the chosen ones
         if isinstance(self.structured_outputs, dict):  # from a step message (dataclasses.asdict)
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
@@ -190,7 +197,7 @@ class SamplingParams:
             if value is not None and value < -1:
                 bad(name, f"must be -1 (the whole vocabulary) or at least 0, got {value}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            bad("seed", "must fit in a signed 64-bit integer")
+            bad("seed", f"must be in [{-(2**63)}, {2**63 - 1}] (a signed 64-bit integer), got {self.seed}")
         if any(not s for s in self.stop or ()):  # a list once __post_init__ ran
             bad("stop", "stop strings must be non-empty")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -209,6 +216,10 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 bad("allowed_token_ids", "must not be empty (leave it unset to allow every token)")
             _check_ids("allowed_token_ids", self.allowed_token_ids)
+        if self.logprob_token_ids is not None:
+            if not self.logprob_token_ids:
+                bad("logprob_token_ids", "must not be empty (leave it unset for the top logprobs)")
+            _check_ids("logprob_token_ids", self.logprob_token_ids)
         if any(not isinstance(w, str) or not w for w in self.bad_words or ()):
             bad("bad_words", "must be non-empty strings")
         for seq in self.bad_words_token_ids or ():
@@ -225,11 +236,14 @@ class SamplingParams:
         vocabulary, and `bad_words` were turned into token ids (the front end's job)."""
         for name, ids in (("logit_bias", self.logit_bias or ()),
                           ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("logprob_token_ids", self.logprob_token_ids or ()),
                           ("bad_words_token_ids", [t for seq in self.bad_words_token_ids or () for t in seq])):
-            out = [t for t in ids if t >= vocab_size]
-            if out:
+            out = sorted({t for t in ids if t >= vocab_size})
+            if out:  # all of them named: one round trip fixes the request
                 raise InvalidRequestError(
-                    f"{name}: token id {out[0]} is outside the vocabulary [0, {vocab_size})", name)
+                    f"{name}: token id{'s' if len(out) > 1 else ''} {', '.join(map(str, out[:20]))}"
+                    f"{' ...' if len(out) > 20 else ''} {'are' if len(out) > 1 else 'is'} out of "
+                    f"vocabulary (ids 0 to {vocab_size - 1})", name)
         if self.bad_words:
             raise InvalidRequestError(
                 "bad_words: must be converted to bad_words_token_ids before the engine "
@@ -262,20 +276,29 @@ def check_logprobs_limit(name: str, value: int | None, max_logprobs: int, vocab_
 
 
 def _token_keys(bias: dict) -> dict[int, float]:
-    """logit_bias with int keys: JSON (OpenAI's API) and msgpack carry them as strings."""
+    """logit_bias with int keys: JSON (OpenAI's API) and msgpack carry them as strings.
+    Every key that is not a token id is named at once."""
     out: dict[int, float] = {}
+    bad_keys = []
     for key, value in dict(bias).items():
         try:
             token = int(key)
         except (TypeError, ValueError):
-            raise InvalidRequestError(f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+            bad_keys.append(key)
+            continue
         if isinstance(key, float) and key != token:
-            raise InvalidRequestError(f"logit_bias: key {key!r} is not a token id", "logit_bias")
+            bad_keys.append(key)
+            continue
         try:
             out[token] = float(value)
         except (TypeError, ValueError):
             raise InvalidRequestError(f"logit_bias: the bias of token {token} is not a number: {value!r}",
                                       "logit_bias") from None
+    if bad_keys:
+        shown = ", ".join(repr(k) for k in bad_keys[:20]) + (" ..." if len(bad_keys) > 20 else "")
+        what = "are not token ids" if len(bad_keys) > 1 else "is not a token id"
+        raise InvalidRequestError(f"logit_bias: key{'s' if len(bad_keys) > 1 else ''} {shown} {what} "
+                                  "(token ids are integers, written as strings in JSON)", "logit_bias")
     return out
 
 

@@ -126,7 +126,9 @@ class SamplingRow(NamedTuple):
         greedy = p.temperature == 0
         return cls(p.temperature, 1.0 if greedy else p.top_p, 0.0 if greedy else p.min_p,
                    0 if greedy else min(max(p.top_k, 0), 1 << 31), p.seed is not None, p.min_tokens,
-                   -1 if p.logprobs is None else ALL_LOGPROBS if p.logprobs == -1 else p.logprobs,
+                   # Chosen tokens are read out of the whole vocabulary's logprobs.
+                   -1 if p.logprobs is None else ALL_LOGPROBS if p.logprobs == -1 or p.logprob_token_ids
+                   else p.logprobs,
                    has_processors)
 
 

@@ -209,3 +209,61 @@ def save_word_tokenizer(path, vocab: int) -> None:
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t0").save_pretrained(path)
+
+
+# A thinking model's chat template, in Qwen3's manner: reasoning of past turns in <think>,
+# and with enable_thinking false an empty think block closes the thinking in the prompt.
+THINK_TEMPLATE = """\
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{% if message.role == "assistant" and message.reasoning_content %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{{ message.content or "" }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+# Every flag of `vllm serve` that rlserve accepts without a model-specific meaning, at once.
+VLLM_FLAGS = ("--reasoning-parser", "qwen3", "--enable-prompt-tokens-details",
+              "--enable-force-include-usage", "--root-path", "/gateway",
+              "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking",
+              "--enable-per-request-metrics", "--show-hidden-metrics-for-version", "0.10",
+              "--structured-outputs-config.backend", "xgrammar",
+              "--watermark-config", '{"watermark_alpha": 0.5}', "--enable-auto-tool-choice",
+              "--enable-sleep-mode")
+
+
+@pytest.fixture(scope="session")
+def think_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A two-layer random Qwen3 with the demo model's tokenizer, <think> and </think> added
+    as words (as Qwen3's vocabulary has them), and THINK_TEMPLATE."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+    from rlserve.model.demo_model import demo_model_path
+    path = tmp_path_factory.mktemp("qwen3-think")
+    tok = AutoTokenizer.from_pretrained(demo_model_path())
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = THINK_TEMPLATE
+    tok.save_pretrained(path)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=1024, tie_word_embeddings=True,
+                      architectures=["Qwen3ForCausalLM"], eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def flags_server(think_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """think_model served as "q" with VLLM_FLAGS (the reasoning parser among them): one
+    server for the tests of vLLM's flags, reasoning and request fields."""
+    srv = start_server(think_model, tmp_path_factory.mktemp("flags") / "server.log",
+                       "--served-model-name", "q", *VLLM_FLAGS)
+    yield srv
+    stop_server(srv)

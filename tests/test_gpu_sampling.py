@@ -57,3 +57,29 @@ def test_engine_matches_transformers(processed, checkpoint):  # noqa: F811
                              logit_bias={some[5]: 3.0}, **base)]
     outs = processed.generate(prompts, params)
     check_outputs(processed, hf, params, outs, processed=True)
+
+
+def test_logprob_token_ids_in_a_mixed_batch(processed):
+    """Rows asking for chosen tokens' logprobs beside rows asking for the top k: each gets
+    what it asked for, the chosen ids' values equal to what the top 20 say of them."""
+    from rlserve import SamplingParams
+    prompts = _prompts()[:3]
+    base = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = processed.generate(prompts, SamplingParams(logprobs=20, **base), use_tqdm=False)
+    wanted = [[t for t, _ in o.outputs[0].logprobs[0].top.head(20)][::-4] for o in ref]
+    params = [SamplingParams(logprobs=0, logprob_token_ids=wanted[0], **base),
+              SamplingParams(logprobs=2, **base),
+              SamplingParams(logprob_token_ids=wanted[2], **base)]
+    outs = processed.generate(prompts, params, use_tqdm=False)
+    for i, (out, r) in enumerate(zip(outs, ref)):
+        assert out.outputs[0].token_ids == r.outputs[0].token_ids
+        for got, top in zip(out.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert got.rank == top.rank and got.logprob == pytest.approx(top.logprob, abs=1e-4)
+            if i == 1:
+                assert [v for _, v in got.top] == pytest.approx([v for _, v in top.top.head(2)], abs=1e-4)
+                continue
+            assert [t for t, _ in got.top] == wanted[i]
+            known = dict(top.top.head(20))
+            for t, v in got.top:
+                if t in known:
+                    assert v == pytest.approx(known[t], abs=1e-4)

@@ -130,8 +130,8 @@ def tokenizer(demo_model):
 # for something. Fields rlserve implements are tested elsewhere; every other must be refused.
 VLLM_FIELDS = {
     "use_beam_search": True, "length_penalty": 0.5, "early_stopping": True, "watermarking": True,
-    "spaces_between_special_tokens": False, "truncate_prompt_tokens": 5, "truncation_side": "left",
-    "logprob_token_ids": [1, 2], "logits_processors": ["m.P"], "priority": 1, "session_id": "s",
+    "spaces_between_special_tokens": False, "truncation_side": "right",
+    "logits_processors": ["m.P"], "priority": 1, "session_id": "s",
     "return_token_offsets": True, "return_mm_kwargs": False, "kv_transfer_params": {"a": 1},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "repetition_detection": {"n": 3},
     "thinking_token_budget": 10, "stream_interval": 4, "routed_experts_prompt_start": 2,
@@ -140,7 +140,7 @@ VLLM_FIELDS = {
 COMPLETION_ONLY = {"prompt_embeds": "AAAA"}
 CHAT_ONLY = {
     "best_of": 2, "echo": True, "chat_template": "{{ messages }}", "media_io_kwargs": {"image": {}},
-    "mm_processor_kwargs": {"a": 1}, "reasoning_effort": "low", "include_reasoning": False,
+    "mm_processor_kwargs": {"a": 1}, "reasoning_effort": "low",
     "return_prompt_text": True, "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "x"}, "modalities": ["audio"], "prediction": {"type": "content"},
     "store": True, "metadata": {"a": "b"}, "service_tier": "flex", "web_search_options": {},
@@ -161,8 +161,8 @@ def test_every_vllm_field_rlserve_lacks_is_refused_naming_it(tiny):
             assert "not supported" in r.json()["error"]["message"]
     # Nested objects too.
     r = post(tiny, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "stream": True,
-                                       "stream_options": {"continuous_usage_stats": True}})
-    assert error_param(r) == "stream_options" and "continuous_usage_stats" in r.json()["error"]["message"]
+                                       "stream_options": {"include_obfuscation": True}})
+    assert error_param(r) == "stream_options" and "include_obfuscation" in r.json()["error"]["message"]
     r = post(tiny, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1,
                                        "structured_outputs": {"regex": "a", "whitespace_pattern": " "}})
     assert error_param(r) == "structured_outputs" and "whitespace_pattern" in r.json()["error"]["message"]

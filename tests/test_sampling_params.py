@@ -304,7 +304,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_anything_runs(raw, 
                           (dict(bad_words_token_ids=[[1, vocab + 5]]), "bad_words_token_ids")]:
         with pytest.raises(InvalidRequestError) as e:
             raw.generate(["hi", "there"], [SamplingParams(), SamplingParams(**kwargs)])
-        assert e.value.param == field and f"[0, {vocab})" in str(e.value)
+        assert e.value.param == field and f"out of vocabulary (ids 0 to {vocab - 1})" in str(e.value)
         assert not raw.engine.has_unfinished()
     with pytest.raises(InvalidRequestError) as e:  # an engine only reads token ids
         SamplingParams(bad_words=["x"]).validate_token_ids(vocab)

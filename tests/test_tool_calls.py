@@ -148,3 +148,34 @@ def test_required_schema_names_each_tool_and_its_parameters():
     assert [v["properties"]["name"]["enum"] for v in variants] == [["get_weather"], ["get_time"]]
     assert variants[0]["properties"]["parameters"] == TOOLS[0]["function"]["parameters"]
     assert variants[1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_required_streams_each_call_as_it_is_generated(chunk):
+    """As vLLM streams it: a call's name as soon as it is whole, then its arguments in
+    pieces, long before the array closes; the pieces concatenate to the arguments."""
+    req = _request(tool_choice="required")
+    text = ('[{"name": "get_weather", "parameters": {"city": "Oslo \\"N\\""}},\n'
+            ' {"name": "get_time", "parameters": {"zone": "UTC"}}]')
+    _, whole = ChoiceToolCalls(req).whole(text)
+    content, streamed = _streamed(ChoiceToolCalls(req), text, chunk)
+    assert content == ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole]
+    # The first call is out, name and arguments, before the second one's text is read.
+    calls = ChoiceToolCalls(req)
+    cut = text.index('{"zone"')
+    _, deltas = calls.stream(text[:cut], False)
+    assert deltas[0].function.name == "get_weather" and deltas[1].function.name == "get_time"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas if d.index == 0)) == {"city": 'Oslo "N"'}
+
+
+def test_required_cut_by_max_tokens_has_sent_the_call_so_far():
+    calls = ChoiceToolCalls(_request(tool_choice="required"))
+    content, deltas = calls.stream('[{"name": "get_weather", "parameters": {"ci', True)
+    assert content == "" and calls.called
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", '{"ci')]
+    single = ChoiceToolCalls(_request(tool_choice="required", parallel_tool_calls=False))
+    _, deltas = single.stream('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {}}]',
+                              True)
+    assert {d.index for d in deltas} == {0}

@@ -244,6 +244,7 @@ def test_update_before_init_is_refused(rejecting_server):
     assert "init_weight_transfer_engine" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/pause", params={"mode": "sideways"})
     assert r.status_code == 400 and "mode" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "query.mode"  # named with its place, as vLLM names it
 
 
 _DYING_TRAINER = r"""

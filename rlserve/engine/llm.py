@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlserve.config import EngineConfig
 from rlserve.engine.bad_words import convert_bad_words
@@ -62,7 +62,9 @@ class LLM:
         if model is None:
             from rlserve.model.demo_model import demo_model_path
             model = demo_model_path()
-        self.engine = EngineCore(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        self.reasoning_parser = config.reasoning_parser
+        self.engine = EngineCore(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         # generate() returns whole results: the engine reports a request once, when it
@@ -159,15 +161,35 @@ class LLM:
                         f"prompt, got {type(prompt).__name__}")
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them."""
+             chat_template: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them. With a
+        `reasoning_parser`, each output's `reasoning` and `content` hold its text split
+        into the thinking and the answer (`text` stays the whole text of `token_ids`)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, chat_template) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        prompts = [self.apply_chat_template(c, chat_template, chat_template_kwargs) for c in convs]
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        if self.reasoning_parser is not None:
+            self._split_reasoning(outs, sampling_params, chat_template_kwargs)
+        return outs
 
-    def apply_chat_template(self, messages, chat_template: str | None = None) -> list[int]:
+    def _split_reasoning(self, outs: list[RequestOutput], sampling_params: SamplingParams | None,
+                         chat_template_kwargs: dict[str, Any] | None) -> None:
+        from rlserve.server.reasoning_parsers import REASONING_PARSERS
+        parser = REASONING_PARSERS[self.reasoning_parser]  # type: ignore[index]
+        constrained = sampling_params is not None and sampling_params.structured_outputs is not None
+        for out in outs:
+            # The prompt's end says whether the template already closed the thinking.
+            tail = self._text_tokenizer().decode(out.prompt_token_ids[-8:], skip_special_tokens=False)
+            for sample in out.outputs:
+                sample.reasoning, sample.content = parser.split(tail, chat_template_kwargs, constrained,
+                                                                sample.text)
+
+    def apply_chat_template(self, messages, chat_template: str | None = None,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         ids = self._text_tokenizer().apply_chat_template(messages, add_generation_prompt=True,
-                                                         tokenize=True, chat_template=chat_template)
+                                                         tokenize=True, chat_template=chat_template,
+                                                         **(chat_template_kwargs or {}))
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer versions
             ids = ids["input_ids"]
         return list(ids)

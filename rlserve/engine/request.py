@@ -46,11 +46,12 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, max_mod
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:  # C speed; then find it
         bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
         raise InvalidRequestError(
-            f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+            f"prompt: token id {bad} is out of vocabulary (ids 0 to {vocab_size - 1})", "prompt")
     for t in params.stop_token_ids or ():
         if not 0 <= t < vocab_size:
             raise InvalidRequestError(
-                f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})", "stop_token_ids")
+                f"stop_token_ids: token id {t} is out of vocabulary (ids 0 to {vocab_size - 1})",
+                "stop_token_ids")
     # An id out of range would index outside the logits on the device.
     params.validate_token_ids(vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
@@ -150,6 +151,9 @@ class CompletionOutput:
     # enable_return_routed_experts (vLLM's field): int32 [prompt + output tokens - 1,
     # num_hidden_layers, top_k], the experts of every token that went through the model
     routed_experts: np.ndarray | None = None
+    # LLM.chat with a reasoning_parser: `text` split into the thinking and the answer.
+    reasoning: str | None = None
+    content: str | None = None
 
     @property
     def weight_version_spans(self) -> list[VersionSpan]:

@@ -26,6 +26,7 @@ from rlserve.server import routes_openai
 from rlserve.server.limits import BODY_JSON_DEPTH, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from rlserve.server.responses import APIError, VersionResponse, error_type
+from rlserve.server.routes_service import add_service_routes
 from rlserve.server.serving import ServingOptions
 from rlserve.server.serving_chat import ChatServing
 from rlserve.server.serving_completion import CompletionServing
@@ -39,13 +40,16 @@ def create_app(engine: AsyncEngine, config: EngineConfig, *, api_key: str | None
                admin_key: str | None = None, url: str | None = None,
                reject_while_asleep: bool = False, allow_remote_control: bool = False,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, serving: ServingOptions | None = None,
-               enable_sleep_mode: bool = False) -> FastAPI:
+               enable_sleep_mode: bool = False, root_path: str = "", load_tracking: bool = False,
+               tokenizer_info: bool = False) -> FastAPI:
     """Build the app around an engine whose process is starting: the app's start-up waits
     until the model has loaded, and its shutdown stops the engine. `enable_sleep_mode`:
-    /sleep, /wake_up and /is_sleeping exist without a weight-transfer backend too."""
+    /sleep, /wake_up and /is_sleeping exist without a weight-transfer backend too.
+    `root_path`: the prefix a proxy serves it under; `load_tracking`: GET /load counts the
+    requests in flight; `tokenizer_info`: GET /tokenizer_info exists."""
     metrics = ServerMetrics(config.name, config=config)
     lifespan = _lifespan(engine, config, metrics, serving or ServingOptions(), url)
-    app = FastAPI(title="rlserve", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="rlserve", version=__version__, lifespan=lifespan, root_path=root_path,
                   description="OpenAI-compatible rollout server for RL post-training.")
     app.state.engine = engine
     app.state.config = config
@@ -59,6 +63,7 @@ def create_app(engine: AsyncEngine, config: EngineConfig, *, api_key: str | None
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     _add_error_handlers(app)
     _add_service_routes(app)
+    add_service_routes(app, load_tracking, tokenizer_info)
     _add_routers(app, engine, config, enable_sleep_mode)
     return app
 
@@ -173,8 +178,8 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         elif e.get("type") == "extra_forbidden":
             message = ("unknown field (rlserve refuses the fields it does not implement rather "
                        "than ignoring them)")
-        if loc and param is None:
-            param = loc[0]
+        if loc and param is None:  # a query or path parameter is named with its place
+            param = ".".join(loc[:2]) if loc[0] in ("query", "path", "header") else loc[0]
         parts.append(f"{'.'.join(loc) or 'body'}: {message}")
     if len(errors) > 3:
         parts.append(f"and {len(errors) - 3} more")

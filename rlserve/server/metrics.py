@@ -126,6 +126,7 @@ class ServerMetrics:
             _UPDATE_BUCKETS)
         self.finished_samples = dict.fromkeys(FINISH_REASONS, 0)
         self.disconnects = 0
+        self.admission_rejections = 0  # generation requests refused before the engine queued them
         self.updates = {"ok": 0, "failed": 0}
         self.update_bytes = 0
         self.registry = CollectorRegistry(auto_describe=True)
@@ -134,6 +135,7 @@ class ServerMetrics:
     def set_max_model_len(self, max_model_len: int) -> None:
         """Token-count buckets reach the model's length (known once the engine is up)."""
         tokens = _1_2_5_buckets(max_model_len)
+        self.max_model_len = max_model_len
         self.prompt_tokens = _Histogram("vllm:request_prompt_tokens",
                                         "Number of prefill tokens processed.", tokens)
         self.generation_tokens = _Histogram("vllm:request_generation_tokens",
@@ -192,7 +194,7 @@ class ServerMetrics:
         if self.stats is not None:
             yield from _engine_families(self.stats, labels)
             if self.config is not None:
-                yield _cache_config_info(self.config, self.stats)
+                yield _cache_config_info(self.config, self.stats, self.max_model_len)
         if self.memory is not None:
             yield _memory_family(self.memory, labels)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
@@ -204,6 +206,9 @@ class ServerMetrics:
                   self.decode_time, self.time_per_output_token, self.preemptions, self.prompt_tokens,
                   self.generation_tokens, self.params_n, self.params_max_tokens, self.update_seconds):
             yield h.family(self.labels)
+        yield _counter("vllm:admission_rejections", "Generation requests refused before they were "
+                       "admitted (invalid, too long, unknown model, asleep with --reject-while-asleep).",
+                       labels, self.admission_rejections)
         yield _counter("rlserve_client_disconnects", "Requests whose client left before the end.",
                        labels, self.disconnects)
         updates = CounterMetricFamily("rlserve_weight_updates", "Weight updates, by outcome.",
@@ -272,15 +277,19 @@ def _labelled_gauge(name: str, doc: str, labels: list[str], label: str, values: 
     return family
 
 
-def _cache_config_info(config: EngineConfig, stats: EngineStats) -> GaugeMetricFamily:
+def _cache_config_info(config: EngineConfig, stats: EngineStats, max_model_len: int) -> GaugeMetricFamily:
     """vLLM's info gauge (always 1): its labels are the KV cache's settings, named and
-    written (str of the value) as vLLM's CacheConfig fields, and the engine; no model_name."""
+    written (str of the value) as vLLM's CacheConfig fields, and the engine; no model_name.
+    kv_cache_max_concurrency: how many requests of max_model_len tokens the cache holds at once."""
     info = {"block_size": config.block_size, "cache_dtype": config.kv_cache_dtype,
             "enable_prefix_caching": config.enable_prefix_caching,
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
             "num_cpu_blocks": None, "num_gpu_blocks": stats.kv_cache_capacity_tokens // config.block_size,
-            "num_gpu_blocks_override": config.num_kv_blocks, "engine": 0}
+            "num_gpu_blocks_override": config.num_kv_blocks,
+            "kv_cache_size_tokens": stats.kv_cache_capacity_tokens,
+            "kv_cache_max_concurrency": round(stats.kv_cache_capacity_tokens / max(max_model_len, 1), 2),
+            "engine": 0}
     family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                labels=list(info))
     family.add_metric([str(v) for v in info.values()], 1)

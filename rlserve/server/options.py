@@ -57,6 +57,14 @@ class ServeOptions:
     reject_while_asleep: bool = field(default=False, metadata=flag(
         "answer generation requests with 503 while /sleep is in effect (default: they wait for "
         "/wake_up)", group=_SERVER))
+    root_path: str = field(default="", metadata=flag(
+        "the path prefix a proxy in front serves this server under (FastAPI's root_path): "
+        "requests may carry it or not, and the OpenAPI schema names it", metavar="PATH", group=_SERVER))
+    enable_server_load_tracking: bool = field(default=False, metadata=flag(
+        "count the generation requests in flight for GET /load (0 without this flag)", group=_SERVER))
+    enable_tokenizer_info_endpoint: bool = field(default=False, metadata=flag(
+        "GET /tokenizer_info: the tokenizer's class and configuration, chat template included",
+        group=_SERVER))
     enable_sleep_mode: bool = field(default=False, metadata=flag(
         "POST /sleep, POST /wake_up and GET /is_sleeping without a weight-transfer backend "
         "(with one they always exist)", group=_SERVER))
@@ -70,6 +78,9 @@ class ServeOptions:
         metavar="JSON", group=_OUTPUTS))
     return_tokens_as_token_ids: bool = field(default=False, metadata=flag(
         "logprob tokens read 'token_id:<id>' unless a request says otherwise", group=_OUTPUTS))
+    enable_force_include_usage: bool = field(default=False, metadata=flag(
+        "every stream ends with a usage chunk, as if it asked for stream_options.include_usage",
+        group=_OUTPUTS))
     tool_call_parser: str = field(default="hermes", metadata=flag(
         "how tool calls are read from the model's text (hermes: <tool_call>{...}</tool_call>, "
         "as Qwen writes them)", choices=sorted(TOOL_PARSERS), group=_OUTPUTS))

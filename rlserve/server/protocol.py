@@ -44,6 +44,8 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     unimplemented_fields = unimplemented.STREAM_OPTIONS
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="With include_usage: every chunk "
+                                                            "carries its choice's usage so far.")
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -135,6 +137,12 @@ class _SamplingRequest(_Request):
         False, description="Add per-choice weight_versions (vLLM's, versions as strings) and "
                            "weight_version_spans (rlserve's older name, integers) at the end of "
                            "each choice: which weights made which tokens.")
+    logprob_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = Field(
+        None, description="With logprobs: the logprobs of these tokens at every output position, "
+                          "in this order, instead of the most likely ones.")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=INT32_MAX, description="Keep only the prompt's last N tokens (-1: "
+                                               "max_model_len of them).")
     cache_salt: str | None = Field(
         None, min_length=1, description="Prefix-cache isolation: blocks are shared only with "
                                         "requests of the same salt.")
@@ -238,6 +246,8 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = Field(None, description="Passed to the chat template.")
     chat_template_kwargs: dict[str, Any] | None = None
     return_tokens_as_token_ids: bool | None = None
+    include_reasoning: bool = Field(True, description="False: the reasoning --reasoning-parser "
+                                                      "splits off is dropped, not returned")
 
 
 class BatchChatCompletionRequest(ChatCompletionRequest):

@@ -170,8 +170,9 @@ class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallOut] | None = Extension()
-    reasoning: str | None = Field(None, description="vLLM's; reasoning is not parsed out of the "
-                                                    "output here, so always null")
+    reasoning: str | None = Field(None, description="the thinking, split from the answer by "
+                                                    "--reasoning-parser (null without one)")
+    reasoning_content: str | None = Extension(description="reasoning's older name, as vLLM also sends it")
 
 
 ChatFinishReason = Literal["stop", "length", "abort", "tool_calls"]
@@ -219,6 +220,8 @@ class DeltaToolCall(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = Extension()
     content: str | None = Extension()
+    reasoning: str | None = Extension()
+    reasoning_content: str | None = Extension()
     tool_calls: list[DeltaToolCall] | None = Extension()
 
 

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from rlserve.sampling_params import InvalidRequestError
 from rlserve.server.protocol import (
     BatchChatCompletionRequest,
     ChatCompletionRequest,
@@ -135,12 +136,16 @@ async def _generate(request: Request, model: type[BaseModel], serving) -> Respon
     `serving` answers it (cancelled if the client leaves first)."""
     arrival = time.monotonic()
     await require_api_key(request)
-    await require_awake(request)
     try:
-        body = model.model_validate_json(await request.body())
-    except ValidationError as e:
-        raise RequestValidationError(e.errors(include_url=False)) from None
-    return await _until_disconnect(request, serving.create(body, arrival))
+        await require_awake(request)
+        try:
+            body = model.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False)) from None
+        return await _until_disconnect(request, serving.create(body, arrival))
+    except (APIError, InvalidRequestError, RequestValidationError):
+        request.app.state.metrics.admission_rejections += 1
+        raise
 
 
 @router.post("/tokenize", response_model=TokenizeResponse)

@@ -58,6 +58,7 @@ class ServingOptions:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     return_tokens_as_token_ids: bool = False  # the default of the request field
     tool_call_parser: str = "hermes"
+    force_include_usage: bool = False  # every stream ends with usage (--enable-force-include-usage)
 
 
 def json_response(model: BaseModel) -> Response:
@@ -74,6 +75,11 @@ def usage(prompts: Sequence[Prompt], completion_tokens: int, cached: int) -> Usa
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def usage_so_far(prompt: Prompt, state: RequestState, index: int) -> Usage:
+    """A streamed choice's usage up to its latest chunk (continuous_usage_stats)."""
+    return usage([prompt], len(state.samples[index].token_ids), state.num_cached_tokens)
 
 
 def finish_choice(choice: CompletionStreamChoice | ChatChoice | ChatChunkChoice,
@@ -212,8 +218,8 @@ class OpenAIServing:
         for t in ids:
             if t >= self.vocab_size:
                 raise InvalidRequestError(
-                    f"{param}: token id {t} is out of range; the vocabulary has "
-                    f"{self.vocab_size} tokens", param)
+                    f"{param}: token id {t} is out of vocabulary (ids 0 to {self.vocab_size - 1})",
+                    param)
 
     def _no_tokenizer(self, param: str) -> InvalidRequestError:
         return InvalidRequestError(f"{param}: text needs the tokenizer, and this server runs with "
@@ -292,6 +298,11 @@ class OpenAIServing:
         if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
             raise InvalidRequestError("stream_options: stream options can only be defined when "
                                       "`stream=True` (as in vLLM)", "stream_options")
+        if body.logprob_token_ids is not None and (body.logprobs is None or body.logprobs is False):
+            raise InvalidRequestError("logprob_token_ids: needs logprobs (the top-k it replaces) set",
+                                      "logprob_token_ids")
+        if body.logprob_token_ids is not None:
+            self.check_ids(body.logprob_token_ids, "logprob_token_ids")
         if body.prompt_logprobs and body.stream:
             raise InvalidRequestError("prompt_logprobs: not available with stream (as in vLLM); "
                                       "send the request without stream", "prompt_logprobs")
@@ -302,6 +313,29 @@ class OpenAIServing:
             if isinstance(value, int) and not isinstance(value, bool):
                 check_logprobs_limit(name if name == param else f"{param}: {name}", value,
                                      self.engine.max_logprobs, self.vocab_size, param)
+
+    def usage_wanted(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+        """(a stream ends with a usage chunk, each chunk carries the usage so far): vLLM's
+        stream_options.include_usage (or --enable-force-include-usage), and with it
+        stream_options.continuous_usage_stats."""
+        opts = body.stream_options
+        final = self.options.force_include_usage or bool(opts and opts.include_usage)
+        return final, final and bool(opts and opts.continuous_usage_stats)
+
+    def truncate(self, prompt: Prompt, body: CompletionRequest | ChatCompletionRequest) -> Prompt:
+        """The prompt's last truncate_prompt_tokens tokens (vLLM's left truncation)."""
+        keep = body.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        limit = self.engine.max_model_len
+        if keep == 0 or keep > limit:
+            raise InvalidRequestError(f"truncate_prompt_tokens: {keep}: must be -1 (max_model_len) or "
+                                      f"1 to max_model_len ({limit})", "truncate_prompt_tokens")
+        keep = limit if keep == -1 else keep
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        ids = prompt.token_ids[-keep:]
+        return Prompt(ids, self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else "")
 
     def as_token_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
         """Whether logprob tokens are written 'token_id:<id>'."""
@@ -356,6 +390,7 @@ class OpenAIServing:
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
+            logprob_token_ids=body.logprob_token_ids,
             prompt_logprobs=prompt_logprobs,
             detokenize=body.detokenize,
             skip_special_tokens=body.skip_special_tokens,

@@ -14,6 +14,7 @@ from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
 from rlserve.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest
+from rlserve.server.reasoning_parsers import REASONING_PARSERS, ThinkStream, split_whole
 from rlserve.server.responses import (
     AssistantMessage,
     ChatChoice,
@@ -26,7 +27,7 @@ from rlserve.server.responses import (
     TokenLogprobEntry,
     TopLogprob,
 )
-from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage
+from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage, usage_so_far
 from rlserve.server.token_strings import floor_logprob
 from rlserve.server.tool_calls import ChoiceToolCalls
 
@@ -61,10 +62,10 @@ class ChatServing(OpenAIServing):
             raise InvalidRequestError("tool_choice: needs tools", "tool_choice")
         if isinstance(body, BatchChatCompletionRequest):
             _check_batch(body)
-            prompts = [await self.chat_prompt_async(body.model_copy(update={"messages": messages}))
-                       for messages in body.messages]
+            prompts = [self.truncate(await self.chat_prompt_async(body.model_copy(update={"messages": messages})),
+                                     body) for messages in body.messages]
         else:
-            prompts = [await self.chat_prompt_async(body)]
+            prompts = [self.truncate(await self.chat_prompt_async(body), body)]
         k = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = self.sampling_params(body, max_tokens, k,
@@ -74,9 +75,19 @@ class ChatServing(OpenAIServing):
         created = int(time.time())
         generation = Generation(self.engine, engine_id, prompts, params, arrival, body.stream,
                                 body.cache_salt, lora_name, self.metrics)
-        events = self._events(body, request_id, created, prompts[0], generation) if body.stream else None
-        return await self.respond(generation, events,
-                                  lambda: self._body(body, request_id, created, prompts, generation), body)
+        constrained = params.structured_outputs is not None
+        events = (self._events(body, request_id, created, prompts[0], generation, constrained)
+                  if body.stream else None)
+        return await self.respond(
+            generation, events,
+            lambda: self._body(body, request_id, created, prompts, generation, constrained), body)
+
+    def _thinking(self, body: ChatCompletionRequest, prompt: Prompt, constrained: bool) -> ThinkStream | None:
+        """A sample's reasoning splitter (--reasoning-parser), None without one."""
+        name = self.config.reasoning_parser
+        if name is None:
+            return None
+        return REASONING_PARSERS[name].stream(prompt.text, body.chat_template_kwargs, constrained)
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob], k: int, as_ids: bool,
                   detokenize: bool) -> ChatLogprobs:
@@ -94,7 +105,8 @@ class ChatServing(OpenAIServing):
 
     def _extras(self, body: ChatCompletionRequest, choice: ChatChoice | ChatChunkChoice,
                 state: RequestState, delta: SampleDelta) -> None:
-        choice.logprobs = (self._logprobs(delta.logprobs or [], body.top_logprobs or 0,
+        k = -1 if body.logprob_token_ids else body.top_logprobs or 0  # the chosen ones, all of them
+        choice.logprobs = (self._logprobs(delta.logprobs or [], k,
                                           self.as_token_ids(body), body.detokenize)
                            if body.logprobs else None)
         choice.token_ids = delta.token_ids if body.return_token_ids else None
@@ -102,13 +114,18 @@ class ChatServing(OpenAIServing):
             finish_choice(choice, body, state, delta)
 
     def _body(self, body: ChatCompletionRequest, request_id: str, created: int, prompts: list[Prompt],
-              generation: Generation) -> ChatCompletionResponse:
+              generation: Generation, constrained: bool) -> ChatCompletionResponse:
         choices = []
         for i, state in enumerate(generation.states):
             for delta in state.deltas():
-                content, calls = ChoiceToolCalls(body, self.options.tool_call_parser).whole(delta.text)
-                choice = ChatChoice(index=i * body.n + delta.index,
-                                    message=AssistantMessage(content=content, tool_calls=calls or None),
+                thinking = self._thinking(body, prompts[i], constrained)
+                reasoning, text = split_whole(thinking, delta.text) if thinking else (None, delta.text)
+                content, calls = (ChoiceToolCalls(body, self.options.tool_call_parser).whole(text)
+                                  if text is not None else (None, []))
+                reasoning = reasoning if body.include_reasoning else None
+                message = AssistantMessage(content=content, tool_calls=calls or None, reasoning=reasoning,
+                                           reasoning_content=reasoning)
+                choice = ChatChoice(index=i * body.n + delta.index, message=message,
                                     finish_reason=_finish_reason(delta.finish_reason, bool(calls)))
                 self._extras(body, choice, state, delta)
                 choices.append(choice)
@@ -124,7 +141,7 @@ class ChatServing(OpenAIServing):
             weight_version=max(st.weight_version for st in states))
 
     async def _events(self, body: ChatCompletionRequest, request_id: str, created: int,
-                      prompt: Prompt, generation: Generation) -> AsyncIterator[str]:
+                      prompt: Prompt, generation: Generation, constrained: bool) -> AsyncIterator[str]:
         """Chunks carry only the fields set, as vLLM's do (see ChatChunkChoice)."""
         (state,) = generation.states
         version = max(self.engine.weight_version, state.weight_version)
@@ -140,22 +157,36 @@ class ChatServing(OpenAIServing):
                             prompt_token_ids=prompt.token_ids if body.return_token_ids else None)
                       for index in range(body.n))
         wants_tokens = body.logprobs or body.return_token_ids
+        final_usage, running_usage = self.usage_wanted(body)
         tools = [ChoiceToolCalls(body, self.options.tool_call_parser) for _ in range(body.n)]
+        thinking = [self._thinking(body, prompt, constrained) for _ in range(body.n)]
         async for _ in generation.turns():
             version = max(version, state.weight_version)
             parts = []
             for delta in state.deltas():
                 final = delta.finish_reason is not None
-                content, calls = tools[delta.index].stream(delta.text, final)
-                if not (content or calls or final or (delta.token_ids and wants_tokens)):
+                reasoning, text = "", delta.text
+                splitter = thinking[delta.index]
+                if splitter is not None:
+                    piece = splitter.feed(text)
+                    if final:
+                        last = splitter.finish()
+                        piece = piece._replace(reasoning=piece.reasoning + last.reasoning,
+                                               content=piece.content + last.content)
+                    reasoning, text = piece.reasoning if body.include_reasoning else "", piece.content
+                content, calls = tools[delta.index].stream(text, final)
+                if not (reasoning or content or calls or final or (delta.token_ids and wants_tokens)):
                     continue
                 choice = ChatChunkChoice(
-                    index=delta.index, delta=DeltaMessage(content=content or None, tool_calls=calls or None),
+                    index=delta.index, delta=DeltaMessage(
+                        content=content or None, tool_calls=calls or None, reasoning=reasoning or None,
+                        reasoning_content=reasoning or None),
                     finish_reason=_finish_reason(delta.finish_reason, tools[delta.index].called))
                 self._extras(body, choice, state, delta)
-                parts.append(chunk([choice]))
+                parts.append(chunk([choice], **({"usage": usage_so_far(prompt, state, delta.index)}
+                                                if running_usage else {})))
             if parts:
                 yield "".join(parts)
-        if body.stream_options and body.stream_options.include_usage:
+        if final_usage:
             yield chunk([], usage=usage([prompt], sum(len(s.token_ids) for s in state.samples),
                                         state.num_cached_tokens))

@@ -19,7 +19,7 @@ from rlserve.server.responses import (
     CompletionStreamChoice,
     CompletionStreamResponse,
 )
-from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage
+from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage, usage_so_far
 from rlserve.server.token_strings import floor_logprob
 
 
@@ -31,7 +31,7 @@ class CompletionServing(OpenAIServing):
             raise InvalidRequestError("suffix: not supported", "suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidRequestError("best_of: only best_of == n is supported", "best_of")
-        prompts = await self._prompts(body.prompt, body.detokenize, body.add_special_tokens)
+        prompts = await self._prompts(body)
         k = body.logprobs
         # Echoed logprobs cover the prompt too: the engine computes the larger top-k. A
         # stream never carries prompt_logprobs (0 is accepted there, as in vLLM).
@@ -48,10 +48,10 @@ class CompletionServing(OpenAIServing):
         return await self.respond(generation, events,
                                   lambda: self._body(body, request_id, created, prompts, generation), body)
 
-    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]], detokenize: bool,
-                       add_special_tokens: bool = True) -> list[Prompt]:
+    async def _prompts(self, body: CompletionRequest) -> list[Prompt]:
         """One prompt (a string or a token-id list) or a batch of them; never empty. Token
         prompts are decoded for `echo` unless the request skips detokenization."""
+        prompt, detokenize, add_special_tokens = body.prompt, body.detokenize, body.add_special_tokens
         if isinstance(prompt, str) or isinstance(prompt[0], int):
             items: list[str | list[int]] = [prompt]
         else:
@@ -68,6 +68,7 @@ class CompletionServing(OpenAIServing):
             else:
                 self.check_ids(item, "prompt")
                 prompts.append(Prompt(list(item), ""))
+            prompts[-1] = self.truncate(prompts[-1], body)
             if not prompts[-1].token_ids:  # a string can tokenize to nothing
                 raise InvalidRequestError("prompt: must not be empty", "prompt")
         return prompts
@@ -109,7 +110,8 @@ class CompletionServing(OpenAIServing):
                 prompt_lps = list(state.prompt_logprobs or [])
                 lps = prompt_lps + [None] * (len(prompt.token_ids) - len(prompt_lps)) + lps
             as_ids = self.as_token_ids(body)
-            choice.logprobs, offset = self._logprobs(ids, lps, body.logprobs,
+            k = -1 if body.logprob_token_ids else body.logprobs  # the chosen ones, all of them
+            choice.logprobs, offset = self._logprobs(ids, lps, k,
                                                      offsets.get(index, 0) if offsets else 0, as_ids,
                                                      body.detokenize)
             if offsets is not None:
@@ -145,6 +147,7 @@ class CompletionServing(OpenAIServing):
         offsets: dict[int, int] = {}
         wants_tokens = body.logprobs is not None or body.return_token_ids
         version = self.engine.weight_version
+        final_usage, running_usage = self.usage_wanted(body)
         async for _ in generation.turns():
             parts = []
             for i, state in enumerate(generation.states):
@@ -156,10 +159,11 @@ class CompletionServing(OpenAIServing):
                     choice = self._choice(body, i * body.n + delta.index, prompts[i], state, delta, offsets)
                     parts.append(sse(CompletionStreamResponse(
                         id=request_id, created=created, model=body.model or self.model_name, choices=[choice],
-                        weight_version=version)))
+                        weight_version=version,
+                        usage=usage_so_far(prompts[i], state, delta.index) if running_usage else None)))
             if parts:
                 yield "".join(parts)
-        if body.stream_options and body.stream_options.include_usage:
+        if final_usage:
             states = generation.states
             u = usage(prompts, sum(len(s.token_ids) for st in states for s in st.samples),
                       sum(st.num_cached_tokens for st in states))

@@ -9,7 +9,8 @@
 
 Output the grammar did not finish (cut short by max_tokens) is no call, as in vLLM: the
 choice keeps the text as its content and finishes with "length". Streamed, a named call's
-arguments go out as they are generated, so a cut stream has sent part of them.
+arguments, and each required call's name and arguments (required_calls.py), go out as they
+are generated, as vLLM streams them, so a cut stream has sent part of them.
 
 One `ChoiceToolCalls` per sample. `whole` gives a finished sample's message; `stream`
 gives what a streamed chunk carries, as the text grows, in OpenAI's delta shape: a call's
@@ -23,6 +24,7 @@ import uuid
 
 from rlserve import json_depth
 from rlserve.server.protocol import ChatCompletionRequest, NamedToolChoice
+from rlserve.server.required_calls import RequiredCallsStream
 from rlserve.server.responses import DeltaFunctionCall, DeltaToolCall, FunctionCallOut, ToolCallOut
 from rlserve.server.tool_parsers import TOOL_PARSERS, ParsedToolCall
 
@@ -70,7 +72,7 @@ class ChoiceToolCalls:
         self.name = choice.function.name if isinstance(choice, NamedToolChoice) else ""  # read in named mode alone
         self.parser = TOOL_PARSERS[parser]
         self._stream = self.parser.stream() if self.mode == "auto" else None
-        self._text = ""  # required: the whole text, parsed at the end
+        self._required = RequiredCallsStream() if self.mode == "required" else None
         self._ids: list[str] = []  # of the calls streamed so far
 
     @property
@@ -114,18 +116,26 @@ class ChoiceToolCalls:
                 return "", [DeltaToolCall(index=0, id=self._ids[0], type="function",
                                           function=DeltaFunctionCall(name=self.name, arguments=text))]
             return "", [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))] if text else []
-        if self.mode == "required":
-            self._text += text
-            if not final:
-                return "", []
-            calls = _required_calls(self._text)
-            if calls is None:
-                return self._text, []
-            return "", self._whole_calls(calls)
+        if self._required is not None:
+            return "", self._required_deltas(text)
         assert self._stream is not None  # auto, the mode left, has one
         pieces = self._stream.feed(text) + (self._stream.finish() if final else [])
         content = "".join(p for p in pieces if isinstance(p, str))
         return content, self._whole_calls([p for p in pieces if isinstance(p, ParsedToolCall)])
+
+    def _required_deltas(self, text: str) -> list[DeltaToolCall]:
+        assert self._required is not None
+        out = []
+        for piece in self._required.feed(text):
+            if self.single and piece.call > 0:
+                break
+            if piece.name is not None:
+                self._ids.append(new_call_id())
+                out.append(DeltaToolCall(index=piece.call, id=self._ids[-1], type="function",
+                                         function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments)))
+            elif piece.arguments:
+                out.append(DeltaToolCall(index=piece.call, function=DeltaFunctionCall(arguments=piece.arguments)))
+        return out
 
     def _whole_calls(self, calls: list[ParsedToolCall]) -> list[DeltaToolCall]:
         out = []

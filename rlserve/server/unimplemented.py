@@ -31,9 +31,7 @@ SAMPLING = {
     "early_stopping": refuse("it applies to beam search, which is not implemented", False),
     "watermarking": refuse("watermarking is not implemented", False),
     "spaces_between_special_tokens": refuse("special tokens are always decoded without added spaces", True),
-    "truncate_prompt_tokens": refuse("prompts are never truncated; a prompt that does not fit is refused"),
-    "truncation_side": refuse("prompts are never truncated; a prompt that does not fit is refused"),
-    "logprob_token_ids": refuse("use logprobs (top-k) instead"),
+    "truncation_side": refuse("truncate_prompt_tokens keeps the prompt's last tokens", "left"),
     "logits_processors": refuse("custom logits processors are not supported"),
     "priority": refuse("requests are scheduled first come, first served", 0),
     "session_id": refuse("sessions are not tracked"),
@@ -67,7 +65,6 @@ CHAT = {
     "mm_processor_kwargs": refuse("multimodal inputs are not supported"),
     "reasoning_effort": refuse("reasoning controls are not implemented; pass template variables in "
                             "chat_template_kwargs"),
-    "include_reasoning": refuse("reasoning is not parsed out of the output", True),
     "return_prompt_text": refuse("send the messages to /tokenize to see the rendered prompt", False),
     "functions": refuse("the deprecated functions API is not supported; use tools"),
     "function_call": refuse("the deprecated functions API is not supported; use tool_choice"),
@@ -92,7 +89,6 @@ STRUCTURED_OUTPUTS = {
 }
 
 STREAM_OPTIONS = {
-    "continuous_usage_stats": refuse("usage is sent once, at the end of the stream", False),
     "include_obfuscation": refuse("stream chunks are never padded", False),
 }
 

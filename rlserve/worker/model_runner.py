@@ -48,6 +48,15 @@ class ModelRunnerOutput:
     routes: np.ndarray | None = None
 
 
+def _chosen(whole: TopLogprobs, token_ids: list[int]) -> TopLogprobs:
+    """The logprobs of `token_ids`, in that order, out of the whole vocabulary's."""
+    ids, lps = whole.arrays()
+    by_id = np.empty(int(ids.max()) + 1, dtype=np.float32)
+    by_id[ids] = lps
+    wanted = np.asarray(token_ids, dtype=np.int32)
+    return TopLogprobs(wanted.tobytes(), by_id[wanted].tobytes())
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, block_size: int,
                  logprobs_mode: str = "raw_logprobs", lora=None,
@@ -285,8 +294,14 @@ class ModelRunner:
     def _to_logprobs(self, out: S.SamplerOutput, tokens: list[int], items) -> list[TokenLogprob | None]:
         if out.logprobs is None:
             return [None] * len(tokens)
-        ks = [it.request.sampling_params.logprobs for it in items]
-        return self._pack_logprobs(tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, ks)
+        params = [it.request.sampling_params for it in items]
+        ks = [-1 if p.logprob_token_ids else p.logprobs for p in params]
+        packed = self._pack_logprobs(tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, ks)
+        for i, p in enumerate(params):
+            lp = packed[i]
+            if p.logprob_token_ids and lp is not None:
+                packed[i] = lp._replace(top=_chosen(lp.top, p.logprob_token_ids))
+        return packed
 
     @staticmethod
     def _pack_logprobs(tokens, chosen, ranks, top_ids, top_lp, ks) -> list[TokenLogprob | None]:
