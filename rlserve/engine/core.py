@@ -89,18 +89,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, self.model_path)
 
         self.executor = Executor(config, hf_config, self.model_path)
-        # Every rank sizes its own cache; the smallest decides (a rank's shard of the KV heads
-        # is the same size everywhere, the memory beside it may not be).
-        sizes = [msgspec.convert(r, KVSizing) for r in
-                 self.executor.collective_rpc(rank.SizeKVCache(self.max_model_len))]
-        sizing = min(sizes, key=lambda s: s.num_blocks)
-        num_blocks = sizing.num_blocks
-        self.memory: MemoryProfile | None = sizing.profile
-        self.executor.collective_rpc(rank.InitKVCache(num_blocks))
-        if not config.enforce_eager:
-            t1 = time.perf_counter()
-            self.executor.collective_rpc(rank.CaptureCudaGraphs(config.max_num_seqs, self.max_model_len))
-            logger.info("captured CUDA graphs in %.1fs", time.perf_counter() - t1)
+        num_blocks = self._init_kv_cache()
         self.lora = None  # rlserve.engine.lora.LoRAManager, with enable_lora
         if config.enable_lora:
             from rlserve.engine.lora import LoRAManager
@@ -138,6 +127,21 @@ class EngineCore:
         if self.memory is not None:
             logger.info("device memory (%.2f GiB, %.0f%% this server's): %s", self.memory.total / GiB,
                         100 * config.gpu_memory_utilization, self.memory.describe(self.kv.capacity_tokens))
+
+    def _init_kv_cache(self) -> int:
+        """Size the KV cache on every rank (the smallest decides: a rank's shard of the KV heads
+        is the same size everywhere, the memory beside it may not be), allocate it, then
+        capture the decode graphs over it. Returns its blocks."""
+        sizes = [msgspec.convert(r, KVSizing) for r in
+                 self.executor.collective_rpc(rank.SizeKVCache(self.max_model_len))]
+        sizing = min(sizes, key=lambda s: s.num_blocks)
+        self.memory: MemoryProfile | None = sizing.profile
+        self.executor.collective_rpc(rank.InitKVCache(sizing.num_blocks))
+        if not self.config.enforce_eager:
+            t = time.perf_counter()
+            self.executor.collective_rpc(rank.CaptureCudaGraphs(self.config.max_num_seqs, self.max_model_len))
+            logger.info("captured CUDA graphs in %.1fs", time.perf_counter() - t)
+        return sizing.num_blocks
 
     @property
     def world_size(self) -> int:
