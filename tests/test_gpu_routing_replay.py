@@ -76,10 +76,10 @@ class _CudaInputs:
     """Runs transformers' model on CUDA from hf_routes' CPU inputs."""
 
     def __init__(self, model):
-        self.model, self.config = model, model.config
+        self._hf = model  # not `model`: hf_routes reads the wrapped model's own `.model.layers`
 
     def __call__(self, ids):
-        return self.model(ids.cuda())
+        return self._hf(ids.cuda())
 
     def __getattr__(self, name):
-        return getattr(self.model, name)
+        return getattr(self._hf, name)
