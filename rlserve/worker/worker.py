@@ -51,7 +51,8 @@ class Worker:
         self.load_seconds = time.perf_counter() - t0
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size,
                                   config.logprobs_mode, lora=self.lora,
-                                  kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype))
+                                  kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype),
+                                  batch_invariant=config.batch_invariant)
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
         self.receiver = WeightReceiver(self.model, self.device, self.dtype, self.lora, rank)
 
