@@ -33,9 +33,11 @@ class Output:
     logprobs: list[float]
 
 
-def complete(url: str, model: str, prompts: list[str], max_tokens: int, headers: dict) -> list[Output]:
+def complete(url: str, model: str, prompts: list[str], max_tokens: int, headers: dict,
+             cache_salt: str) -> list[Output]:
+    """`cache_salt`: cached blocks are shared only with earlier requests of the same salt."""
     body = dict(model=model, prompt=prompts, max_tokens=max_tokens, temperature=0, logprobs=0,
-                ignore_eos=True, return_token_ids=True)
+                ignore_eos=True, return_token_ids=True, cache_salt=cache_salt)
     r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=3600)
     r.raise_for_status()
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])
@@ -82,21 +84,16 @@ def run(url: str, model: str, args: argparse.Namespace, headers: dict) -> int:
     probe = prompt()
     fillers = [prompt() for _ in range(max(args.sizes) - 1)]
 
-    def reset() -> None:
-        httpx.post(f"{url}/reset_prefix_cache", headers=headers, timeout=60)
-
-    reset()
-    alone = complete(url, model, [probe], args.max_tokens, headers)[0]
+    alone = complete(url, model, [probe], args.max_tokens, headers, "alone")[0]
     print(f"probe: {len(alone.prompt_ids)} prompt tokens, {len(alone.token_ids)} output tokens")
     print(f"{'batch':>6}  {'prefix cache':<12}  result")
     worst = 0
     for size in args.sizes:
         for cached in (False, True):
-            if not cached:
-                reset()
             # The probe in the middle of the batch, not first: its row moves with the size.
+            # A fresh salt: a cold cache; the same one again: every prefix from the cache.
             batch = fillers[:size // 2] + [probe] + fillers[size // 2:size - 1]
-            got = complete(url, model, batch, args.max_tokens, headers)[size // 2]
+            got = complete(url, model, batch, args.max_tokens, headers, f"batch-{size}")[size // 2]
             first, gap = parting(alone, got)
             worst = max(worst, int(first is not None or gap > 0))
             print(f"{size:>6}  {'hit' if cached else 'cold':<12}  {describe(first, gap)}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import httpx
 import pytest
 import torch
 
@@ -31,10 +30,12 @@ class Result:
     prompt_logprobs: tuple[tuple[tuple[str, float], ...] | None, ...]
 
 
-def generate(client, prompts: list[str]) -> list[Result]:
+def generate(client, prompts: list[str], cache_salt: str = "cold") -> list[Result]:
+    """`cache_salt`: requests share cached blocks only with earlier ones of the same salt."""
     r = client.completions.create(
         model=client.models.list().data[0].id, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0,
-        logprobs=2, extra_body=dict(prompt_logprobs=1, return_token_ids=True, ignore_eos=True))
+        logprobs=2, extra_body=dict(prompt_logprobs=1, return_token_ids=True, ignore_eos=True,
+                                    cache_salt=cache_salt))
     out = []
     for c in sorted(r.choices, key=lambda c: c.index):
         extra = c.model_extra
@@ -51,17 +52,10 @@ def runs(server) -> dict[str, list[Result]]:
     from openai import OpenAI
     client = OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "EMPTY", max_retries=0,
                     timeout=600)
-
-    def reset() -> None:
-        httpx.post(f"{server.url}/reset_prefix_cache", headers=server.headers, timeout=60).raise_for_status()
-
-    alone = []
-    for p in PROMPTS:
-        reset()
-        alone += generate(client, [p])
-    reset()
-    together = generate(client, PROMPTS)
-    return {"alone": alone, "together": together, "prefix-cache hit": generate(client, PROMPTS)}
+    alone = [generate(client, [p], cache_salt=f"alone-{i}")[0] for i, p in enumerate(PROMPTS)]
+    together = generate(client, PROMPTS, cache_salt="together")
+    return {"alone": alone, "together": together,
+            "prefix-cache hit": generate(client, PROMPTS, cache_salt="together")}
 
 
 def differences(want: list[Result], got: list[Result]) -> list[str]:
@@ -115,7 +109,7 @@ def test_chunked_prefill_is_bitwise_equal(invariant_runs, demo_model, tmp_path):
     try:
         from openai import OpenAI
         client = OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0, timeout=600)
-        chunked = generate(client, PROMPTS)
+        chunked = generate(client, PROMPTS, cache_salt="chunked")
     finally:
         stop_server(server)
     assert differences(invariant_runs["alone"], chunked) == []
