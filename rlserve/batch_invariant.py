@@ -7,11 +7,12 @@
 
 gives, for each token, the bits the server in `--batch-invariant` mode returned as its
 logprob, for the same weights and tokens: the trainer/rollout ratio is exactly 1 before the
-first update. Inside the block, F.linear, F.scaled_dot_product_attention and log_softmax over
-the last dimension run the ops of rlserve/ops/batch_invariant.py, registered here as
-torch.library ops (`rlserve::bi_linear`, `rlserve::bi_attention`, `rlserve::bi_log_softmax`)
-with autograd; their backward is plain torch. RMSNorm, rotary embedding, SiLU and the
-residual adds are transformers' own code, the same per-row arithmetic as the server's.
+first update. Inside the block, F.linear, F.scaled_dot_product_attention, log_softmax over
+the last dimension and a mean over it with keepdim (RMSNorm's) run the ops of
+rlserve/ops/batch_invariant.py, registered here as torch.library ops (`rlserve::bi_linear`,
+`rlserve::bi_attention`, `rlserve::bi_log_softmax`, `rlserve::bi_row_mean`) with autograd;
+their backward is plain torch. The rest of RMSNorm, rotary embedding, SiLU and the residual
+adds are transformers' own code, the same elementwise arithmetic as the server's.
 
 Limits: the model must use transformers' "sdpa" attention (the default), without dropout;
 sequences are unpadded or right-padded (positions start at 0); float32 on CPU.
@@ -27,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from rlserve.ops import batch_invariant as ops
 
-__all__ = ["enabled", "linear", "attention", "log_softmax"]
+__all__ = ["enabled", "linear", "attention", "log_softmax", "row_mean"]
 
 
 @torch.library.custom_op("rlserve::bi_linear", mutates_args=())
@@ -121,7 +122,28 @@ def _log_softmax_backward(ctx, grad):
 
 _log_softmax.register_autograd(_log_softmax_backward, setup_context=_log_softmax_setup)
 
+@torch.library.custom_op("rlserve::bi_row_mean", mutates_args=())
+def _row_mean(x: torch.Tensor) -> torch.Tensor:
+    return ops.row_mean(x)
+
+
+@_row_mean.register_fake
+def _(x):
+    return x.new_empty((*x.shape[:-1], 1))
+
+
+def _row_mean_setup(ctx, inputs, output) -> None:
+    ctx.shape = inputs[0].shape
+
+
+def _row_mean_backward(ctx, grad):
+    return (grad / ctx.shape[-1]).expand(ctx.shape).contiguous()
+
+
+_row_mean.register_autograd(_row_mean_backward, setup_context=_row_mean_setup)
+
 # The public names: the ops as a trainer may also call them directly.
+row_mean = torch.ops.rlserve.bi_row_mean
 linear = torch.ops.rlserve.bi_linear
 attention = torch.ops.rlserve.bi_attention
 log_softmax = torch.ops.rlserve.bi_log_softmax
@@ -169,6 +191,17 @@ def _log_softmax_call(func, x, *rest, **kwargs):
     return out if dtype is not None or x.dtype == torch.float32 else out.to(x.dtype)
 
 
+def _row_mean_call(x, *rest, **kwargs):
+    """x.mean(-1, keepdim=True) (RMSNorm's) as `bi_row_mean`; None: another call."""
+    dim = rest[0] if rest else kwargs.get("dim")
+    keepdim = rest[1] if len(rest) > 1 else kwargs.get("keepdim", False)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if not keepdim or kwargs.get("dtype") is not None or dim not in (-1, x.dim() - 1):
+        return None
+    return row_mean(x)
+
+
 class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
         kwargs = kwargs or {}
@@ -180,6 +213,10 @@ class _Mode(TorchFunctionMode):
         if func in (torch.log_softmax, F.log_softmax, torch.Tensor.log_softmax):
             x, *rest = args
             out = _log_softmax_call(func, x, *rest, **kwargs)
+            if out is not None:
+                return out
+        if func in (torch.mean, torch.Tensor.mean) and args:
+            out = _row_mean_call(*args, **kwargs)
             if out is not None:
                 return out
         return func(*args, **kwargs)

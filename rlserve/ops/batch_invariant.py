@@ -13,10 +13,12 @@ a fused attention kernel picks its KV split from the query length. Here:
   absolute positions, an online softmax over the blocks in order. A block a query cannot see
   leaves its state exactly as it was (scale 1.0, adds 0.0), so how many blocks a chunk walks
   does not change the bits of a query.
-- rms_norm and log_softmax: one row at a time already (torch reduces the last dimension per
-  row); the reference ops, named here so both halves call the same ones.
+- rms_norm: transformers' arithmetic around `row_mean`, a mean per row in an order fixed by
+  the row length (torch's on CPU; on CUDA, where torch's reduction picks its split from the
+  number of rows, the Triton kernel of ops/triton_batch_invariant.py).
+- log_softmax: torch's, one row at a time.
 
-These are the CPU implementation and the oracle for GPU kernels. The serving side calls the
+On CUDA, linear and row_mean run ops/triton_batch_invariant.py's kernels. The serving side calls the
 functions; rlserve.batch_invariant registers the same functions as torch.library ops with
 autograd for a trainer's forward, so both compute the same bits per row.
 """
@@ -25,15 +27,17 @@ from __future__ import annotations
 
 import torch
 
-from rlserve.ops import fused_ref
-
 ROW_TILE = 16
 Q_TILE = 16
 KV_BLOCK = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T (+ bias), one fixed-shape GEMM per ROW_TILE rows."""
+    """x [..., K] @ weight[N, K].T (+ bias), one fixed-shape GEMM per ROW_TILE rows (on CUDA
+    the Triton GEMM, whose tiles follow N and K)."""
+    if x.is_cuda:
+        from rlserve.ops import triton_batch_invariant
+        return triton_batch_invariant.linear(x, weight, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     m, n = rows.shape[0], weight.shape[0]
@@ -51,13 +55,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*lead, n)
 
 
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] -> [..., 1]: each row's mean (float32 rows: float32)."""
+    if x.is_cuda:
+        from rlserve.ops import triton_batch_invariant
+        return triton_batch_invariant.row_mean(x).to(x.dtype)
+    return x.mean(-1, keepdim=True)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return fused_ref.rms_norm(x, weight, eps)
+    """fused_ref.rms_norm (transformers' rounding) with the mean taken by `row_mean`."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(row_mean(h.pow(2)) + eps)
+    return weight * h.to(dtype)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return fused_ref.fused_add_rms_norm(x, residual, weight, eps)
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
