@@ -30,7 +30,8 @@ test: install
 	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/test_triton_moe.py tests/test_lora_ops.py
 
 test-interpret:
-	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/test_triton_moe.py tests/test_lora_ops.py tests/test_triton_ops.py
+	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/test_triton_moe.py tests/test_lora_ops.py tests/test_triton_ops.py \
+		tests/test_batch_invariance_triton.py
 
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu tests

@@ -2,6 +2,7 @@
 
     python examples/grpo.py                         # starts a server on the demo model (CPU, float32, gloo)
     python examples/grpo.py --base-url http://HOST:8000 --admin-key KEY   # or uses a running one
+    python examples/grpo.py --on-policy             # true on-policy: the trainer/server gap is 0.0
 
 Each step:
 1. Rollouts: `--prompts` questions ("What is 7 + 5? Answer with just the number.") times `--n`
@@ -15,12 +16,16 @@ Each step:
    trained on.
 
 The loss never sees a token the trainer cannot attribute to its own weights, and the log shows
-how far the server's logprobs are from the trainer's for the same tokens (|dlogp|).
+how far the server's logprobs are from the trainer's for the same tokens (|dlogp|). With
+`--on-policy` the server runs `--batch-invariant` and the trainer's forward runs under
+`rlserve.batch_invariant.enabled()`: the same ops per row on both sides, so the gap printed each
+step is exactly 0.0 and the importance ratio of every token is exactly 1 before the update.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -37,6 +42,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import rlserve.batch_invariant
 from rlserve.server.launcher import ServerProcess
 from rlserve.weight_transfer import WeightSyncClient, WeightTransferError
 
@@ -67,6 +73,9 @@ class Config:
     lora: bool = False
     lora_rank: int = 16
     lora_lr: float = 2e-4
+    # --on-policy: a batch-invariant server (--batch-invariant) and the same ops in the trainer's
+    # forward (rlserve.batch_invariant): the trainer's logprobs equal the server's bit for bit.
+    on_policy: bool = False
 
 
 @dataclass
@@ -169,9 +178,11 @@ def policy_gradient(model, samples: list[Sample], advantages: list[float], cfg: 
     over samples). Zero-advantage samples contribute nothing, so they are not even computed."""
     active = [(s, a) for s, a in zip(samples, advantages) if a != 0]
     loss_sum, diffs, clipped = 0.0, [], 0
+    forward = rlserve.batch_invariant.enabled if cfg.on_policy else contextlib.nullcontext
     for i in range(0, len(active), cfg.micro_batch):
         chunk = active[i:i + cfg.micro_batch]
-        new = token_logprobs(model, [s for s, _ in chunk])
+        with forward():
+            new = token_logprobs(model, [s for s, _ in chunk])
         loss = 0.0
         for (s, adv), lp in zip(chunk, new):
             old = torch.tensor(s.logprobs)
@@ -183,7 +194,7 @@ def policy_gradient(model, samples: list[Sample], advantages: list[float], cfg: 
         loss.backward()
         loss_sum += float(loss.detach())
     if not active and samples:  # nothing to learn from: still measure the mismatch, on one group
-        with torch.no_grad():
+        with torch.no_grad(), forward():
             group = [s for s in samples if s.group == samples[0].group]
             diffs = [(lp - torch.tensor(s.logprobs)).abs()
                      for s, lp in zip(group, token_logprobs(model, group))]
@@ -221,6 +232,8 @@ def train(cfg: Config, base_url: str, model_path: str, admin_key: str | None = N
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     lr = cfg.lr
+    if cfg.lora and cfg.on_policy:
+        raise ValueError("--on-policy: not with --lora (the server's adapter kernels are not batch-invariant yet)")
     if cfg.lora:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=2 * cfg.lora_rank,
@@ -281,6 +294,7 @@ def train(cfg: Config, base_url: str, model_path: str, admin_key: str | None = N
             f"kept {len(samples)}/{len(samples) + refused}  trained {stats.get('trained', 0)}  "
             f"loss {stats.get('loss', 0):+.4f}  |dlogp| mean {_fmt(stats.get('dlogp_mean'))} "
             f"max {_fmt(stats.get('dlogp_max'))}  clip {stats.get('clip_frac', 0):.2f}  "
+            + (f"gap {stats.get('dlogp_max')}  " if cfg.on_policy else "") +
             f"| rollout {t1 - t0:.0f}s train {t2 - t1:.0f}s push {t3 - t2:.1f}s")
         if on_step:
             on_step(records)
@@ -330,8 +344,10 @@ def save_plot(records: list[dict], path: str) -> None:
 
 def start_server(model_path: str, log_path: str, cfg: Config | None = None) -> ServerProcess:
     lora = ["--enable-lora", "--max-lora-rank", str(cfg.lora_rank)] if cfg is not None and cfg.lora else []
+    invariant = ["--batch-invariant"] if cfg is not None and cfg.on_policy else []
     return ServerProcess(model_path, "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
-                         "--weight-transfer-config", json.dumps({"backend": "gloo"}), *lora, log=log_path)
+                         "--weight-transfer-config", json.dumps({"backend": "gloo"}), *lora, *invariant,
+                         log=log_path)
 
 
 def main() -> int:

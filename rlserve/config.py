@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rlserve import envs
 from rlserve.flags import byte_size, flag, no_flag, positive_int
 from rlserve.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
 from rlserve.server.reasoning_parsers import REASONING_PARSERS
@@ -171,6 +172,10 @@ class EngineConfig:
         "tokens in one step at most (prefill chunks + decodes)", type=positive_int, group=_CACHE))
     # Execution
     enforce_eager: bool = field(default=False, metadata=flag("no CUDA graphs", group=_RUN))
+    batch_invariant: bool = field(default=False, metadata=flag(
+        "a request's tokens and logprobs are bitwise the same whatever shares its steps (batch "
+        "size, chunking, prefix cache), and equal to rlserve.batch_invariant's trainer forward; "
+        "costs throughput (docs/on-policy.md). VLLM_BATCH_INVARIANT=1 sets it too", group=_RUN))
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "devices one model is split over", type=positive_int, aliases=["-tp"], group=_RUN))
     # Data parallel (engine/dp_client.py): replicas behind one front end.
@@ -243,6 +248,8 @@ class EngineConfig:
         type=lora_module, nargs="+", metavar="NAME=PATH", group=_LORA))
 
     def __post_init__(self) -> None:
+        if not self.batch_invariant:
+            self.batch_invariant = envs.VLLM_BATCH_INVARIANT.get()
         if self.device == "auto":
             self.device = default_device()
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:

@@ -106,6 +106,10 @@ VLLM_HOST_IP: EnvVar[str | None] = _var(
 RLSERVE_KERNELS: EnvVar[str | None] = _var(
     "RLSERVE_KERNELS", "torch or triton", "the kernel set a model runs (default: triton on CUDA "
     "where it imports, torch elsewhere)")
+VLLM_BATCH_INVARIANT: EnvVar[bool] = _var(
+    "VLLM_BATCH_INVARIANT", "0 or 1", "1: --batch-invariant, as vLLM reads it (a request's tokens "
+    "and logprobs do not depend on what else shares its steps; docs/on-policy.md)",
+    default=False, parse=_switch)
 RLSERVE_PDL: EnvVar[bool] = _var(
     "RLSERVE_PDL", "0 or 1", "0: every Triton kernel launches plainly, without programmatic "
     "dependent launch (a debugging aid; the results are the same)", default=True,

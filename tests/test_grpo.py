@@ -97,3 +97,22 @@ def test_two_steps_end_to_end_with_a_failed_push(grpo, demo_model, tmp_path, mon
         assert any(not torch.equal(p, initial[n]) for n, p in model.named_parameters())
     finally:
         stop_server(server)
+
+
+def test_on_policy_gap_is_exactly_zero(grpo, demo_model, tmp_path):
+    """--on-policy: a --batch-invariant server and the trainer's forward under
+    rlserve.batch_invariant give the same logprobs bit for bit, before and after a push."""
+    server = start_server(demo_model, tmp_path / "server.log", "--batch-invariant", "--admin-key", ADMIN_KEY,
+                          "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 30}))
+    try:
+        rewards = itertools.cycle([1.0, 0.0])
+        cfg = grpo.Config(steps=2, prompts=2, n=2, max_tokens=4, heldout=2, temperature=1.0, on_policy=True)
+        lines: list[str] = []
+        _, records = grpo.train(cfg, server.url, demo_model, ADMIN_KEY,
+                                reward_fn=lambda text, answer: next(rewards), log=lines.append)
+    finally:
+        stop_server(server)
+    steps = [r for r in records if "reward" in r]
+    assert [r["rollout_version"] for r in steps] == [0, 1]  # the second step samples pushed weights
+    assert all(r["trained"] == 4 and r["tokens"] > 0 and r["dlogp_max"] == 0.0 for r in steps)
+    assert sum("gap 0.0 " in line for line in lines) == 2

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlserve.distributed import TPGroup, current_tp_group, split_evenly
+from rlserve.ops.kernels import TORCH, Kernels
 
 
 class Shard(NamedTuple):
@@ -44,6 +45,8 @@ class ColumnParallelLinear(ShardedModule):
     on every rank.
     """
 
+    kernels: Kernels = TORCH  # the worker binds its set (its `linear`)
+
     def __init__(self, in_features: int, outputs: list[Shard], bias: bool):
         super().__init__()
         assert all(s.dim == 0 for s in outputs)
@@ -54,7 +57,7 @@ class ColumnParallelLinear(ShardedModule):
         self.lora = None  # a LoRALayer once rlserve.model.lora.attach_lora ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.kernels.linear(x, self.weight, self.bias)
         if self.lora is not None:
             self.lora(y, x)
         return y
@@ -68,6 +71,8 @@ class RowParallelLinear(ShardedModule):
     slice of x, an all-reduce sums the partial products, then the (replicated) bias is
     added once. `reduce_results=False` leaves the partial products to a caller that sums
     several of them in one all-reduce (an MoE layer's shared expert)."""
+
+    kernels: Kernels = TORCH
 
     def __init__(self, inputs: Shard, out_features: int, bias: bool, tp: TPGroup | None = None,
                  reduce_results: bool = True):
@@ -83,11 +88,11 @@ class RowParallelLinear(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1 or not self.reduce_results:
-            y = F.linear(x, self.weight, self.bias)
+            y = self.kernels.linear(x, self.weight, self.bias)
             if self.lora is not None:
                 self.lora(y, x)
             return y
-        out = F.linear(x, self.weight)
+        out = self.kernels.linear(x, self.weight)
         if self.lora is not None:
             self.lora(out, x)  # this rank's partial delta: the all-reduce sums them
         out = self.tp.all_reduce(out)
@@ -129,6 +134,8 @@ class ParallelLMHead(ShardedModule):
     """The output projection with vocabulary rows split across ranks. Every rank gets
     the full logits (an all-gather), so any rank can sample."""
 
+    kernels: Kernels = TORCH
+
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup | None = None):
         super().__init__()
         self.tp = tp or current_tp_group()
@@ -137,7 +144,7 @@ class ParallelLMHead(ShardedModule):
         self.weight = nn.Parameter(torch.empty(self.shard.size, dim))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather(F.linear(hidden, self.weight), self.sizes)
+        return self.tp.all_gather(self.kernels.linear(hidden, self.weight), self.sizes)
 
     def weight_shards(self, leaf: str) -> list[Shard | None]:
         return [self.shard]

@@ -1,4 +1,5 @@
-"""The kernel set a model runs on: the torch references or the Triton kernels.
+"""The kernel set a model runs on: the torch references, the Triton kernels, or the
+batch-invariant ops (ops/batch_invariant.py, `--batch-invariant`).
 
 Chosen once, when the worker is built (`select`), logged, and bound to the model's layers
 (`bind`); no op decides per call. `RLSERVE_KERNELS=torch|triton` overrides the default
@@ -43,6 +44,8 @@ class Kernels:
     lora: Callable[..., None]
     # Routed experts: (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights, topk_ids) -> [T, H]
     fused_moe: Callable[..., torch.Tensor]
+    # x @ weight.T + bias for every projection and the LM head: (x, weight, bias)
+    linear: Callable[..., torch.Tensor] = F.linear
     # Fused rotary embedding (with the q/k norms and the KV store folded in); None: torch rotary.
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     # Decode-sized projections with the op after them fused (ops/triton_decode_gemm.py);
@@ -82,6 +85,13 @@ TORCH = Kernels(
     lora=_torch_lora,
     fused_moe=moe_ref.fused_moe,
 )
+
+
+def _batch_invariant() -> Kernels:
+    from rlserve.ops import batch_invariant as bi
+    return dataclasses.replace(
+        TORCH, name="batch-invariant", paged_attention=bi.paged_attention, rms_norm=bi.rms_norm,
+        fused_add_rms_norm=bi.fused_add_rms_norm, linear=bi.linear)
 
 
 def _triton() -> Kernels:
@@ -164,9 +174,14 @@ def _triton_imports() -> bool:
     return True
 
 
-def select(device: torch.device, choice: str | None = None) -> Kernels:
+def select(device: torch.device, choice: str | None = None, batch_invariant: bool = False) -> Kernels:
     """The kernel set for a model on `device`: `choice`, else $RLSERVE_KERNELS, else
-    Triton on CUDA (when it imports) and torch elsewhere."""
+    Triton on CUDA (when it imports) and torch elsewhere. `batch_invariant`: the ops of
+    ops/batch_invariant.py, whatever the device (they take precedence over `choice`)."""
+    if batch_invariant:
+        kernels = _batch_invariant()
+        logger.info("kernels: %s on %s", kernels.name, device)
+        return kernels
     choice = (choice or envs.RLSERVE_KERNELS.get() or "").strip().lower() or None
     if choice is not None and choice not in CHOICES:
         raise ValueError(f"{ENV}: must be one of {', '.join(CHOICES)}, got {choice!r}")

@@ -60,14 +60,14 @@ def _chosen(whole: TopLogprobs, token_ids: list[int]) -> TopLogprobs:
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, block_size: int,
                  logprobs_mode: str = "raw_logprobs", lora=None,
-                 kv_cache_dtype: torch.dtype | None = None):
+                 kv_cache_dtype: torch.dtype | None = None, batch_invariant: bool = False):
         self.model = model
         self.lora = lora  # rlserve.model.lora.LoRAModel, when adapters are enabled
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype or dtype
-        self.kernels = kernels.select(device)  # once, for the model's every layer
+        self.kernels = kernels.select(device, batch_invariant=batch_invariant)  # once, for every layer
         kernels.bind(model, self.kernels)
         if lora is not None:
             lora.context.kernels = self.kernels

@@ -59,7 +59,8 @@ class Worker:
         self.load_seconds = time.perf_counter() - t0
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size,
                                   config.logprobs_mode, lora=self.lora,
-                                  kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype))
+                                  kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype),
+                                  batch_invariant=config.batch_invariant)
         if config.enable_return_routed_experts and self.rank == 0:
             # Rank 0 alone: every rank routes alike (the router is replicated), one copy is returned.
             self.runner.capture_routes(max(config.max_num_batched_tokens, min(config.max_num_seqs, 512)))

@@ -1,0 +1,83 @@
+"""Batch-invariant Triton kernels: the GEMM and the row mean of ops/batch_invariant.py on CUDA.
+
+- matmul: one [BLOCK_M, BLOCK_N] output tile per program, K walked in BLOCK_K steps in order,
+  no split-K. The tile shape is chosen from (N, K) only, never from M, so every output
+  element is the same sequence of fp32 MMA accumulations whatever the number of rows and
+  wherever its row sits: one launch instead of the torch fallback's one GEMM per 16 rows.
+- row_mean: one program per row, the row walked in BLOCK steps in order into a lane-wise
+  fp32 accumulator, reduced once at the end: its order depends on the row length alone.
+
+Importing this module imports triton; ops/batch_invariant.py imports it lazily, on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
+                    mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + k[:, None],
+                    mask=(cols[None, :] < N) & (k[:, None] < K), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def tile_shape(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for an [M, k] x [k, n] GEMM: from n and k only."""
+    return 64, (128 if n >= 4096 else 64), (64 if k >= 64 else 32)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias) in x's dtype, fp32 accumulation."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    weight = weight.contiguous()
+    m, n = rows.shape[0], weight.shape[0]
+    out = rows.new_empty((m, n))
+    if m:
+        bm, bn, bk = tile_shape(n, k)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        _matmul_kernel[grid](rows, weight, bias if bias is not None else weight, out, m, n, k,
+                             rows.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                             PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return out.reshape(*lead, n)
+
+
+@triton.jit
+def _row_mean_kernel(x_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        acc += tl.load(x_ptr + row * stride + c0 + cols, mask=c0 + cols < n_cols, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row, tl.sum(acc, 0) / n_cols)
+
+
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] -> [..., 1] float32: the mean of each row."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n).contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        _row_mean_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0),
+                                          BLOCK=min(triton.next_power_of_2(n), 1024))
+    return out.view(*x.shape[:-1], 1)

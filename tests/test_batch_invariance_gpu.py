@@ -1,0 +1,91 @@
+"""`--batch-invariant` on CUDA (bf16): one prompt's greedy tokens and logprobs alone, inside 64
+and inside 256 sequences, bitwise equal; SmolLM2 and a Qwen3-0.6B-shaped random model. And the
+trainer's forward under rlserve.batch_invariant on the GPU. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import seeded_wide_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def qwen3_shaped(tmp_path_factory) -> str:
+    """Qwen3-0.6B's shapes (28 layers, 16/8 heads of 128, hidden 1024), random weights."""
+    from transformers import Qwen3Config
+
+    from conftest import save_word_tokenizer
+    path = tmp_path_factory.mktemp("qwen3-0.6b-shaped")
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                      max_position_embeddings=4096, tie_word_embeddings=True,
+                      architectures=["Qwen3ForCausalLM"], eos_token_id=0)
+    seeded_wide_model(cfg).save_pretrained(path)
+    save_word_tokenizer(path, cfg.vocab_size)
+    return str(path)
+
+
+def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, min(vocab, 30000)) for _ in range(rng.randrange(20, 300))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("which", ["smollm2", "qwen3-0.6b-shaped"])
+def test_one_prompt_alone_in_64_and_in_256_is_bitwise_equal(which, demo_model, request):
+    from rlserve import LLM, SamplingParams
+    path = demo_model if which == "smollm2" else request.getfixturevalue("qwen3_shaped")
+    llm = LLM(path, device="cuda", dtype="bfloat16", batch_invariant=True, max_model_len=1024,
+              gpu_memory_utilization=0.5)
+    try:
+        vocab = llm.get_tokenizer().vocab_size
+        probe = _prompts(1, vocab, 0)[0]
+        others = _prompts(255, vocab, 1)
+        sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=1)
+
+        def probe_in(batch_size: int):
+            llm.reset_prefix_cache()
+            batch = others[:batch_size // 2] + [probe] + others[batch_size // 2:batch_size - 1]
+            out = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)[batch_size // 2]
+            c = out.outputs[0]
+            return (list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
+                    [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], probe[1:])])
+
+        alone = probe_in(1)
+        assert probe_in(64) == alone
+        assert probe_in(256) == alone
+    finally:
+        llm.shutdown()
+
+
+def test_trainer_forward_on_the_gpu_gives_the_servers_logprobs(demo_model):
+    from transformers import AutoModelForCausalLM
+
+    import rlserve.batch_invariant as rbi
+    from rlserve import LLM, SamplingParams
+    llm = LLM(demo_model, device="cuda", dtype="bfloat16", batch_invariant=True, max_model_len=1024,
+              gpu_memory_utilization=0.3)
+    try:
+        prompts = _prompts(16, 30000, 2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.bfloat16).cuda().eval()
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        ids = torch.tensor([p + list(c.token_ids)], device="cuda")
+        with torch.no_grad(), rbi.enabled():
+            lp = model(ids).logits[0].float().log_softmax(-1)
+        got = [lp[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids)]
+        assert got == [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
