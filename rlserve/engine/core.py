@@ -20,7 +20,6 @@ import torch
 
 from rlserve.config import EngineConfig
 from rlserve.engine.grammar_wait import GrammarWait
-from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, Finished, Rejected, StepOut, merge_outputs
 from rlserve.engine.request import (
     EngineUnavailableError,
@@ -31,6 +30,7 @@ from rlserve.engine.request import (
     validate_prompt,
 )
 from rlserve.engine.scheduler import Scheduler
+from rlserve.engine.state_pool import kv_manager
 from rlserve.errors import ConflictError, ModelNotFoundError
 from rlserve.model.loader import (
     eos_token_ids,
@@ -88,7 +88,7 @@ class EngineCore:
             self.lora = LoRAManager(self.executor, config.max_loras, config.max_cpu_loras, config.max_lora_rank)
             for name, path in config.lora_modules.items():
                 self.lora.load(name, path)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = kv_manager(self.executor.driver.model, num_blocks, config)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.lora)
         # Overlapped scheduling needs a device that runs ahead of the host, and one rank.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None

@@ -20,10 +20,14 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rlserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from rlserve.engine.state_pool import StatePool
 
 # What a cached block was computed after: the id of its parent block's contents (an int,
 # see BlockPool.content_id), or for a request's first block its salt (None: no salt).
@@ -175,8 +179,11 @@ class _Chain:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 states: StatePool | None = None):
+        """`states`: a hybrid model's state slots, taken and given back with a request's blocks."""
         self.block_size = block_size
+        self.states = states
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.blocks: dict[str, list[int]] = {}
@@ -232,6 +239,11 @@ class KVCacheManager:
             need = -(-total // self.block_size) - len(cached)
             if need > self.pool.num_free - evictable_hits:
                 return False
+            if self.states is not None:
+                slot = self.states.allocate()
+                if slot is None:
+                    return False
+                req.state_slot = slot
             for b in cached:
                 self.pool.touch(b)
             blocks = self.blocks[req.request_id] = list(cached)
@@ -288,6 +300,9 @@ class KVCacheManager:
             self.tables.release(row)
         req.kv_capacity = 0
         self.uncacheable.discard(req.request_id)
+        if self.states is not None and req.state_slot >= 0:
+            self.states.free(req.state_slot)
+            req.state_slot = -1
         # Freed last block first, so the prompt's head stays cached longest.
         for b in reversed(blocks or []):
             self.pool.free(b)

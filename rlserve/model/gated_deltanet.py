@@ -22,8 +22,8 @@ from torch import nn
 
 from rlserve.distributed import current_tp_group
 from rlserve.model.parallel import ColumnParallelLinear, RowParallelLinear, Shard
-from rlserve.ops import gated_delta as ref
 from rlserve.ops import fla_gated_delta as fla
+from rlserve.ops import gated_delta as ref
 from rlserve.ops.kernels import TORCH, Kernels
 
 
@@ -110,6 +110,15 @@ class GatedRMSNorm(nn.Module):
         return ((self.weight * x.to(dtype)) * F.silu(z.float())).to(dtype)
 
 
+class DepthwiseConv(nn.Module):
+    """The causal convolution's weight, as transformers' nn.Conv1d holds it: [channels, 1, K],
+    no bias (the ops read it as [channels, K])."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+
+
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer. `fused_input`: Qwen3-Next's in_proj_qkvz / in_proj_ba,
     grouped by key head; otherwise Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
@@ -132,9 +141,7 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_z = ColumnParallelLinear(hidden, [_whole(s.value_dim)], bias=False)
             self.in_proj_b = ColumnParallelLinear(hidden, [_whole(s.num_v_heads)], bias=False)
             self.in_proj_a = ColumnParallelLinear(hidden, [_whole(s.num_v_heads)], bias=False)
-        # Depthwise, as transformers' nn.Conv1d holds it: [channels, 1, K], no bias.
-        self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(s.conv_dim, 1, s.conv_kernel))
+        self.conv1d = DepthwiseConv(s.conv_dim, s.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
         self.norm = GatedRMSNorm(s.head_v_dim, config.rms_norm_eps)

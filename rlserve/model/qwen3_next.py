@@ -208,9 +208,6 @@ class HybridForCausalLM(CausalLM):
     def forward(self, input_ids, positions, meta):
         return self.model(input_ids, positions, meta)
 
-    def is_ignored_weight(self, name: str) -> bool:
-        return name.startswith(self.skipped_prefixes) or super().is_ignored_weight(name)
-
     def _fused_lookup(self) -> dict[str, WeightSlot]:
         """Every name under both spellings: this architecture's own required, the other's
         optional, standing for it (a name sent under both is sent twice)."""

@@ -88,6 +88,8 @@ class Worker:
             budget = min(int(total * cfg.gpu_memory_utilization) - ours, free) - reserve
         else:
             budget = _CPU_KV_DEFAULT_BYTES
+        # A hybrid model's state pool (a slot per sequence) comes out of the same budget.
+        budget -= cfg.max_num_seqs * self.runner.state_bytes_per_sequence()
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, "
@@ -97,6 +99,7 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_states(self.config.max_num_seqs)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
@@ -130,6 +133,7 @@ class Worker:
                 p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=self.device)
         self._host_weights = {}
         self.runner.allocate_kv_cache(self._kv_blocks)
+        self.runner.allocate_states(self.config.max_num_seqs)
         if getattr(self, "_graph_args", None) is not None:
             self.runner.capture_cuda_graphs(*self._graph_args)
 
