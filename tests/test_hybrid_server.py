@@ -1,0 +1,114 @@
+"""Live weight updates into a served hybrid model (a random Qwen3.5 multimodal checkpoint, of
+which the text model is served; dummy weights at start; gloo): a push of the trainer's whole
+model (the multimodal wrapper's names, vision tower included) and one of the text model's
+names both serve transformers' tokens, the vision tower's names are dropped and counted in
+the answer, and malformed pushes are refused by name and change nothing."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import httpx
+import pytest
+import torch
+
+from conftest import hf_greedy, save_word_tokenizer, start_server, stop_server
+from rlserve.weight_transfer import UpdateRefusedError, WeightSyncClient
+from test_hybrid import hybrid_model, text_names
+
+PROMPTS = ["t5 t17 t3 t99", "t1 t2 t3", "t64 t12 t7 t7 t80 t41", "t120"]
+MAX_TOKENS = 10
+A_LOG = "model.language_model.layers.0.linear_attn.A_log"
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    """transformers' Qwen3.5 (multimodal wrapper, float32) and its checkpoint directory."""
+    hf = hybrid_model("qwen3_5_vl")
+    path = tmp_path_factory.mktemp("hybrid-ckpt")
+    hf.save_pretrained(path)
+    save_word_tokenizer(path, hf.config.text_config.vocab_size)
+    return hf, str(path)
+
+
+@pytest.fixture(scope="module")
+def server(trainer, tmp_path_factory):
+    srv = start_server(trainer[1], tmp_path_factory.mktemp("hybrid") / "server.log", "--load-format", "dummy",
+                       "--served-model-name", "m", "--max-model-len", "512",
+                       "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 30}))
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def sync(server):
+    client = WeightSyncClient(server.url, backend="gloo")
+    client.init()
+    return client
+
+
+def served(url: str) -> list[tuple[list[int], list[float]]]:
+    out = []
+    for prompt in PROMPTS:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json=dict(
+            model="m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+            logprobs=0, return_token_ids=True))
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+    return out
+
+
+def reference(hf) -> list[list[int]]:
+    ids = [[int(t[1:]) for t in p.split()] for p in PROMPTS]
+    return [hf_greedy(hf, i, MAX_TOKENS)[0] for i in ids]
+
+
+def test_pushes_under_either_spelling_serve_transformers_tokens_and_count_the_vision_tower(server, sync, trainer):
+    hf, _ = trainer
+    whole = [(n, p.detach()) for n, p in hf.named_parameters()]  # what a multimodal trainer holds
+    tower = sum(n.startswith("model.visual.") for n, _ in whole)
+    assert tower > 0
+    result = sync.push(whole, packed=True)
+    assert result.answers is not None and result.answers[0]["skipped"] == tower
+    first = served(server.url)
+    assert [t for t, _ in first] == reference(hf)
+
+    # New random weights, pushed under the text model's names (no vision tower, none skipped)
+    gen = torch.Generator().manual_seed(3)
+    changed = copy.deepcopy(hf)
+    with torch.no_grad():
+        for _, p in changed.named_parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    result = sync.push(text_names([(n, p.detach()) for n, p in changed.named_parameters()]))
+    assert result.answers is not None and "skipped" not in result.answers[0]
+    second = served(server.url)
+    assert second != first
+    assert [t for t, _ in second] == reference(changed)
+
+    sync.push(whole, packed=False)
+    assert served(server.url) == first  # the same logprobs, float for float
+
+
+def malformed(whole: list) -> dict[str, tuple[list, str]]:
+    """Pushes the server must refuse: (tensors, a name the refusal must mention)."""
+    text = "model.layers.0.linear_attn.A_log"
+    conv = "model.language_model.layers.1.linear_attn.conv1d.weight"
+    return {
+        "missing": ([(n, t) for n, t in whole if n != conv], conv),
+        "misshapen": ([(n, t[:2] if n == A_LOG else t) for n, t in whole], A_LOG),
+        "both spellings of one tensor": (whole + [(text, dict(whole)[A_LOG])], A_LOG),
+    }
+
+
+def test_malformed_pushes_are_refused_by_name_and_change_nothing(server, sync, trainer):
+    hf, _ = trainer
+    whole = [(n, p.detach()) for n, p in hf.named_parameters()]
+    sync.push(whole)
+    before = served(server.url)
+    for case, (tensors, name) in malformed(whole).items():
+        with pytest.raises(UpdateRefusedError, match=name.replace(".", r"\.")) as refused:
+            sync.push(tensors)
+        assert "400" in str(refused.value), case
+        assert served(server.url) == before, case  # the old weights, bit for bit
