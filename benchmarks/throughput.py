@@ -10,8 +10,9 @@
     python benchmarks/throughput.py --model qwen3-0.6b --device-profile /tmp/t.json  # idle per step
 
 --model takes a preset (qwen3-0.6b, llama-3.1-8b, qwen3-8b, qwen3-30b-a3b, tiny, moe-tiny,
-smollm2) or an HF directory. For a mixture of experts the bound counts the experts each decode
-step touches, from the routing the model gives the warm-up's prompt tokens.
+qwen3.5-0.8b, qwen3-next-80b-a3b-12l, qwen3.5-tiny, qwen3-next-tiny, smollm2) or an HF
+directory. For a mixture of experts the bound counts the experts each decode step touches,
+from the routing the model gives the warm-up's prompt tokens.
 
 --loras N: the same workload on the base model, then with N random rank-`--lora-rank` adapters
 on every projection, request i on adapter i mod N (all N in every batch), and the ratio:

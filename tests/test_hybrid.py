@@ -159,3 +159,26 @@ def test_both_spellings_load_the_same_bits(checkpoint):
     for name, value in loaded["text"].items():
         assert torch.equal(value, loaded["multimodal"][name]), name
     assert_transformers(hf, prompts(2), tokens, arch)
+
+
+def test_a_multimodal_config_is_served_as_its_text_model_with_the_wrappers_head_tying(tmp_path):
+    """Qwen3.5-MoE's multimodal config, read as transformers reads it: the text_config's
+    sizes, the wrapper's architecture (its weight names) and the wrapper's tie flag."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig
+
+    from rlserve.model.loader import load_hf_config
+    from rlserve.model.registry import model_class
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)
+    Qwen3_5MoeConfig(text_config=dict(COMMON, **MOE), vision_config=vision, tie_word_embeddings=True,
+                     architectures=["Qwen3_5MoeForConditionalGeneration"]).save_pretrained(tmp_path)
+    cfg = load_hf_config(str(tmp_path))
+    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.architectures) == (
+        VOCAB, 512, ["Qwen3_5MoeForConditionalGeneration"])
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    expected = model.expected_weights()
+    assert expected["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"].required
+    assert not expected["model.layers.0.linear_attn.in_proj_qkv.weight"].required
+    assert expected.skips("model.visual.blocks.0.attn.qkv.weight")

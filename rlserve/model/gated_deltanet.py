@@ -124,6 +124,9 @@ class GatedDeltaNet(nn.Module):
     grouped by key head; otherwise Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
 
     kernels: Kernels = TORCH  # the worker binds its set; the Triton set runs fla-core's kernels
+    # Adapters on its projections are refused (model/lora.py reads this): not yet checked
+    # against PEFT on these layers. The full-attention layers take them.
+    lora_exempt = True
 
     def __init__(self, config, fused_input: bool):
         super().__init__()

@@ -56,7 +56,9 @@ def served_config(config):
         return config
     text = config.get_text_config()
     text.architectures = archs
-    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+    # The wrapper's own flag ties its head (transformers ignores the text_config's).
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    for key in ("eos_token_id", "bos_token_id"):
         if getattr(text, key, None) is None and getattr(config, key, None) is not None:
             setattr(text, key, getattr(config, key))
     return text
