@@ -20,6 +20,7 @@ import torch
 
 from rlserve.config import EngineConfig
 from rlserve.engine.grammar_wait import GrammarWait
+from rlserve.engine.kv_cache import kv_manager
 from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, Finished, Rejected, StepOut, merge_outputs
 from rlserve.engine.request import (
     EngineUnavailableError,
@@ -30,7 +31,6 @@ from rlserve.engine.request import (
     validate_prompt,
 )
 from rlserve.engine.scheduler import Scheduler
-from rlserve.engine.state_pool import kv_manager
 from rlserve.errors import ConflictError, ModelNotFoundError
 from rlserve.model.loader import (
     eos_token_ids,

@@ -18,16 +18,17 @@ are added and freed, which is what each step hands to the model runner.
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rlserve.config import EngineConfig
 from rlserve.engine.request import Request
+from rlserve.engine.state_pool import StatePool
 
-if TYPE_CHECKING:
-    from rlserve.engine.state_pool import StatePool
+logger = logging.getLogger(__name__)
 
 # What a cached block was computed after: the id of its parent block's contents (an int,
 # see BlockPool.content_id), or for a request's first block its salt (None: no salt).
@@ -319,3 +320,15 @@ class KVCacheManager:
         """The block tables of `reqs` as one int32 array [len(reqs), most blocks], 0-padded."""
         rows = self.rows
         return self.tables.gather([rows[r.request_id] for r in reqs])
+
+
+def kv_manager(model, num_blocks: int, config: EngineConfig) -> KVCacheManager:
+    """The block pool, and a hybrid model's state slots beside it. A hybrid model's prefix
+    cache is off: a cached block would give back its keys and values, but not the
+    linear-attention state at its end (docs/hybrid.md)."""
+    if not getattr(model, "hybrid", False):
+        return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    if config.enable_prefix_caching:
+        logger.info("prefix caching is off for %s: its linear-attention state is not cached "
+                    "(docs/hybrid.md)", type(model).__name__)
+    return KVCacheManager(num_blocks, config.block_size, False, StatePool(config.max_num_seqs))

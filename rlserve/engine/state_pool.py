@@ -10,13 +10,6 @@ into whatever slot it gets next (a chunk that starts at position 0 starts from z
 
 from __future__ import annotations
 
-import logging
-
-from rlserve.config import EngineConfig
-from rlserve.engine.kv_cache import KVCacheManager
-
-logger = logging.getLogger(__name__)
-
 
 class StatePool:
     def __init__(self, num_slots: int):
@@ -38,14 +31,3 @@ class StatePool:
             raise ValueError(f"state pool: slot {slot} is not in use")
         self._free.append(slot)
 
-
-def kv_manager(model, num_blocks: int, config: EngineConfig) -> KVCacheManager:
-    """The block pool, and a hybrid model's state slots beside it. A hybrid model's prefix
-    cache is off: a cached block would give back its keys and values, but not the
-    linear-attention state at its end (docs/hybrid.md)."""
-    if not getattr(model, "hybrid", False):
-        return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-    if config.enable_prefix_caching:
-        logger.info("prefix caching is off for %s: its linear-attention state is not cached "
-                    "(docs/hybrid.md)", type(model).__name__)
-    return KVCacheManager(num_blocks, config.block_size, False, StatePool(config.max_num_seqs))
