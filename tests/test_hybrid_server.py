@@ -28,13 +28,16 @@ def trainer(tmp_path_factory):
     hf = hybrid_model("qwen3_5_vl")
     path = tmp_path_factory.mktemp("hybrid-ckpt")
     hf.save_pretrained(path)
-    save_word_tokenizer(path, hf.config.text_config.vocab_size)
+    # Beside the checkpoint: with Qwen3.5's config next to it, transformers would read the
+    # word-level tokenizer as Qwen3.5's own.
+    save_word_tokenizer(path / "tokenizer", hf.config.text_config.vocab_size)
     return hf, str(path)
 
 
 @pytest.fixture(scope="module")
 def server(trainer, tmp_path_factory):
     srv = start_server(trainer[1], tmp_path_factory.mktemp("hybrid") / "server.log", "--load-format", "dummy",
+                       "--tokenizer", f"{trainer[1]}/tokenizer",
                        "--served-model-name", "m", "--max-model-len", "512",
                        "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 30}))
     yield srv
