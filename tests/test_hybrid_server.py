@@ -16,6 +16,7 @@ import torch
 from conftest import hf_greedy, save_word_tokenizer, start_server, stop_server
 from rlserve.weight_transfer import UpdateRefusedError, WeightSyncClient
 from test_hybrid import hybrid_model, text_names
+from test_moe_server import _stream_frozen_mid_way
 
 PROMPTS = ["t5 t17 t3 t99", "t1 t2 t3", "t64 t12 t7 t7 t80 t41", "t120"]
 MAX_TOKENS = 10
@@ -115,3 +116,20 @@ def test_malformed_pushes_are_refused_by_name_and_change_nothing(server, sync, t
             sync.push(tensors)
         assert "400" in str(refused.value), case
         assert served(server.url) == before, case  # the old weights, bit for bit
+
+
+def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, trainer):
+    """A streamed request frozen by pause(keep) keeps its state slot across a push and goes
+    on with the new weights (its version spans say so); sleep frees the state pool with the
+    KV cache, and wake-up serves the same bits again."""
+    hf, _ = trainer
+    v0 = httpx.get(f"{server.url}/weight_version").json()["weight_version"]
+    t, results = _stream_frozen_mid_way(server.url)
+    sync.push([(n, p.detach()) for n, p in hf.named_parameters()], pause_mode="keep")
+    t.join(120)
+    chunks, finish, spans = results[0]
+    assert finish == "length" and [s["version"] for s in spans] == [v0, v0 + 1]
+    before = served(server.url)
+    assert httpx.post(f"{server.url}/sleep", params={"level": 1}, timeout=60).status_code == 200
+    assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
+    assert served(server.url) == before
