@@ -8,6 +8,8 @@ bound counts those experts' bytes, not the whole model's.
 
 The peaks are the card's own, detected from its name (`device_peak`); a card this file does
 not know gets no bound unless its figures are given (`--hbm-tb-s`, `--tflops`).
+A hybrid model (Qwen3.5, Qwen3-Next) keeps KV only in its full-attention layers, and each
+decode step reads and writes every live sequence's linear-attention state.
 """
 
 from __future__ import annotations
@@ -75,6 +77,29 @@ class Shape(NamedTuple):
     active_gemm: int  # a token's GEMM parameters (attention, its experts or its dense MLP)
     kv_per_token: int  # bytes a token's KV takes over all layers
     attn_width: int  # query heads x head_dim x layers
+    state_per_seq: int = 0  # a hybrid model's linear-attention state of one sequence, bytes
+
+
+def _linear_layers(cfg: dict) -> int:
+    """How many layers of a hybrid model (Qwen3.5, Qwen3-Next) are linear attention."""
+    if "linear_num_value_heads" not in cfg:
+        return 0
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        return sum(1 for i in range(cfg["num_hidden_layers"]) if (i + 1) % interval)
+    return sum(t == "linear_attention" for t in types)
+
+
+def _linear_attention(cfg: dict, dtype_bytes: int) -> tuple[int, int]:
+    """A linear-attention layer's parameters, and one sequence's state in it (bytes): the
+    conv state in the model's dtype, the recurrent state in float32 (gated_deltanet.py)."""
+    h = cfg["hidden_size"]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, width = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"]
+    conv = 2 * nk * dk + nv * dv
+    params = h * (conv + nv * dv + 2 * nv) + nv * dv * h + conv * width
+    return params, conv * (width - 1) * dtype_bytes + nv * dk * dv * 4
 
 
 def shape(cfg: dict, kv_fp8: bool = False, dtype_bytes: int = 2) -> Shape:
@@ -82,7 +107,13 @@ def shape(cfg: dict, kv_fp8: bool = False, dtype_bytes: int = 2) -> Shape:
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or h // heads
     kv_heads = cfg.get("num_key_value_heads", heads)
-    attn = h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h
+    linear = _linear_layers(cfg)
+    full = layers - linear  # with the KV cache
+    # A hybrid's full-attention q_proj also yields the output gate: twice the query rows.
+    q_rows = 2 * heads if linear else heads
+    attn = h * head_dim * (q_rows + 2 * kv_heads) + heads * head_dim * h
+    linear_params, state = _linear_attention(cfg, dtype_bytes) if linear else (0, 0)
+    mixers = full * attn + linear * linear_params
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     dense_layers = set(cfg.get("mlp_only_layers") or ())
     step = cfg.get("decoder_sparse_step") or 1
@@ -90,10 +121,12 @@ def shape(cfg: dict, kv_fp8: bool = False, dtype_bytes: int = 2) -> Shape:
     expert = 3 * h * (cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0
     dense_mlp = 3 * h * cfg["intermediate_size"]
     embed = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    dense = embed + layers * attn + (layers - moe_layers) * dense_mlp + moe_layers * experts * h
-    active = layers * attn + (layers - moe_layers) * dense_mlp + moe_layers * cfg.get("num_experts_per_tok", 0) * expert
-    kv_per_token = 2 * layers * kv_heads * (head_dim + 4 if kv_fp8 else head_dim * dtype_bytes)
-    return Shape(dense, expert, moe_layers, active, kv_per_token, heads * head_dim * layers)
+    shared = 3 * h * (cfg.get("shared_expert_intermediate_size") or 0) if experts else 0
+    dense = embed + mixers + (layers - moe_layers) * dense_mlp + moe_layers * (experts * h + shared)
+    active = (mixers + (layers - moe_layers) * dense_mlp
+              + moe_layers * (cfg.get("num_experts_per_tok", 0) * expert + shared))
+    kv_per_token = 2 * full * kv_heads * (head_dim + 4 if kv_fp8 else head_dim * dtype_bytes)
+    return Shape(dense, expert, moe_layers, active, kv_per_token, heads * head_dim * full, linear * state)
 
 
 def _step_weight_bytes(s: Shape, batch: int, touched: Callable[[int], float] | None, dtype_bytes: int) -> float:
@@ -113,7 +146,9 @@ def bound_tokens_per_s(cfg: dict, prompts, out_lens, hbm_bytes_per_s: float, dty
     total = 0.0
     for step in range(max(out_lens)):
         live = [p + step for p, o in zip(lens, out_lens) if o > step]
-        total += _step_weight_bytes(s, n * len(live), touched, dtype_bytes) + s.kv_per_token * n * sum(live)
+        # A hybrid's decode step also reads and writes each live sequence's state.
+        total += (_step_weight_bytes(s, n * len(live), touched, dtype_bytes) + s.kv_per_token * n * sum(live)
+                  + 2 * s.state_per_seq * n * len(live))
     return n * sum(out_lens) / (total / hbm_bytes_per_s)
 
 
@@ -134,7 +169,8 @@ def roofline_tokens_per_s(cfg: dict, prompts, out_lens, hbm_bytes_per_s: float, 
     for step in range(max(out_lens)):
         contexts = [p + step for p, o in zip(lens, out_lens) if o > step]
         seqs, tokens = n * len(contexts), n * sum(contexts)
-        bytes_ = _step_weight_bytes(s, seqs, touched, dtype_bytes) + s.kv_per_token * tokens
+        bytes_ = (_step_weight_bytes(s, seqs, touched, dtype_bytes) + s.kv_per_token * tokens
+                  + 2 * s.state_per_seq * seqs)
         flops = 2 * (s.active_gemm + vocab_h) * seqs + 2 * 2 * s.attn_width * tokens
         seconds += max(bytes_ / hbm_bytes_per_s, flops / flops_per_s)
     return n * sum(out_lens) / seconds

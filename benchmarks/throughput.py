@@ -12,8 +12,9 @@ split (where it has one) and, on a GPU, the bounds of the card it runs on (bound
     python benchmarks/throughput.py --model qwen3-0.6b --device-profile /tmp/t.json  # idle per step
 
 --model takes a preset (qwen3-0.6b, llama-3.1-8b, qwen3-8b, qwen3-30b-a3b, tiny, moe-tiny,
-smollm2) or an HF directory. For a mixture of experts the bound counts the experts each decode
-step touches, from the routing the model gives the warm-up's prompt tokens.
+qwen3.5-0.8b, qwen3-next-80b-a3b-12l, qwen3.5-tiny, qwen3-next-tiny, smollm2) or an HF
+directory. For a mixture of experts the bound counts the experts each decode step touches,
+from the routing the model gives the warm-up's prompt tokens.
 
 --workload grpo: a GRPO-shaped rollout instead (workloads.py): 128 prompts x n=8 samples,
 prompts U[200, 1000], each prompt's output length from a long tail (mean 400, cut at 2000),

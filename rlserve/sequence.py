@@ -145,6 +145,7 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()
     sample_index: int = 0  # which of a prompt's n samples (its seed differs by it)
     lora_slot: int = -1  # the slot its LoRA adapter's weights sit in; -1: the base model
+    state_slot: int = -1  # a hybrid model's: its slot of the linear-attention state pool; -1: none
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)  # prompt, then output

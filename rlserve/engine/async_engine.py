@@ -63,6 +63,7 @@ class WeightUpdateResult:
     apply_seconds: float
     replicas: list[dict] | None = None  # data parallel: each replica's own answer
     staged: bool = False  # inside a transaction: kept until /finish_weight_update
+    skipped: int = 0  # names taken and dropped (a multimodal trainer's vision tower)
 
 
 def _front_end_tokenizer(config: EngineConfig):

@@ -22,7 +22,7 @@ import torch
 
 from rlserve.config import EngineConfig
 from rlserve.engine.grammar_wait import GrammarWait
-from rlserve.engine.kv_cache import KVCacheManager, RouteStore
+from rlserve.engine.kv_cache import RouteStore, kv_manager
 from rlserve.engine.outputs import (
     EngineCoreOutputs,
     EngineStats,
@@ -97,7 +97,7 @@ class EngineCore:
             self.lora = LoRAManager(self.executor, config.max_loras, config.max_cpu_loras, config.max_lora_rank)
             for name, path in config.lora_modules.items():
                 self.lora.load(name, path)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = kv_manager(self.executor.driver.model, num_blocks, config)
         # Routing replay: whether the model has MoE layers, and the capture when it runs
         self.moe = any(isinstance(m, SparseMoeBlock) for m in self.executor.driver.model.modules())
         capturer = self.executor.driver.runner.routes

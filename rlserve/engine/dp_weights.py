@@ -124,6 +124,7 @@ class ReplicaWeights:
                 "receive_seconds": max(v["receive_seconds"] for v in ok.values()),
                 "apply_seconds": max(v["apply_seconds"] for v in ok.values()),
                 "staged": bool(first.get("staged")),  # inside a transaction (every replica's is open)
+                "skipped": first.get("skipped", 0),
                 "replicas": [{"replica": i, **v} for i, v in sorted(ok.items())]}
 
     async def catch_up(self, r: Replica) -> None:

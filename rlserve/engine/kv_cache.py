@@ -18,12 +18,17 @@ are added and freed, which is what each step hands to the model runner.
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from collections import OrderedDict
 
 import numpy as np
 
+from rlserve.config import EngineConfig
 from rlserve.engine.request import Request
+from rlserve.engine.state_pool import StatePool
+
+logger = logging.getLogger(__name__)
 
 # What a cached block was computed after: the id of its parent block's contents (an int,
 # see BlockPool.content_id), or for a request's first block its salt (None: no salt).
@@ -198,8 +203,11 @@ class _Chain:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 states: StatePool | None = None):
+        """`states`: a hybrid model's state slots, taken and given back with a request's blocks."""
         self.block_size = block_size
+        self.states = states
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.blocks: dict[str, list[int]] = {}
@@ -256,6 +264,11 @@ class KVCacheManager:
             need = -(-total // self.block_size) - len(cached)
             if need > self.pool.num_free - evictable_hits:
                 return False
+            if self.states is not None:
+                slot = self.states.allocate()
+                if slot is None:
+                    return False
+                req.state_slot = slot
             for b in cached:
                 self.pool.touch(b)
             blocks = self.blocks[req.request_id] = list(cached)
@@ -312,6 +325,9 @@ class KVCacheManager:
             self.tables.release(row)
         req.kv_capacity = 0
         self.uncacheable.discard(req.request_id)
+        if self.states is not None and req.state_slot >= 0:
+            self.states.free(req.state_slot)
+            req.state_slot = -1
         # Freed last block first, so the prompt's head stays cached longest.
         for b in reversed(blocks or []):
             self.pool.free(b)
@@ -349,3 +365,15 @@ class KVCacheManager:
         """The block tables of `reqs` as one int32 array [len(reqs), most blocks], 0-padded."""
         rows = self.rows
         return self.tables.gather([rows[r.request_id] for r in reqs])
+
+
+def kv_manager(model, num_blocks: int, config: EngineConfig) -> KVCacheManager:
+    """The block pool, and a hybrid model's state slots beside it. A hybrid model's prefix
+    cache is off: a cached block would give back its keys and values, but not the
+    linear-attention state at its end (docs/hybrid.md)."""
+    if not getattr(model, "hybrid", False):
+        return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    if config.enable_prefix_caching:
+        logger.info("prefix caching is off for %s: its linear-attention state is not cached "
+                    "(docs/hybrid.md)", type(model).__name__)
+    return KVCacheManager(num_blocks, config.block_size, False, StatePool(config.max_num_seqs))

@@ -39,6 +39,7 @@ from rlserve.engine.messages import (
 )
 from rlserve.errors import ConflictError
 from rlserve.sampling_params import InvalidRequestError
+from rlserve.weight_transfer.receiver import skipped
 from rlserve.worker import calls as rank
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class _Received:
     receive_seconds: float
     lora: tuple[str, dict] | None  # an adapter's update: (name, its config for the workers)
     error: BaseException | None = None  # the receive failed
+    skipped: int = 0  # names the model took and dropped (a multimodal trainer's vision tower)
 
 
 @dataclass
@@ -218,7 +220,14 @@ class WeightUpdates:
             finally:
                 self.received.put(_Received(call, None, 0, 0.0, None, e))
             return
-        self.received.put(_Received(call, version, sizes[0], time.perf_counter() - t0, lora))
+        self.received.put(_Received(call, version, sizes[0], time.perf_counter() - t0, lora,
+                                    skipped=self._skipped(update_info, lora)))
+
+    def _skipped(self, update_info: Any, lora) -> int:
+        names = update_info.get("names") if isinstance(update_info, dict) and lora is None else None
+        if not isinstance(names, list):
+            return 0
+        return skipped([n for n in names if isinstance(n, str)], self.core.executor.driver.receiver.expected)
 
     def apply_received(self) -> None:
         """Between two steps (the loop's thread): apply what the threads received, and
@@ -253,7 +262,8 @@ class WeightUpdates:
         txn.touched = time.monotonic()
         self.answer(got.call, {"message": "Weights updated", "staged": True, "part": txn.parts,
                                "weight_version": self.core.weight_version, "num_bytes": got.num_bytes,
-                               "receive_seconds": got.receive_seconds, "apply_seconds": 0.0})
+                               "receive_seconds": got.receive_seconds, "apply_seconds": 0.0,
+                               "skipped": got.skipped})
 
     def _apply(self, got: _Received) -> None:
         t0 = time.perf_counter()
@@ -264,7 +274,7 @@ class WeightUpdates:
             return
         self.answer(got.call, {"message": "Weights updated", "weight_version": version,
                                "num_bytes": got.num_bytes, "receive_seconds": got.receive_seconds,
-                               "apply_seconds": time.perf_counter() - t0})
+                               "apply_seconds": time.perf_counter() - t0, "skipped": got.skipped})
 
     def _commit(self, version: int | None, lora: tuple[str, dict] | None = None) -> int:
         """Copy what every rank staged into the model, now (between two steps, so no step

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from rlserve.model.parallel import ParallelLMHead, ShardedModule
-from rlserve.weight_transfer.receiver import ExpectedParam  # what an update is checked against, too
+from rlserve.weight_transfer.receiver import ExpectedParam, ExpectedWeights  # what an update is checked against
 
 
 class Piece(NamedTuple):
@@ -116,6 +116,9 @@ class CausalLM(nn.Module):
     packed_modules: dict[str, list[str]] = {}
     # HF names that may appear in checkpoints but carry nothing we use.
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    # Names taken and dropped, whatever their shape (a multimodal checkpoint's vision tower,
+    # which a server of its text model does not hold); an update answers how many it dropped.
+    skipped_prefixes: tuple[str, ...] = ()
     tie_word_embeddings: bool = False
 
     # (our infix, the checkpoint's): names that a checkpoint spells differently from the
@@ -169,7 +172,7 @@ class CausalLM(nn.Module):
             self._slots = lookup
         return self._slots
 
-    def expected_weights(self) -> dict[str, ExpectedParam]:
+    def expected_weights(self) -> ExpectedWeights:
         """Every HF tensor this model takes, at its full shape; lm_head is optional when tied.
         Names that stand for others (`covers`) are optional; the ones they cover required."""
         out = {name: ExpectedParam(slot.full_shape, not slot.covers, covers=slot.covers)
@@ -177,7 +180,7 @@ class CausalLM(nn.Module):
         if self.tie_word_embeddings and "lm_head.weight" not in out:
             embed = next(n for n in out if n.endswith("embed_tokens.weight"))
             out["lm_head.weight"] = ExpectedParam(out[embed].shape, False)
-        return out
+        return ExpectedWeights(out, self.skipped_prefixes)
 
     def full_parameters(self) -> list[FullParameter]:
         """The parameters as one unsharded rank holds them, in `named_parameters` order;
@@ -199,7 +202,8 @@ class CausalLM(nn.Module):
 
     def is_ignored_weight(self, name: str) -> bool:
         return name.endswith(self.ignored_suffixes) or (
-            self.tie_word_embeddings and name == "lm_head.weight")
+            self.tie_word_embeddings and name == "lm_head.weight") or (
+            bool(self.skipped_prefixes) and name.startswith(self.skipped_prefixes))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

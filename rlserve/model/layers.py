@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from rlserve.ops.kernels import TORCH, Kernels
+
+if TYPE_CHECKING:
+    from rlserve.model.gated_deltanet import StateBatch
 
 
 @dataclass
@@ -23,6 +27,8 @@ class AttentionMetadata:
     max_seq_len: int
     # [num_seqs] int32, the sequences longest first: the order attention starts them in
     seq_order: torch.Tensor | None = None
+    # A hybrid model's step: each sequence's state slot (model/gated_deltanet.py)
+    states: StateBatch | None = None
 
 
 class RMSNorm(nn.Module):

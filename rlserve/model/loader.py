@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from rlserve.model.base import CausalLM, missing_weights
-from rlserve.model.registry import model_class
+from rlserve.model.registry import model_class, served_config
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def load_hf_config(path: str, trust_remote_code: bool = False, overrides: dict |
     `trust_remote_code`: run the Python code a config ships (its auto_map); the
     architecture it names must still be one rlserve implements (registry.py)."""
     from transformers import AutoConfig
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    hf_config = served_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
     for key, value in (overrides or {}).items():
         setattr(hf_config, key, value)
     return hf_config

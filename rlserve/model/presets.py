@@ -49,6 +49,46 @@ PRESETS = {
         attention_bias=False, torch_dtype="bfloat16", eos_token_id=151645, bos_token_id=151643),
 }
 
+# Hybrid models: Gated DeltaNet linear attention in three of every four layers.
+_QWEN3_5_ROPE = dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25)
+PRESETS.update({
+    # Qwen3.5-0.8B's text model (the multimodal checkpoint's text_config, served as
+    # Qwen3_5ForCausalLM): 24 layers, 6 of them full attention.
+    "qwen3.5-0.8b": dict(
+        architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=1024,
+        intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        vocab_size=248320, max_position_embeddings=262144, rope_parameters=_QWEN3_5_ROPE,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu", attention_bias=False,
+        torch_dtype="bfloat16", eos_token_id=248044, bos_token_id=248044),
+    # Qwen3-Next-80B-A3B: 512 experts, 10 a token and a shared one, 48 layers (160 GB in
+    # bf16: more than one card holds; see the next preset).
+    "qwen3-next-80b-a3b": dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", hidden_size=2048,
+        intermediate_size=5120, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_experts=512, num_experts_per_tok=10, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        vocab_size=151936, max_position_embeddings=262144, rope_parameters=_QWEN3_5_ROPE,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+        torch_dtype="bfloat16", eos_token_id=151645, bos_token_id=151643),
+})
+# Its first 12 layers (3 of full attention): every layer as the 80B has it, 41 GB in bf16,
+# one card's worth.
+PRESETS["qwen3-next-80b-a3b-12l"] = dict(PRESETS["qwen3-next-80b-a3b"], num_hidden_layers=12)
+# For CPU tests: "tiny"'s sizes as Qwen3.5, and as Qwen3-Next (8 experts, top-2).
+PRESETS["qwen3.5-tiny"] = dict(
+    PRESETS["tiny"], architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", num_hidden_layers=4,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4, full_attention_interval=4, rope_parameters=dict(_QWEN3_5_ROPE, rope_theta=10000.0),
+    rms_norm_eps=1e-6)
+PRESETS["qwen3-next-tiny"] = dict(
+    PRESETS["qwen3.5-tiny"], architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+    moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
 # "tiny" as a mixture of experts (8 experts, top-2; layer 1 dense), for CPU tests.
 PRESETS["moe-tiny"] = dict(
     PRESETS["tiny"], architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",

@@ -6,6 +6,13 @@ from rlserve.model.base import CausalLM
 from rlserve.model.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from rlserve.model.moe_models import MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from rlserve.model.opt import OPTForCausalLM
+from rlserve.model.qwen3_next import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3NextForCausalLM,
+)
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,14 +24,44 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
+
+# Multimodal wrappers of which only the text model is served: their config's text_config.
+_TEXT_ONLY = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 
 # Configs written without `architectures` (e.g. converted from GGUF) still name a model_type.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "opt": "OPTForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
+                  "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                  "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                  "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+
+
+def served_config(config):
+    """The config the served model reads: a multimodal wrapper's text_config (its vocabulary,
+    positions and layers), keeping the wrapper's architecture, which says how its weights
+    are named; any other config as it is."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs and getattr(config, "model_type", None) in _BY_MODEL_TYPE:
+        archs = [_BY_MODEL_TYPE[config.model_type]]
+    if not archs or archs[0] not in _TEXT_ONLY or getattr(config, "text_config", None) is None:
+        return config
+    text = config.get_text_config()
+    text.architectures = archs
+    # The wrapper's own flag ties its head (transformers ignores the text_config's).
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    for key in ("eos_token_id", "bos_token_id"):
+        if getattr(text, key, None) is None and getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    return text
 
 
 def model_class(config) -> type[CausalLM]:

@@ -148,6 +148,8 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
               "weight_version": result.weight_version, "bytes": result.num_bytes,
               "receive_seconds": result.receive_seconds, "apply_seconds": result.apply_seconds,
               "gb_per_second": gbps}
+    if result.skipped:  # a multimodal trainer's vision tower, which this server does not hold
+        answer["skipped"] = result.skipped
     if result.replicas is not None:
         answer["replicas"] = result.replicas
     return answer

@@ -42,7 +42,7 @@ from .packing import (
     plan_buckets,
     plan_digest,
 )
-from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, receiver_init
+from .receiver import ExpectedParam, ExpectedWeights, InitInfo, UpdateInfo, receive_weights, receiver_init
 from .trainer import GlooTrainerSendWeightsArgs, NCCLTrainerSendWeightsArgs
 from .trainer_factory import (
     GlooTrainerInitInfo,
@@ -55,7 +55,7 @@ from .trainer_factory import (
 
 __all__ = [
     "DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "DEFAULT_TIMEOUT_S",
-    "Bucket", "ExpectedParam", "GlooWeightTransferEngine", "IPCHandles", "IPCReceiver", "IPCSender",
+    "Bucket", "ExpectedParam", "ExpectedWeights", "GlooWeightTransferEngine", "IPCHandles", "IPCReceiver", "IPCSender",
     "IPCWeightTransferEngine", "InitInfo", "InvalidUpdateError",
     "NCCLWeightTransferEngine", "Slot", "TensorMeta", "TransferGroup", "UpdateInfo",
     "UpdateRefusedError", "WeightTransferError", "get_ip", "get_open_port", "rendezvous_address", "plan_buckets",

@@ -106,6 +106,26 @@ class ExpectedParam:
         object.__setattr__(self, "shape", tuple(self.shape))  # compared with metas' tuples
 
 
+class ExpectedWeights(dict[str, ExpectedParam]):
+    """A model's names and what each takes (name -> ExpectedParam), and the prefixes of
+    names it takes and drops, whatever their shape: a multimodal trainer's vision tower,
+    pushed with the text model whose server serves only the text."""
+
+    def __init__(self, params=(), skipped_prefixes: tuple[str, ...] = ()):
+        super().__init__(params)
+        self.skipped_prefixes = skipped_prefixes
+
+    def skips(self, name: str) -> bool:
+        return bool(self.skipped_prefixes) and name.startswith(self.skipped_prefixes)
+
+
+def skipped(names: Sequence[str], expected: Mapping[str, ExpectedParam]) -> int:
+    """How many of `names` the model takes and drops."""
+    if not isinstance(expected, ExpectedWeights) or not expected.skipped_prefixes:
+        return 0
+    return sum(map(expected.skips, names))
+
+
 @dataclass(frozen=True)
 class UpdateInfo:
     names: tuple[str, ...]
@@ -234,6 +254,8 @@ def check_against_model(metas: Sequence[TensorMeta], expected: Mapping[str, Expe
     """Refuse names, shapes or dtypes the model cannot take, listing the offenders. The
     lists are compared in bulk (an MoE model sends tens of thousands of names); only a
     failure is examined name by name."""
+    if isinstance(expected, ExpectedWeights) and expected.skipped_prefixes:
+        metas = [m for m in metas if not expected.skips(m.name)]  # received, then dropped
     index = _model_index(expected)
     names = list(map(_name_of, metas))
     sent = set(names)
@@ -406,7 +428,11 @@ def receive_weights(
     assert vetted is not None  # a refusal raised in the handshake
     metas = vetted.metas
     device = group.device if device is None else torch.device(device)
-    staging = [expected[m.name].dtype or target_dtype or m.dtype for m in metas]
+    staging = [_staging_dtype(expected.get(m.name)) or target_dtype or m.dtype for m in metas]
     staged = receive_buckets(group, metas, vetted.buckets, staging, device, plan.checksum)
     report_done(group, plan.turn)
     return staged
+
+
+def _staging_dtype(e: ExpectedParam | None) -> torch.dtype | None:
+    return None if e is None else e.dtype  # None: a name the model drops (ExpectedWeights)

@@ -81,7 +81,8 @@ def worst_prefill(limits: WorstSteps, lora_slot: int) -> SchedulerOutput:
     left = limits.max_num_batched_tokens
     while left > 0 and len(items) < limits.max_num_seqs:
         n = min(left, limits.max_model_len)
-        seq = Sequence(f"profile-prefill-{len(items)}", [0] * n, params, lora_slot=lora_slot)
+        seq = Sequence(f"profile-prefill-{len(items)}", [0] * n, params, lora_slot=lora_slot,
+                       state_slot=len(items))
         items.append(ScheduledRequest(seq, n))
         left -= n
     return SchedulerOutput(items, limits.max_num_batched_tokens - left)
@@ -92,7 +93,8 @@ def worst_decode(limits: WorstSteps, lora_slot: int) -> SchedulerOutput:
     params = _worst_params(limits.max_logprobs, prompt=False)
     items = []
     for i in range(limits.max_num_seqs):
-        seq = Sequence(f"profile-decode-{i}", [0] * limits.max_model_len, params, lora_slot=lora_slot)
+        seq = Sequence(f"profile-decode-{i}", [0] * limits.max_model_len, params, lora_slot=lora_slot,
+                       state_slot=i)
         seq.num_computed_tokens = limits.max_model_len - 1
         items.append(ScheduledRequest(seq, 1))
     return SchedulerOutput(items, len(items))
@@ -106,7 +108,8 @@ def _tables(sched: SchedulerOutput, max_model_len: int, block_size: int) -> np.n
 
 def run_worst_steps(runner, limits: WorstSteps) -> None:
     """The worst prefill, then the worst decode, on `runner`'s KV cache (one block is enough:
-    every table points at block 0)."""
+    every table points at block 0) and, for a hybrid model, its state pool (sequence i in
+    slot i)."""
     lora_slot = 0 if runner.lora is not None else -1
     for sched in (worst_prefill(limits, lora_slot), worst_decode(limits, lora_slot)):
         tables = _tables(sched, limits.max_model_len, runner.block_size)
@@ -129,6 +132,7 @@ def profile_memory(runner, limits: WorstSteps) -> MemoryProfile:
     weights = torch.cuda.memory_allocated(device)
 
     runner.allocate_kv_cache(1)
+    runner.allocate_states(limits.max_num_seqs)  # counted apart (Worker.size_kv_cache), not as activations
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     run_worst_steps(runner, limits)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from rlserve.model.base import CausalLM
+from rlserve.model.gated_deltanet import StateBatch, bind_states, linear_attention_layers, state_bytes_per_sequence
 from rlserve.model.layers import PagedAttention
 from rlserve.model.routed_experts import RoutedExpertsCapturer
 from rlserve.ops import kernels
@@ -72,6 +73,7 @@ class ModelRunner:
         if lora is not None:
             lora.context.kernels = self.kernels
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        self.state_layers = linear_attention_layers(model)  # a hybrid model's; their state pool beside the KV
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None  # fp8 caches only
         self.num_blocks = 0
@@ -114,7 +116,16 @@ class ModelRunner:
                 layer.k_scale, layer.v_scale = self.kv_scales[i, 0], self.kv_scales[i, 1]
         self.num_blocks = num_blocks
 
+    def state_bytes_per_sequence(self) -> int:
+        """A running sequence's linear-attention states (0: not a hybrid model)."""
+        return state_bytes_per_sequence(self.model, self.dtype)
+
+    def allocate_states(self, num_slots: int) -> None:
+        """A hybrid model's state pool: `num_slots` sequences (max_num_seqs)."""
+        bind_states(self.model, num_slots, self.device, self.dtype)
+
     def free_kv_cache(self) -> None:
+        bind_states(self.model, 0, self.device, self.dtype)
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = layer.k_scale = layer.v_scale = None
         self.kv_cache = self.kv_scales = None
@@ -123,8 +134,10 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, largest_only: bool = False) -> None:
         """Capture decode steps for a ladder of batch sizes (or its largest alone); see CudaGraphs."""
-        if self.device.type != "cuda" or not self.kernels.graphs:
-            return  # the torch reference ops read tensors on the host: not capturable
+        if self.device.type != "cuda" or not self.kernels.graphs or self.state_layers:
+            # The torch reference ops read tensors on the host: not capturable; nor, yet, a
+            # hybrid model's step (its state slots are not among a graph's inputs).
+            return
         self.graphs = CudaGraphs(self.model, self.device, self.block_size, self.lora, min(max_num_seqs, 512),
                                  max_model_len, largest_only)
 
@@ -163,6 +176,8 @@ class ModelRunner:
         `sample=False` queues the forward pass and leaves the sampling to `sample`, for a
         grammar mask that the host can only fill once the previous step's tokens are back."""
         batch = self.prepare(sched, block_tables, prev)
+        if self.state_layers:
+            batch.meta.states = self._state_batch(sched, batch)
         hidden = self.forward(batch, decode_only=batch.meta.max_query_len == 1)
         routes = self._copy_routes(batch.input_ids.shape[0]) if self.routes is not None else None
         n, padded = batch.num_logits, batch.logits_indices.shape[0]
@@ -223,6 +238,15 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return host, ready
+
+    def _state_batch(self, sched: SchedulerOutput, batch: BatchInputs) -> StateBatch:
+        """Each sequence's state slot, and whether its chunk starts the sequence."""
+        items = sched.scheduled
+        qsl = [0]
+        for it in items:
+            qsl.append(qsl[-1] + it.num_new_tokens)
+        return StateBatch.build([it.request.state_slot for it in items], qsl,
+                                [it.request.num_computed_tokens for it in items], self.device)
 
     def _copy_out(self, handle: StepHandle) -> None:
         """Queue the copy of the step's results to the host right behind the step itself.

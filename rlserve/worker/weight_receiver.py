@@ -23,6 +23,7 @@ from rlserve.model.base import copy_all
 from rlserve.model.peft import LoRAConfig, pair_tensors, peft_name
 from rlserve.weight_transfer import (
     ExpectedParam,
+    ExpectedWeights,
     InvalidUpdateError,
     TensorMeta,
     TransferGroup,
@@ -45,8 +46,9 @@ class WeightReceiver:
         self.model, self.device, self.dtype, self.lora, self.rank = model, device, dtype, lora, rank
         # Taken while the parameters have their real shapes (sleep empties them). One
         # object: the IPC receiver skips re-checking a document against the same checks.
-        self.expected: dict[str, ExpectedParam] = model.expected_weights()
-        self._optional = {n: dataclasses.replace(e, required=False) for n, e in self.expected.items()}
+        self.expected: ExpectedWeights = model.expected_weights()
+        self._optional = ExpectedWeights({n: dataclasses.replace(e, required=False) for n, e in self.expected.items()},
+                                         self.expected.skipped_prefixes)
         self.group: TransferGroup | None = None
         self._connecting: TransferGroup | None = None  # a transfer group whose init is under way (abortable)
         self.ipc: IPCReceiver | None = None

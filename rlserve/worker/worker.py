@@ -86,18 +86,21 @@ class Worker:
         if cfg.num_kv_blocks is not None:
             return KVSizing(cfg.num_kv_blocks)
         per_block = self.runner.kv_bytes_per_block()
+        # A hybrid model's state pool (a slot per sequence) comes out of the same budget.
+        states = cfg.max_num_seqs * self.runner.state_bytes_per_sequence()
         if cfg.kv_cache_memory_bytes is not None:
-            return KVSizing(kv_cache_blocks(cfg.kv_cache_memory_bytes, per_block))
+            return KVSizing(kv_cache_blocks(cfg.kv_cache_memory_bytes - states, per_block))
         if self.device.type != "cuda":
-            return KVSizing(kv_cache_blocks(_CPU_KV_DEFAULT_BYTES, per_block))
+            return KVSizing(kv_cache_blocks(_CPU_KV_DEFAULT_BYTES - states, per_block))
         limits = WorstSteps(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len, cfg.max_logprobs,
                             capture_graphs=not cfg.enforce_eager)
         profile = profile_memory(self.runner, limits)
-        num_blocks = kv_cache_blocks(kv_cache_budget(profile, cfg.gpu_memory_utilization), per_block)
+        num_blocks = kv_cache_blocks(kv_cache_budget(profile, cfg.gpu_memory_utilization) - states, per_block)
         return KVSizing(num_blocks, msgspec.structs.replace(profile, kv_cache=num_blocks * per_block))
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_states(self.config.max_num_seqs)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
@@ -131,6 +134,7 @@ class Worker:
                 p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=self.device)
         self._host_weights = {}
         self.runner.allocate_kv_cache(self._kv_blocks)
+        self.runner.allocate_states(self.config.max_num_seqs)
         if getattr(self, "_graph_args", None) is not None:
             self.runner.capture_cuda_graphs(*self._graph_args)
 

@@ -1,0 +1,250 @@
+"""Gated DeltaNet: the linear-attention layers of Qwen3-Next and Qwen3.5.
+
+Each such layer keeps, per running sequence, a conv state (the last K-1 inputs of its
+causal convolution) and a recurrent state (a Dk x Dv matrix per value head) instead of
+paged keys and values. The states of all sequences sit in one pool per layer, a slot a
+sequence (`bind_states`); the scheduler gives a request its slot for as long as it runs
+(rlserve/engine/state_pool.py), and a step says which slot each of its sequences has
+(`StateBatch`). A sequence whose chunk starts at position 0 starts from zero state, so a
+preempted request that comes back is simply recomputed.
+
+The recurrences themselves are in rlserve/ops/gated_delta.py (torch, the reference) and
+rlserve/ops/fla_gated_delta.py (the fla-core Triton kernels, on CUDA when installed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlserve.distributed import current_tp_group
+from rlserve.model.parallel import ColumnParallelLinear, RowParallelLinear, Shard
+from rlserve.ops import fla_gated_delta as fla
+from rlserve.ops import gated_delta as ref
+from rlserve.ops.kernels import TORCH, Kernels
+
+
+@dataclass
+class StateBatch:
+    """Which state slot each of a step's sequences uses (row order), and where its tokens are."""
+
+    slots: torch.Tensor  # int64 [num_seqs], on the model's device
+    fresh: torch.Tensor  # bool [num_seqs]: the chunk starts at position 0 (zero state)
+    spans: list[tuple[int, int]]  # each sequence's [start, end) of the step's tokens
+    slot_list: list[int]
+    fresh_list: list[bool]
+
+    @property
+    def decode(self) -> bool:
+        """One token per sequence."""
+        return len(self.spans) == (self.spans[-1][1] if self.spans else 0)
+
+    @classmethod
+    def build(cls, slots: list[int], query_start_loc: list[int], starts: list[int],
+              device: torch.device) -> StateBatch:
+        """`starts`: each sequence's first position this step."""
+        spans = list(zip(query_start_loc[:-1], query_start_loc[1:]))
+        fresh = [s == 0 for s in starts]
+        return cls(torch.tensor(slots, dtype=torch.int64, device=device),
+                   torch.tensor(fresh, dtype=torch.bool, device=device), spans, list(slots), fresh)
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """A Gated DeltaNet layer's sizes, as the config gives them."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def read(cls, config) -> LinearAttentionShape:
+        shape = cls(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+                    config.linear_value_head_dim, config.linear_conv_kernel_dim)
+        if shape.num_v_heads % shape.num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({shape.num_v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({shape.num_k_heads})")
+        if shape.conv_kernel < 2:
+            raise ValueError(f"linear_conv_kernel_dim: must be >= 2, got {shape.conv_kernel}")
+        return shape
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def state_bytes(self, conv_dtype: torch.dtype) -> int:
+        """One sequence's state in one layer: conv state (model dtype), recurrent state (float32)."""
+        return (self.conv_dim * (self.conv_kernel - 1) * conv_dtype.itemsize
+                + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4)
+
+
+def _whole(size: int) -> Shard:
+    return Shard(0, 0, size, size)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMS-normalise each value head's output, scale by the weight, gate by SiLU(z)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * x.to(dtype)) * F.silu(z.float())).to(dtype)
+
+
+class DepthwiseConv(nn.Module):
+    """The causal convolution's weight, as transformers' nn.Conv1d holds it: [channels, 1, K],
+    no bias (the ops read it as [channels, K])."""
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer. `fused_input`: Qwen3-Next's in_proj_qkvz / in_proj_ba,
+    grouped by key head; otherwise Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
+
+    kernels: Kernels = TORCH  # the worker binds its set; the Triton set runs fla-core's kernels
+    # Adapters on its projections are refused (model/lora.py reads this): not yet checked
+    # against PEFT on these layers. The full-attention layers take them.
+    lora_exempt = True
+
+    def __init__(self, config, fused_input: bool):
+        super().__init__()
+        if current_tp_group().world_size > 1:
+            raise ValueError(f"{config.architectures[0] if getattr(config, 'architectures', None) else 'this model'}:"
+                             " tensor_parallel_size must be 1 (linear-attention heads are not split yet)")
+        self.shape = s = LinearAttentionShape.read(config)
+        hidden = config.hidden_size
+        self.fused_input = fused_input
+        if fused_input:
+            self.in_proj_qkvz = ColumnParallelLinear(hidden, [_whole(s.conv_dim + s.value_dim)], bias=False)
+            self.in_proj_ba = ColumnParallelLinear(hidden, [_whole(2 * s.num_v_heads)], bias=False)
+        else:
+            self.in_proj_qkv = ColumnParallelLinear(hidden, [_whole(s.conv_dim)], bias=False)
+            self.in_proj_z = ColumnParallelLinear(hidden, [_whole(s.value_dim)], bias=False)
+            self.in_proj_b = ColumnParallelLinear(hidden, [_whole(s.num_v_heads)], bias=False)
+            self.in_proj_a = ColumnParallelLinear(hidden, [_whole(s.num_v_heads)], bias=False)
+        self.conv1d = DepthwiseConv(s.conv_dim, s.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
+        self.norm = GatedRMSNorm(s.head_v_dim, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(_whole(s.value_dim), hidden, bias=False)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act: Gated DeltaNet layers support silu, got {act!r}")
+        # Bound by bind_states: [slots, conv_dim, K-1] and [slots, Hv, Dk, Dv] (float32).
+        self.conv_state: torch.Tensor | None = None
+        self.recurrent_state: torch.Tensor | None = None
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the conv's input [T, q|k|v], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
+        s, n = self.shape, x.shape[0]
+        if not self.fused_input:
+            z = self.in_proj_z(x).view(n, s.num_v_heads, s.head_v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        # Qwen3-Next groups the projections by key head: [q, k, v (r heads), z (r heads)] each,
+        # and [b (r), a (r)], r value heads per key head.
+        r = s.num_v_heads // s.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(n, s.num_k_heads, -1)
+        q, k, v, z = qkvz.split([s.head_k_dim, s.head_k_dim, r * s.head_v_dim, r * s.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(n, s.num_k_heads, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return mixed, z.reshape(n, s.num_v_heads, s.head_v_dim), b.reshape(n, -1), a.reshape(n, -1)
+
+    def forward(self, x: torch.Tensor, states: StateBatch) -> torch.Tensor:
+        assert self.conv_state is not None and self.recurrent_state is not None, "bind_states first"
+        s, n = self.shape, x.shape[0]
+        mixed, z, b, a = self._project(x)
+        weight = self.conv1d.weight[:, 0]
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        fresh = states.fresh
+        if states.decode:
+            conv = self.conv_state[states.slots].masked_fill(fresh[:, None, None], 0)
+            mixed, conv = ref.causal_conv1d_step(mixed, weight, conv)
+            self.conv_state[states.slots] = conv.to(self.conv_state.dtype)
+        else:
+            mixed = self._conv_prefill(mixed, weight, states)
+        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q = q.view(n, s.num_k_heads, s.head_k_dim)
+        k = k.view(n, s.num_k_heads, s.head_k_dim)
+        v = v.view(n, s.num_v_heads, s.head_v_dim)
+        initial = self.recurrent_state[states.slots].masked_fill(fresh[:, None, None, None], 0)
+        if self.kernels.name != "torch" and fla.available():
+            out, final = fla.gated_delta_rule(q, k, v, g, beta, initial, states.spans, states.decode)
+        else:
+            out, final = _reference_delta_rule(q, k, v, g, beta, initial, states)
+        self.recurrent_state[states.slots] = final
+        out = self.norm(out.to(x.dtype).reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim))
+        return self.out_proj(out.view(n, s.value_dim))
+
+    def _conv_prefill(self, mixed: torch.Tensor, weight: torch.Tensor, states: StateBatch) -> torch.Tensor:
+        assert self.conv_state is not None
+        out = torch.empty_like(mixed)
+        for (start, end), slot, fresh in zip(states.spans, states.slot_list, states.fresh_list):
+            state = self.conv_state[slot]
+            if fresh:
+                state = torch.zeros_like(state)
+            out[start:end], new = ref.causal_conv1d(mixed[start:end], weight, state)
+            self.conv_state[slot] = new
+        return out
+
+
+def _reference_delta_rule(q, k, v, g, beta, initial: torch.Tensor, states: StateBatch
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch ops over a step's sequences: one recurrent step for all of them when each
+    has one token, else a chunked pass per sequence (a one-token chunk steps)."""
+    if states.decode:
+        return ref.recurrent_gated_delta_rule(q, k, v, g, beta, initial)
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    final = torch.empty_like(initial, dtype=torch.float32)
+    for i, (start, end) in enumerate(states.spans):
+        if end - start == 1 and not states.fresh_list[i]:
+            o, final[i:i + 1] = ref.recurrent_gated_delta_rule(
+                q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], initial[i:i + 1])
+        else:
+            o, final[i] = ref.chunk_gated_delta_rule(
+                q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], initial[i])
+        out[start:end] = o
+    return out, final
+
+
+def linear_attention_layers(model: nn.Module) -> list[GatedDeltaNet]:
+    return [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+
+
+def state_bytes_per_sequence(model: nn.Module, dtype: torch.dtype) -> int:
+    """What one running sequence's states take in every linear-attention layer."""
+    return sum(layer.shape.state_bytes(dtype) for layer in linear_attention_layers(model))
+
+
+def bind_states(model: nn.Module, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every linear-attention layer its state pool (num_slots = 0: free them)."""
+    for layer in linear_attention_layers(model):
+        s = layer.shape
+        if num_slots == 0:
+            layer.conv_state = layer.recurrent_state = None
+            continue
+        layer.conv_state = torch.zeros(num_slots, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device)
+        layer.recurrent_state = torch.zeros(num_slots, s.num_v_heads, s.head_k_dim, s.head_v_dim,
+                                            dtype=torch.float32, device=device)
