@@ -10,7 +10,7 @@ def __getattr__(name):
     # The engine is imported on first use: importing `rlserve` (and so any of its modules,
     # a worker process's included) stays light and below rlserve.engine.
     if name == "LLM":
-        from rlserve.engine.llm import LLM
+        from rlserve.llm import LLM
         return LLM
     if name == "RequestOutput":
         from rlserve.engine.request import RequestOutput

@@ -170,7 +170,7 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata=flag("no CUDA graphs", group=_RUN))
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "devices one model is split over", type=positive_int, aliases=["-tp"], group=_RUN))
-    # Data parallel (engine/dp_client.py): replicas behind one front end.
+    # Data parallel (frontend/dp_client.py): replicas behind one front end.
     data_parallel_size: int = field(default=1, metadata=flag(
         "engine replicas behind the one endpoint, each of --tensor-parallel-size devices "
         "(replica i: GPUs i*TP..(i+1)*TP-1)", type=positive_int, aliases=["-dp"], group=_RUN))

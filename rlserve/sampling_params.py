@@ -4,7 +4,7 @@ the structured-output spec, checked when they are made.
 Its own module, as vLLM's sampling_params.py, below the engine and the workers: the API
 server builds these values, the engine core runs requests with them, and a worker
 process of another tensor-parallel rank rebuilds them from a step message
-(rlserve.worker.messages). InvalidRequestError, the user error their checks raise, lives
+(rlserve.worker.channel). InvalidRequestError, the user error their checks raise, lives
 here for the same reason.
 """
 
@@ -107,7 +107,7 @@ class SamplingParams:
     stop tokens while below `min_tokens`), `logit_bias`, the penalties, then temperature,
     min-p, top-k and top-p.
     `bad_words` are strings the front end turns into `bad_words_token_ids`
-    (rlserve.engine.bad_words); the engine itself only reads token ids.
+    (rlserve.frontend.bad_words); the engine itself only reads token ids.
     """
 
     n: int = 1
@@ -230,7 +230,7 @@ class SamplingParams:
         if self.bad_words:
             raise InvalidRequestError(
                 "bad_words: must be converted to bad_words_token_ids before the engine "
-                "(rlserve.engine.bad_words.convert_bad_words)", "bad_words")
+                "(rlserve.frontend.bad_words.convert_bad_words)", "bad_words")
 
     @property
     def uses_logits_processors(self) -> bool:

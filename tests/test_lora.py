@@ -182,7 +182,7 @@ def test_more_adapters_than_host_memory_are_read_again_from_disk(llm, adapters):
 
 def test_unload_is_refused_while_a_request_runs_with_the_adapter(llm, adapters):
     from rlserve import SamplingParams
-    from rlserve.engine.messages import ConflictError
+    from rlserve.wire.messages import ConflictError
     engine = llm.engine
     for req in engine.make_requests([1, 2, 3], SamplingParams(max_tokens=4), "busy", lora_name="a8"):
         engine.add_request(req)

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import start_server, start_tiny_server, stop_server
 from rlserve import SamplingParams
-from rlserve.engine.bad_words import convert_bad_words
+from rlserve.frontend.bad_words import convert_bad_words
 from rlserve.sequence import TokenLogprob
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.token_strings import LOGPROB_FLOOR

@@ -18,8 +18,8 @@ import torch
 
 from rlserve import LLM, SamplingParams
 from rlserve.config import EngineConfig
-from rlserve.engine.bad_words import bad_words_to_token_ids
 from rlserve.engine.request import Request
+from rlserve.frontend.bad_words import bad_words_to_token_ids
 from rlserve.model.demo_model import demo_model_path
 from rlserve.sampling_params import InvalidRequestError
 from sampling_reference import (
@@ -239,7 +239,7 @@ def test_tensor_parallel_ranks_apply_the_same_processors(model_path, raw):
 
 
 def test_new_fields_survive_the_step_message():
-    from rlserve.worker.messages import _request_from_wire, _request_to_wire
+    from rlserve.worker.channel import _request_from_wire, _request_to_wire
     p = SamplingParams(logit_bias={5: 1.5, 70: -2.0}, allowed_token_ids=[5, 70, 9], presence_penalty=0.5,
                        bad_words_token_ids=[[1, 2], [3]], frequency_penalty=-0.25, repetition_penalty=1.1)
     wire = msgpack.unpackb(msgpack.packb(_request_to_wire(Request("r", [1, 2], p)), use_bin_type=True), raw=False)

@@ -254,7 +254,7 @@ def test_matcher_rollback_and_bitmask_rows(compiler):
 
 
 def test_spec_survives_the_step_message():
-    from rlserve.worker.messages import _request_from_wire, _request_to_wire
+    from rlserve.worker.channel import _request_from_wire, _request_to_wire
     p = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["x", "y"], disable_any_whitespace=True))
     wire = msgpack.unpackb(msgpack.packb(_request_to_wire(Request("r", [1], p)), use_bin_type=True), raw=False)
     assert _request_from_wire(wire).sampling_params == p

@@ -21,7 +21,6 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.engine.grammar_wait import GrammarWait
 from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.outputs import EngineCoreOutputs, EngineStats, Finished, Rejected, StepOut, merge_outputs
 from rlserve.engine.request import (
     EngineUnavailableError,
     FinishReason,
@@ -40,6 +39,7 @@ from rlserve.model.loader import (
     resolve_model_path,
 )
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.wire.outputs import EngineCoreOutputs, EngineStats, Finished, Rejected, StepOut, merge_outputs
 from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
 from rlserve.worker.model_runner import StepHandle
@@ -278,7 +278,7 @@ class EngineCore:
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
         if mode == "wait" and self.pause_mode == "keep" and self.has_unfinished():
-            from rlserve.engine.messages import ConflictError
+            from rlserve.wire.messages import ConflictError
             raise ConflictError(
                 f"mode: wait: generation is paused with mode keep and {len(self.unfinished_ids())} "
                 "requests are frozen, so waiting for them would never end; POST /resume first "

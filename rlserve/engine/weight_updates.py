@@ -24,7 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlserve.engine.messages import (
+from rlserve.errors import ConflictError
+from rlserve.sampling_params import InvalidRequestError
+from rlserve.wire.messages import (
     Call,
     CopyWeightsFromPeer,
     CopyWeightsToPeer,
@@ -37,8 +39,6 @@ from rlserve.engine.messages import (
     WeightChecksums,
     WeightsLayout,
 )
-from rlserve.errors import ConflictError
-from rlserve.sampling_params import InvalidRequestError
 from rlserve.worker import calls as rank
 
 logger = logging.getLogger(__name__)

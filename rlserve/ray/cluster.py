@@ -15,7 +15,7 @@ replica on CPU. The replica actor (replica.py) takes bundle 0 and starts the eng
 process on the GPUs of all its bundles (the others are held by small GPUHolder actors).
 
 The router is `rlserve serve --data-parallel-size N` started here, in this process's node
-(the trainer's), attached over ZeroMQ/TCP to the engines (engine/dp_client.py): it routes
+(the trainer's), attached over ZeroMQ/TCP to the engines (frontend/dp_client.py): it routes
 requests, fans the control plane out, and answers at `cluster.url`. A replica whose engine
 dies is taken out of rotation at once; this object's monitor thread starts a new engine in
 the same actor and attaches it (`POST /replicas/{i}/attach`), which copies the current

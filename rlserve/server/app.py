@@ -18,7 +18,6 @@ from starlette.exceptions import HTTPException
 
 from rlserve import __version__, envs
 from rlserve.config import EngineConfig
-from rlserve.engine.messages import ConflictError, EngineDeadError
 from rlserve.engine.request import EngineUnavailableError
 from rlserve.process import profiled
 from rlserve.sampling_params import InvalidRequestError
@@ -29,9 +28,10 @@ from rlserve.server.responses import APIError, VersionResponse, error_type
 from rlserve.server.serving import ServingOptions
 from rlserve.server.serving_chat import ChatServing
 from rlserve.server.serving_completion import CompletionServing
+from rlserve.wire.messages import ConflictError, EngineDeadError
 
 if TYPE_CHECKING:
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.frontend.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from rlserve.server.options import ServeOptions
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.frontend.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(config: EngineConfig, opts: ServeOptions) -> int:
     """Run the server until it is stopped; returns the process's exit code."""
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.frontend.async_engine import AsyncEngine
     try:  # a port in use fails now, not after the model has loaded
         sock = bind_socket(opts.host, opts.port)
     except OSError as e:
@@ -104,7 +104,7 @@ def _run(engine: AsyncEngine, config: EngineConfig, opts: ServeOptions, sock: so
 
 def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engine: AsyncEngine,
                       sock: socket.socket) -> subprocess.Popen:
-    from rlserve.engine.core_client import EngineCoreClient
+    from rlserve.frontend.core_client import EngineCoreClient
     sock.set_inheritable(True)
     client = engine.client
     assert isinstance(client, EngineCoreClient)  # one engine: the CLI refuses more API servers with data parallel
@@ -117,8 +117,8 @@ def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engi
 
 def api_server_main(argv: list[str] | None = None) -> int:
     """A further API server: attach to the running engine, serve on the inherited socket."""
-    from rlserve.engine.async_engine import AsyncEngine
-    from rlserve.engine.core_client import EngineAddresses
+    from rlserve.frontend.async_engine import AsyncEngine
+    from rlserve.frontend.core_client import EngineAddresses
     parser = argparse.ArgumentParser(description="one more rlserve API server process")
     parser.add_argument("--fd", type=int, required=True, help="the listening socket")
     parser.add_argument("--index", type=int, required=True, help="this API server's number")

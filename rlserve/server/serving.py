@@ -15,10 +15,10 @@ from pydantic import BaseModel
 
 from rlserve import json_depth
 from rlserve.config import EngineConfig
-from rlserve.engine.bad_words import convert_bad_words
-from rlserve.engine.output_processor import RequestState, SampleDelta
 from rlserve.engine.request import validate_prompt, version_spans
 from rlserve.engine.structured_output import StructuredOutputCompiler
+from rlserve.frontend.bad_words import convert_bad_words
+from rlserve.frontend.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
 from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
 from rlserve.server.metrics import ServerMetrics
@@ -38,7 +38,7 @@ from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
 
 if TYPE_CHECKING:
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.frontend.async_engine import AsyncEngine
 
 
 @dataclass

@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from rlserve.engine.detokenizer import IncrementalDetokenizer
-from rlserve.engine.outputs import EngineCoreOutputs, FinalTokens, RequestTiming, Started
 from rlserve.engine.request import CompletionOutput, RequestOutput, sample_ids
+from rlserve.frontend.detokenizer import IncrementalDetokenizer
 from rlserve.sampling_params import SamplingParams
 from rlserve.sequence import TokenLogprob
+from rlserve.wire.outputs import EngineCoreOutputs, FinalTokens, RequestTiming, Started
 
 
 class LatencyObserver(Protocol):

@@ -13,10 +13,10 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from rlserve.config import EngineConfig
-from rlserve.engine.bad_words import convert_bad_words
 from rlserve.engine.core import EngineCore
-from rlserve.engine.output_processor import OutputProcessor, RequestState
 from rlserve.engine.request import Request, RequestOutput, check_cache_salt
+from rlserve.frontend.bad_words import convert_bad_words
+from rlserve.frontend.output_processor import OutputProcessor, RequestState
 from rlserve.model.base import missing_weights
 from rlserve.sampling_params import SamplingParams
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import msgspec
 
-from rlserve.engine.outputs import EngineCoreOutputs
 from rlserve.errors import (  # noqa: F401 (re-exported)
     ConflictError,
     EngineDeadError,
@@ -32,6 +31,7 @@ from rlserve.errors import (  # noqa: F401 (re-exported)
     to_wire,
 )
 from rlserve.sampling_params import SamplingParams
+from rlserve.wire.outputs import EngineCoreOutputs
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):

@@ -20,8 +20,10 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from rlserve.config import EngineConfig
-from rlserve.engine.dp_replica import STALE, STARTING, UP, Replica, call_all, combine_errors
-from rlserve.engine.messages import (
+from rlserve.engine.request import EngineUnavailableError
+from rlserve.frontend.dp_replica import STALE, STARTING, UP, Replica, call_all, combine_errors
+from rlserve.weight_transfer.address import get_open_port
+from rlserve.wire.messages import (
     ConflictError,
     CopyWeightsFromPeer,
     CopyWeightsToPeer,
@@ -30,9 +32,7 @@ from rlserve.engine.messages import (
     UpdateWeights,
     WeightsLayout,
 )
-from rlserve.engine.outputs import EngineStats
-from rlserve.engine.request import EngineUnavailableError
-from rlserve.weight_transfer.address import get_open_port
+from rlserve.wire.outputs import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlserve.engine.core_client import EngineCoreClient
-from rlserve.engine.messages import AnyControlCall, CallResult, EngineReady, error_from_result
+from rlserve.frontend.core_client import EngineCoreClient
+from rlserve.wire.messages import AnyControlCall, CallResult, EngineReady, error_from_result
 
 STARTING, UP, STALE, DOWN = "starting", "up", "stale", "down"
 

@@ -30,11 +30,13 @@ from typing import Any
 import msgspec
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core_client import EngineAddresses, EngineCoreClient
-from rlserve.engine.dp_replica import DOWN, STALE, STARTING, UP, Replica, call_all
-from rlserve.engine.dp_router import Router
-from rlserve.engine.dp_weights import ReplicaWeights
-from rlserve.engine.messages import (
+from rlserve.engine.request import EngineUnavailableError, sample_ids
+from rlserve.frontend.core_client import EngineAddresses, EngineCoreClient
+from rlserve.frontend.dp_replica import DOWN, STALE, STARTING, UP, Replica, call_all
+from rlserve.frontend.dp_router import Router
+from rlserve.frontend.dp_weights import ReplicaWeights
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.wire.messages import (
     AbortAll,
     AnyControlCall,
     ConflictError,
@@ -49,9 +51,7 @@ from rlserve.engine.messages import (
     WakeUp,
     WeightChecksums,
 )
-from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
-from rlserve.engine.request import EngineUnavailableError, sample_ids
-from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.wire.outputs import EngineCoreOutputs, EngineStats
 
 logger = logging.getLogger(__name__)
 

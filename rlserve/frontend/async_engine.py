@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core_client import EngineAddresses, EngineCoreClient
-from rlserve.engine.messages import (
+from rlserve.engine.request import EngineUnavailableError, RequestOutput, check_cache_salt, sample_ids, validate_prompt
+from rlserve.frontend.core_client import EngineAddresses, EngineCoreClient
+from rlserve.frontend.output_processor import LatencyObserver, OutputProcessor, RequestState
+from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.wire.messages import (
     AbortAll,
     AnyControlCall,
     EngineDeadError,
@@ -42,13 +45,10 @@ from rlserve.engine.messages import (
     WakeUp,
     WeightChecksums,
 )
-from rlserve.engine.output_processor import LatencyObserver, OutputProcessor, RequestState
-from rlserve.engine.outputs import EngineCoreOutputs, EngineStats
-from rlserve.engine.request import EngineUnavailableError, RequestOutput, check_cache_salt, sample_ids, validate_prompt
-from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.wire.outputs import EngineCoreOutputs, EngineStats
 
 if TYPE_CHECKING:
-    from rlserve.engine.dp_client import DPEngineClient
+    from rlserve.frontend.dp_client import DPEngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class AsyncEngine:
         self.model_name = config.name
         self.client: EngineCoreClient | DPEngineClient
         if config.data_parallel_size > 1:
-            from rlserve.engine.dp_client import DPEngineClient
+            from rlserve.frontend.dp_client import DPEngineClient
             self.client = DPEngineClient(config, log_level=log_level)
         else:
             self.client = EngineCoreClient(config, client_index=client_index, num_clients=num_clients,

@@ -26,7 +26,9 @@ import zmq
 import zmq.asyncio
 
 from rlserve.config import EngineConfig
-from rlserve.engine.messages import (
+from rlserve.process import spawn
+from rlserve.sampling_params import SamplingParams
+from rlserve.wire.messages import (
     AbortRequests,
     AddRequest,
     AnyControlCall,
@@ -39,9 +41,7 @@ from rlserve.engine.messages import (
     Shutdown,
     error_from_result,
 )
-from rlserve.engine.outputs import EngineCoreOutputs
-from rlserve.process import spawn
-from rlserve.sampling_params import SamplingParams
+from rlserve.wire.outputs import EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
 
