@@ -13,6 +13,6 @@ def __getattr__(name):
         from rlserve.llm import LLM
         return LLM
     if name == "RequestOutput":
-        from rlserve.engine.request import RequestOutput
+        from rlserve.frontend.request_output import RequestOutput
         return RequestOutput
     raise AttributeError(name)

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING
 
 from rlserve.config import EngineConfig
 from rlserve.engine.core import EngineCore
-from rlserve.engine.request import Request, RequestOutput, check_cache_salt
+from rlserve.engine.request import Request
 from rlserve.frontend.bad_words import convert_bad_words
 from rlserve.frontend.output_processor import OutputProcessor, RequestState
+from rlserve.frontend.request_output import RequestOutput
 from rlserve.model.base import missing_weights
 from rlserve.sampling_params import SamplingParams
+from rlserve.wire.validation import check_cache_salt
 
 if TYPE_CHECKING:
     import torch

@@ -21,16 +21,9 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.engine.grammar_wait import GrammarWait
 from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.request import (
-    EngineUnavailableError,
-    FinishReason,
-    Request,
-    RequestStatus,
-    sample_ids,
-    validate_prompt,
-)
+from rlserve.engine.request import FinishReason, Request, RequestStatus
 from rlserve.engine.scheduler import Scheduler
-from rlserve.errors import ConflictError, ModelNotFoundError
+from rlserve.errors import ConflictError, EngineUnavailableError, ModelNotFoundError
 from rlserve.model.loader import (
     eos_token_ids,
     load_hf_config,
@@ -40,6 +33,7 @@ from rlserve.model.loader import (
 )
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
 from rlserve.wire.outputs import EngineCoreOutputs, EngineStats, Finished, Rejected, StepOut, merge_outputs
+from rlserve.wire.validation import sample_ids, validate_prompt
 from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
 from rlserve.worker.model_runner import StepHandle

@@ -41,9 +41,8 @@ import zmq
 
 from rlserve import envs
 from rlserve.engine.core import EngineCore
-from rlserve.engine.request import EngineUnavailableError
 from rlserve.engine.weight_updates import LATER, Handler, WeightUpdates
-from rlserve.errors import ConflictError, ModelNotFoundError
+from rlserve.errors import ConflictError, EngineUnavailableError, ModelNotFoundError
 from rlserve.process import profiled, watch_parent
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.weight_transfer.address import get_ip

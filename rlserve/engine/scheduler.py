@@ -22,7 +22,7 @@ from collections import deque
 from typing import TYPE_CHECKING, cast
 
 from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.request import FinishReason, Request, RequestStatus, version_spans
+from rlserve.engine.request import FinishReason, Request, RequestStatus
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from rlserve.wire.outputs import (
@@ -33,6 +33,7 @@ from rlserve.wire.outputs import (
     RequestTiming,
     Started,
     StepOut,
+    version_spans,
 )
 
 if TYPE_CHECKING:

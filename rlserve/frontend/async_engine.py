@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from rlserve.config import EngineConfig
-from rlserve.engine.request import EngineUnavailableError, RequestOutput, check_cache_salt, sample_ids, validate_prompt
+from rlserve.errors import EngineUnavailableError
 from rlserve.frontend.core_client import EngineAddresses, EngineCoreClient
 from rlserve.frontend.output_processor import LatencyObserver, OutputProcessor, RequestState
+from rlserve.frontend.request_output import RequestOutput
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
 from rlserve.wire.messages import (
     AbortAll,
@@ -46,6 +47,7 @@ from rlserve.wire.messages import (
     WeightChecksums,
 )
 from rlserve.wire.outputs import EngineCoreOutputs, EngineStats
+from rlserve.wire.validation import check_cache_salt, sample_ids, validate_prompt
 
 if TYPE_CHECKING:
     from rlserve.frontend.dp_client import DPEngineClient

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from rlserve.config import EngineConfig
-from rlserve.engine.request import EngineUnavailableError, sample_ids
+from rlserve.errors import EngineUnavailableError
 from rlserve.frontend.core_client import EngineAddresses, EngineCoreClient
 from rlserve.frontend.dp_replica import DOWN, STALE, STARTING, UP, Replica, call_all
 from rlserve.frontend.dp_router import Router
@@ -52,6 +52,7 @@ from rlserve.wire.messages import (
     WeightChecksums,
 )
 from rlserve.wire.outputs import EngineCoreOutputs, EngineStats
+from rlserve.wire.validation import sample_ids
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from rlserve.config import EngineConfig
-from rlserve.engine.request import EngineUnavailableError
+from rlserve.errors import EngineUnavailableError
 from rlserve.frontend.dp_replica import STALE, STARTING, UP, Replica, call_all, combine_errors
 from rlserve.weight_transfer.address import get_open_port
 from rlserve.wire.messages import (

@@ -13,11 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from rlserve.engine.request import CompletionOutput, RequestOutput, sample_ids
 from rlserve.frontend.detokenizer import IncrementalDetokenizer
+from rlserve.frontend.request_output import CompletionOutput, RequestOutput
 from rlserve.sampling_params import SamplingParams
 from rlserve.sequence import TokenLogprob
 from rlserve.wire.outputs import EngineCoreOutputs, FinalTokens, RequestTiming, Started
+from rlserve.wire.validation import sample_ids
 
 
 class LatencyObserver(Protocol):

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from rlserve import __version__, envs
 from rlserve.config import EngineConfig
-from rlserve.engine.request import EngineUnavailableError
+from rlserve.errors import EngineUnavailableError
 from rlserve.process import profiled
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.server import routes_openai

@@ -15,7 +15,6 @@ from pydantic import BaseModel
 
 from rlserve import json_depth
 from rlserve.config import EngineConfig
-from rlserve.engine.request import validate_prompt, version_spans
 from rlserve.engine.structured_output import StructuredOutputCompiler
 from rlserve.frontend.bad_words import convert_bad_words
 from rlserve.frontend.output_processor import RequestState, SampleDelta
@@ -36,6 +35,8 @@ from rlserve.server.responses import (
 )
 from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
+from rlserve.wire.outputs import version_spans
+from rlserve.wire.validation import validate_prompt
 
 if TYPE_CHECKING:
     from rlserve.frontend.async_engine import AsyncEngine

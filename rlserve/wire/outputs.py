@@ -9,6 +9,8 @@ pickle). Text is not the engine's business: the front end detokenizes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
 from rlserve.sequence import TokenLogprob
@@ -157,3 +159,24 @@ def merge_outputs(a: EngineCoreOutputs | None, b: EngineCoreOutputs | None) -> E
     b.finished[:0] = a.finished
     b.rejected[:0] = a.rejected
     return b
+
+
+# Which weights produced which output tokens: the engine records a version per token, the
+# front end reports them as spans.
+@dataclass
+class VersionSpan:
+    """Output tokens [start, end) were produced by weights of `version`."""
+
+    version: int
+    start: int
+    end: int
+
+
+def version_spans(token_versions: list[int]) -> list[VersionSpan]:
+    spans: list[VersionSpan] = []
+    for i, v in enumerate(token_versions):
+        if spans and spans[-1].version == v:
+            spans[-1].end = i + 1
+        else:
+            spans.append(VersionSpan(v, i, i + 1))
+    return spans
