@@ -1,8 +1,8 @@
 """rlserve: a rollout server for RL post-training with live weight updates."""
 
 from rlserve.sampling_params import SamplingParams
+from rlserve.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rlserve.flags import byte_size, flag, no_flag, positive_int
 from rlserve.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
@@ -28,6 +28,13 @@ KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8": "float8_e4m3fn",
                    "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "pt")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+class GrammarLimits(NamedTuple):
+    """The bounds on a structured-output grammar (engine/structured_output.py enforces them)."""
+
+    max_size: int = 1 << 20  # bytes of the spec, and of the grammar's EBNF text
+    timeout_s: float = 30.0  # seconds one compile may take
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str, config_dtype: Any = None) -> torch.dtype:
@@ -308,9 +315,8 @@ class EngineConfig:
         return self.served_model_name or self.model
 
     @property
-    def grammar_limits(self):
-        """structured_output.GrammarLimits: how large a grammar, and how long its compile."""
-        from rlserve.engine.structured_output import GrammarLimits
+    def grammar_limits(self) -> GrammarLimits:
+        """How large a grammar, and how long its compile."""
         return GrammarLimits(self.max_grammar_size, self.grammar_compile_timeout_s)
 
     def replica(self, index: int) -> EngineConfig:

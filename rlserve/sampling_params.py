@@ -18,17 +18,11 @@ from typing import NoReturn
 import numpy as np
 
 from rlserve import json_depth
+from rlserve.errors import InvalidRequestError  # noqa: F401 (re-exported: the name callers know)
 
 MAX_LOGPROBS = 20  # --max-logprobs by default (vLLM's)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's range for a bias: [-100, 100]
 
-
-class InvalidRequestError(ValueError):
-    """A user error. `param` names the offending field; the server turns this into a 400."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 

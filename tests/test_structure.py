@@ -1,4 +1,5 @@
-"""The package's shape, as a newcomer meets it: rlserve.engine sits above rlserve.worker
+"""The package's shape, as a newcomer meets it: layers whose imports all point down (LAYERS),
+rlserve.engine above rlserve.worker
 (the values they share, rlserve.sequence and rlserve.sampling_params, below both), no
 function outgrows a screen, and the README's layout names every module."""
 
@@ -137,12 +138,20 @@ def _imported_modules(path: Path, known: set[str]) -> set[str]:
     return {m for m in found if m in known and m != me}
 
 
-def _import_circle() -> list[str]:
+def _module_paths() -> dict[str, Path]:
     modules = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(ROOT).with_suffix("")
         modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
-    graph = {m: _imported_modules(p, set(modules)) for m, p in modules.items()}
+    return modules
+
+
+def _module_graph() -> dict[str, set[str]]:
+    modules = _module_paths()
+    return {m: _imported_modules(p, set(modules)) for m, p in modules.items()}
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str]:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
@@ -168,11 +177,112 @@ def _import_circle() -> list[str]:
     return []
 
 
+def _import_circle() -> list[str]:
+    return _circle(_module_graph())
+
+
 def test_no_import_circle_in_the_package():
     """No module of rlserve reaches itself through its imports, function-local ones
     included: every layer can be read (and loaded) before the ones that use it."""
     circle = _import_circle()
     assert not circle, "import circle: " + " -> ".join(circle)
+
+
+# The package's layers, bottom first: a unit (a subpackage, or a module at the top) imports
+# only units of layers below its own. Units that share a layer never import each other:
+# rlserve.engine (the engine-core process) and rlserve.frontend (the API server's or the
+# caller's) meet only in rlserve.wire.
+LAYERS: list[set[str]] = [
+    {"rlserve.errors", "rlserve.envs", "rlserve.flags", "rlserve.json_depth", "rlserve.process",
+     "rlserve.distributed", "rlserve.version"},
+    {"rlserve.sampling_params"},
+    {"rlserve.sequence", "rlserve.config"},
+    {"rlserve.ops"},
+    {"rlserve.model"},
+    {"rlserve.weight_transfer"},
+    {"rlserve.wire"},
+    {"rlserve.worker"},
+    {"rlserve.engine", "rlserve.frontend"},
+    {"rlserve.llm", "rlserve.server"},
+    {"rlserve.cli"},
+    {"rlserve.ray"},
+    {"rlserve", "rlserve.__main__"},
+]
+
+
+def _unit(module: str) -> str:
+    """The layered unit a module belongs to: its subpackage of rlserve, else itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or (PACKAGE / parts[-1]).is_dir() else module
+
+
+def _unit_edges() -> dict[str, set[str]]:
+    """Unit -> the units it imports (function-local imports included), each edge once."""
+    edges: dict[str, set[str]] = {}
+    for m, imported in _module_graph().items():
+        edges.setdefault(_unit(m), set()).update(_unit(n) for n in imported if _unit(n) != _unit(m))
+    return edges
+
+
+def test_every_unit_of_the_package_has_a_layer():
+    layered = set().union(*LAYERS)
+    assert sum(len(layer) for layer in LAYERS) == len(layered)  # each unit in one layer
+    assert sorted(set(_unit_edges()) - layered) == [], "give the new package or module a layer in LAYERS"
+    assert sorted(layered - set(_unit_edges())) == [], "LAYERS names a unit that does not exist"
+
+
+def _upward(edges: dict[str, set[str]]) -> list[str]:
+    layer = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+    return sorted(f"{unit} -> {n}" for unit, imported in edges.items() for n in imported
+                  if layer.get(n, len(LAYERS)) >= layer.get(unit, -1))
+
+
+def test_every_import_points_down_the_layers():
+    """Lazy imports count too: a function-local import still loads the layer above."""
+    upward = _upward(_unit_edges())
+    assert upward == [], "imports that do not point to a lower layer:\n" + "\n".join(upward)
+
+
+def test_no_import_circle_between_packages():
+    circle = _circle(_unit_edges())
+    assert not circle, "import circle between packages: " + " -> ".join(circle)
+
+
+def test_the_layering_rules_refuse_what_they_should():
+    """The checks fail where they should: the engine reaching the front end (same layer),
+    the model reaching the weight transfer (upward), a unit no layer names, a circle."""
+    assert _unit("rlserve.frontend.async_engine") == "rlserve.frontend" and _unit("rlserve.llm") == "rlserve.llm"
+    assert _upward({"rlserve.engine": {"rlserve.frontend"}}) == ["rlserve.engine -> rlserve.frontend"]
+    assert _upward({"rlserve.model": {"rlserve.weight_transfer"}}) == ["rlserve.model -> rlserve.weight_transfer"]
+    assert _upward({"rlserve.new": {"rlserve.errors"}}) != []
+    assert _upward({"rlserve.weight_transfer": {"rlserve.model", "rlserve.errors"}}) == []
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_importing_the_model_loads_no_weight_transfer_module():
+    """Every rank imports the model: it must not bring the trainer's client (and `requests`)
+    or the receiver with it. The model says what it accepts (ExpectedParam); the weight
+    transfer reads that, never the other way round."""
+    code = ("import json, sys\nimport rlserve.model.base, rlserve.model.registry\n"
+            "print(json.dumps(sorted(m for m in sys.modules if 'weight_transfer' in m or m == 'requests')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_weight_transfer_face_loads_one_side_at_a_time():
+    """`import rlserve.weight_transfer` loads nothing more; a trainer's name loads the
+    trainer side only, a server's name the server side only."""
+    code = ("import json, sys\nimport rlserve.weight_transfer as wt\nout = [sorted(sys.modules)]\n"
+            "wt.NCCLWeightTransferEngine\nout.append(sorted(sys.modules))\n"
+            "wt.receiver_init\nout.append(sorted(sys.modules))\nprint(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    bare, trainer, both = (set(x) for x in json.loads(r.stdout.strip().splitlines()[-1]))
+    wt = "rlserve.weight_transfer."
+    assert not {m for m in bare if m.startswith(wt)}
+    assert wt + "nccl" in trainer and wt + "receiver" not in trainer and "requests" not in trainer
+    assert wt + "receiver" in both and wt + "client" not in both
 
 
 def test_weight_transfer_sides_import_only_the_shared_layer():

@@ -16,7 +16,8 @@ from rlserve.wire.outputs import Rejected
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from rlserve.engine.structured_output import CompiledGrammar, GrammarLimits, StructuredOutputCompiler
+    from rlserve.config import GrammarLimits
+    from rlserve.engine.structured_output import CompiledGrammar, StructuredOutputCompiler
 
 
 class GrammarWait:

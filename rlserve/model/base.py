@@ -14,13 +14,29 @@ required themselves; the names they cover count as sent (`missing_weights`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
 from rlserve.model.parallel import ParallelLMHead, ShardedModule
-from rlserve.weight_transfer.receiver import ExpectedParam  # what an update is checked against, too
+
+
+@dataclass(frozen=True)
+class ExpectedParam:
+    """What the server's model accepts under one name: what a checkpoint load and a live
+    update are both checked against (expected_weights() builds them from the weight slots)."""
+
+    shape: tuple[int, ...]
+    required: bool = True  # a required name missing from an update refuses it
+    dtype: torch.dtype | None = None  # staging dtype for this name; None: receive_weights' target_dtype
+    # Required names this one carries too (a stacked expert tensor's per-expert names): sent
+    # with it, they are not missing, and sent beside it, they are sent twice.
+    covers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))  # compared with metas' tuples
 
 
 class Piece(NamedTuple):

@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from rlserve import __version__, envs
+from rlserve import envs
 from rlserve.config import EngineConfig
 from rlserve.errors import EngineUnavailableError
 from rlserve.process import profiled
@@ -28,6 +28,7 @@ from rlserve.server.responses import APIError, VersionResponse, error_type
 from rlserve.server.serving import ServingOptions
 from rlserve.server.serving_chat import ChatServing
 from rlserve.server.serving_completion import CompletionServing
+from rlserve.version import __version__
 from rlserve.wire.messages import ConflictError, EngineDeadError
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Live weight transfer from a trainer (rank 0) to the server's workers (ranks 1..N).
 
-Trainer side, as in the seed script::
+Trainer side, as in vLLM's RLHF-over-HTTP example::
 
     from rlserve.weight_transfer import NCCLWeightTransferEngine, get_ip, get_open_port
     group = NCCLWeightTransferEngine.trainer_init(dict(master_address=..., master_port=..., world_size=...))
@@ -13,6 +13,9 @@ Today's vLLM names work too: `trainer_args=NCCLTrainerSendWeightsArgs(group=...,
 (or a dict), and `WeightTransferTrainerFactory.trainer_init(init_info=..., client=
 HTTPVLLMWeightSyncClient(url), source=ModuleSource(model)).send_weights()` (trainer_factory.py).
 
+The names below load on first use (PEP 562): a trainer that imports the package loads only
+the trainer side, a server rank only the server side, and the model imports none of it.
+
 Modules, by side (imports run from the sides to the shared layer, never back, never across):
 trainer side: trainer, gloo, nccl, ipc_sender, http_client, client, trainer_factory;
 server side: receiver, ipc_receiver, peer;
@@ -22,36 +25,88 @@ plane), packing (the bucket plan), checksum, ipc (the CUDA IPC wire format), add
 (master_address), errors.
 """
 
-from .address import get_ip, get_open_port, rendezvous_address
-from .client import PushResult, WeightSyncClient
-from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
-from .gloo import GlooWeightTransferEngine
-from .group import DEFAULT_TIMEOUT_S, TransferGroup
-from .handshake import refuse
-from .http_client import HTTPVLLMWeightSyncClient
-from .ipc import IPCHandles
-from .ipc_receiver import IPCReceiver
-from .ipc_sender import IPCSender, IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
-from .nccl import NCCLWeightTransferEngine
-from .packing import (
-    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-    DEFAULT_PACKED_NUM_BUFFERS,
-    Bucket,
-    Slot,
-    TensorMeta,
-    plan_buckets,
-    plan_digest,
-)
-from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, receiver_init
-from .trainer import GlooTrainerSendWeightsArgs, NCCLTrainerSendWeightsArgs
-from .trainer_factory import (
-    GlooTrainerInitInfo,
-    IPCTrainerInitInfo,
-    ModuleSource,
-    NCCLTrainerInitInfo,
-    TrainerWeightTransferEngine,
-    WeightTransferTrainerFactory,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .address import get_ip, get_open_port, rendezvous_address
+    from .client import PushResult, WeightSyncClient
+    from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
+    from .gloo import GlooWeightTransferEngine
+    from .group import DEFAULT_TIMEOUT_S, TransferGroup
+    from .handshake import refuse
+    from .http_client import HTTPVLLMWeightSyncClient
+    from .ipc import IPCHandles
+    from .ipc_receiver import IPCReceiver
+    from .ipc_sender import IPCSender, IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+    from .nccl import NCCLWeightTransferEngine
+    from .packing import (
+        DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        DEFAULT_PACKED_NUM_BUFFERS,
+        Bucket,
+        Slot,
+        TensorMeta,
+        plan_buckets,
+        plan_digest,
+    )
+    from .receiver import ExpectedParam, InitInfo, UpdateInfo, receive_weights, receiver_init
+    from .trainer import GlooTrainerSendWeightsArgs, NCCLTrainerSendWeightsArgs
+    from .trainer_factory import (
+        GlooTrainerInitInfo,
+        IPCTrainerInitInfo,
+        ModuleSource,
+        NCCLTrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightTransferTrainerFactory,
+    )
+
+# Each public name -> the module that defines it, by side.
+_NAMES = {
+    # trainer
+    "PushResult": "client",
+    "WeightSyncClient": "client",
+    "GlooWeightTransferEngine": "gloo",
+    "HTTPVLLMWeightSyncClient": "http_client",
+    "IPCSender": "ipc_sender",
+    "IPCTrainerSendWeightsArgs": "ipc_sender",
+    "IPCWeightTransferEngine": "ipc_sender",
+    "NCCLWeightTransferEngine": "nccl",
+    "GlooTrainerSendWeightsArgs": "trainer",
+    "NCCLTrainerSendWeightsArgs": "trainer",
+    "GlooTrainerInitInfo": "trainer_factory",
+    "IPCTrainerInitInfo": "trainer_factory",
+    "ModuleSource": "trainer_factory",
+    "NCCLTrainerInitInfo": "trainer_factory",
+    "TrainerWeightTransferEngine": "trainer_factory",
+    "WeightTransferTrainerFactory": "trainer_factory",
+    # server
+    "IPCReceiver": "ipc_receiver",
+    "ExpectedParam": "receiver",
+    "InitInfo": "receiver",
+    "UpdateInfo": "receiver",
+    "receive_weights": "receiver",
+    "receiver_init": "receiver",
+    # shared
+    "get_ip": "address",
+    "get_open_port": "address",
+    "rendezvous_address": "address",
+    "InvalidUpdateError": "errors",
+    "UpdateRefusedError": "errors",
+    "WeightTransferError": "errors",
+    "DEFAULT_TIMEOUT_S": "group",
+    "TransferGroup": "group",
+    "refuse": "handshake",
+    "IPCHandles": "ipc",
+    "Bucket": "packing",
+    "DEFAULT_PACKED_BUFFER_SIZE_BYTES": "packing",
+    "DEFAULT_PACKED_NUM_BUFFERS": "packing",
+    "Slot": "packing",
+    "TensorMeta": "packing",
+    "plan_buckets": "packing",
+    "plan_digest": "packing",
+}
 
 __all__ = [
     "DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "DEFAULT_TIMEOUT_S",
@@ -64,3 +119,16 @@ __all__ = [
     "IPCTrainerSendWeightsArgs", "NCCLTrainerInitInfo", "GlooTrainerInitInfo", "IPCTrainerInitInfo",
     "ModuleSource", "TrainerWeightTransferEngine", "WeightTransferTrainerFactory",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # the next lookup is a plain one
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NAMES))

@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from rlserve.model.base import ExpectedParam  # the model says what it accepts; an update is vetted against it
+
 from .address import address_problem
 from .errors import InvalidUpdateError
 from .group import DEFAULT_TIMEOUT_S, TransferGroup
@@ -89,21 +91,6 @@ class InitInfo:
         if problems:
             raise InvalidUpdateError("init_info: " + "; ".join(problems))
         return cls(addr, port, offset, world)
-
-
-@dataclass(frozen=True)
-class ExpectedParam:
-    """What the server's model accepts under one name."""
-
-    shape: tuple[int, ...]
-    required: bool = True  # a required name missing from an update refuses it
-    dtype: torch.dtype | None = None  # staging dtype for this name; None: receive_weights' target_dtype
-    # Required names this one carries too (a stacked expert tensor's per-expert names): sent
-    # with it, they are not missing, and sent beside it, they are sent twice.
-    covers: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(self.shape))  # compared with metas' tuples
 
 
 @dataclass(frozen=True)
