@@ -1,7 +1,7 @@
 """The package's shape, as a newcomer meets it: layers whose imports all point down (LAYERS),
-rlserve.engine above rlserve.worker
-(the values they share, rlserve.sequence and rlserve.sampling_params, below both), no
-function outgrows a screen, and the README's layout names every module."""
+rlserve.engine above rlserve.worker (the values they share, rlserve.sequence and
+rlserve.sampling_params, below both), no function outgrows a screen, and the README's
+layout names every module."""
 
 from __future__ import annotations
 
