@@ -23,14 +23,14 @@ lint:
 	$(PYTHON) -m mypy rlserve
 
 # The second run is the Triton kernels' CPU lane: the MoE and LoRA kernels under Triton's
-# interpreter against their torch references (the rest of tests/test_triton_ops.py takes
+# interpreter against their torch references (the rest of tests/gpu/test_triton_ops.py takes
 # about five minutes there: run it with `make test-interpret`).
 test: install
 	$(PYTHON) -m pytest -q tests
-	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/test_triton_moe.py tests/test_lora_ops.py
+	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_lora_ops.py
 
 test-interpret:
-	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/test_triton_moe.py tests/test_lora_ops.py tests/test_triton_ops.py
+	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_lora_ops.py tests/gpu/test_triton_ops.py
 
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu tests

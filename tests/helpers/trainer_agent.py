@@ -15,7 +15,7 @@ A fault makes this trainer misbehave for one push:
     go-not-json / go-list                       the go message is not what the protocol says
     die                      the process exits (code 17) at bucket broadcast `at`
 
-    python tests/trainer_agent.py CHECKPOINT.safetensors [nccl DEVICE]
+    python tests/helpers/trainer_agent.py CHECKPOINT.safetensors [nccl DEVICE]
 """
 
 from __future__ import annotations

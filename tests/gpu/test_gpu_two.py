@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
+from helpers.trainer_agent import TrainerProcess
 from rlserve.weight_transfer import ExpectedParam, WeightTransferError, get_open_port, receive_weights, receiver_init
-from trainer_agent import TrainerProcess
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 
 INNER = textwrap.dedent('''
     import sys

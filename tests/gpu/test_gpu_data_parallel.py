@@ -14,10 +14,10 @@ import signal
 import httpx
 import pytest
 import torch
+from test_gpu_two_server import PROMPTS, checkpoint, reference  # noqa: F401 (fixtures)
 
 from conftest import start_server, stop_server
-from dp_helpers import complete_all, health, routed, wait_for
-from test_gpu_two_server import PROMPTS, checkpoint, reference  # noqa: F401 (fixtures)
+from helpers.data_parallel import complete_all, health, routed, wait_for
 
 pytestmark = [
     pytest.mark.gpu,

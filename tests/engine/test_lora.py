@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lora_adapters import MAX_TOKENS, PROMPTS, greedy, make_adapter
+from helpers.lora_adapters import MAX_TOKENS, PROMPTS, greedy, make_adapter
 from rlserve.engine.lora import LoRARequest
 from rlserve.model.peft import LoRAConfig, canonical_peft_names, parse_peft_name
 from rlserve.sampling_params import InvalidRequestError
@@ -240,7 +240,7 @@ def test_server_adapters_over_http_and_live_pushes_over_gloo(lora_server, adapte
     import httpx
     from openai import NotFoundError, OpenAI
 
-    from lora_adapters import rerandomize
+    from helpers.lora_adapters import rerandomize
     from rlserve.model.peft import peft_adapter_tensors
     from rlserve.weight_transfer import WeightSyncClient, WeightTransferError
     url = lora_server.url
@@ -324,7 +324,7 @@ def test_grpo_example_trains_and_pushes_only_the_adapter(lora_server, demo_model
     import math
     import sys
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "grpo.py"
     spec = importlib.util.spec_from_file_location("grpo_lora_example", path)
     grpo = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = grpo

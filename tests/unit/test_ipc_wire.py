@@ -1,7 +1,7 @@
 """The ipc backend's wire format and configuration, checked without a GPU.
 
 Opening real handles, the colocated seed flow and the push timings run on the GPU
-(tests/test_gpu_colocated.py).
+(tests/gpu/test_gpu_colocated.py).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from sampling_reference import check_outputs, check_sample_frequencies, check_sampler
 from test_gpu_engine import _llm, _prompts, checkpoint  # noqa: F401 (a fixture)
+
+from helpers.sampling_reference import check_outputs, check_sample_frequencies, check_sampler
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from conftest import start_tiny_server, stop_server
-from dp_helpers import (
+from helpers.data_parallel import (
     PROMPTS,
     TOKENS,
     assert_replica_serves,

@@ -22,7 +22,7 @@ ADMIN_KEY = "grpo-admin"
 
 @pytest.fixture(scope="module")
 def grpo():
-    path = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "grpo.py"
     spec = importlib.util.spec_from_file_location("grpo_example", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there

@@ -13,10 +13,10 @@ import threading
 import httpx
 import pytest
 import torch
+from test_moe import moe_config, per_expert
 
 from conftest import hf_greedy, save_word_tokenizer, seeded_wide_model, start_server, stop_server, stream_completion
 from rlserve.weight_transfer import UpdateRefusedError, WeightSyncClient
-from test_moe import moe_config, per_expert
 
 PROMPTS = ["t5 t17 t3 t99", "t1 t2 t3", "t64 t12 t7 t7 t80 t41", "t120"]
 MAX_TOKENS = 10
@@ -186,7 +186,7 @@ def test_fp8_kv_cache_serves_an_moe_model():
 def test_one_push_with_per_expert_names_reaches_both_data_parallel_replicas(trainer, tmp_path):
     """Data parallel with an MoE model: one per-expert push lands on both replicas, and
     requests served by either replica give transformers' tokens."""
-    from dp_helpers import complete_all, routed
+    from helpers.data_parallel import complete_all, routed
     hf, path = trainer
     srv = start_server(path, tmp_path / "server.log", "--load-format", "dummy", "--served-model-name", "m",
                        "--max-model-len", "512", "--data-parallel-size", "2",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rlserve.process import spawn
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # A module that reports what its process was given.
 PROBE = """
 import json, os, sys

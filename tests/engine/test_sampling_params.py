@@ -16,13 +16,7 @@ import msgpack
 import pytest
 import torch
 
-from rlserve import LLM, SamplingParams
-from rlserve.config import EngineConfig
-from rlserve.engine.request import Request
-from rlserve.frontend.bad_words import bad_words_to_token_ids
-from rlserve.model.demo_model import demo_model_path
-from rlserve.sampling_params import InvalidRequestError
-from sampling_reference import (
+from helpers.sampling_reference import (
     check_logprob,
     check_outputs,
     check_sample,
@@ -33,6 +27,12 @@ from sampling_reference import (
     sampling_logits,
     stop_ids,
 )
+from rlserve import LLM, SamplingParams
+from rlserve.config import EngineConfig
+from rlserve.engine.request import Request
+from rlserve.frontend.bad_words import bad_words_to_token_ids
+from rlserve.model.demo_model import demo_model_path
+from rlserve.sampling_params import InvalidRequestError
 
 PROMPTS = [
     "The capital of France is",

@@ -17,12 +17,12 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import start_server, start_tiny_server, stop_server
+from helpers.sampling_reference import check_sample, model_logits
 from rlserve import SamplingParams
 from rlserve.frontend.bad_words import convert_bad_words
 from rlserve.sequence import TokenLogprob
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.token_strings import LOGPROB_FLOOR
-from sampling_reference import check_sample, model_logits
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]

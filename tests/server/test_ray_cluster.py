@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from dp_helpers import (
+from helpers.data_parallel import (
     PROMPTS,
     assert_replica_serves,
     complete,

@@ -1,7 +1,7 @@
 """A misbehaving trainer, a hostile network: the server refuses or fails cleanly, names the
 problem, keeps serving its old weights bit for bit, and the next good push works.
 
-A real server (gloo, CPU) and a real trainer process (tests/trainer_agent.py), driven
+A real server (gloo, CPU) and a real trainer process (tests/helpers/trainer_agent.py), driven
 through the seed's HTTP control plane.
 """
 
@@ -19,8 +19,8 @@ import pytest
 from safetensors import safe_open
 
 from conftest import start_server, stop_server
+from helpers.trainer_agent import TrainerProcess
 from rlserve.weight_transfer import get_open_port
-from trainer_agent import TrainerProcess
 
 TIMEOUT_S = 6.0  # the server's transfer timeout
 PROMPT = "The capital of France is"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import rlserve.worker
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "rlserve"
 MAX_FUNCTION_LINES = 60
 

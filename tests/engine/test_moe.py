@@ -138,7 +138,7 @@ def test_lora_adapts_attention_and_refuses_expert_and_router_weights(tmp_path):
     from transformers import AutoTokenizer
 
     from conftest import save_word_tokenizer
-    from lora_adapters import make_adapter
+    from helpers.lora_adapters import make_adapter
     hf = seeded_wide_model(moe_config("qwen3_moe")).eval()
     hf.save_pretrained(tmp_path / "base")
     save_word_tokenizer(tmp_path / "base", hf.config.vocab_size)

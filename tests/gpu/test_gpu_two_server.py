@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from conftest import seeded_wide_model, start_server, stop_server, stream_completion
+from helpers.trainer_agent import TrainerProcess
 from rlserve import envs
-from trainer_agent import TrainerProcess
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +31,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["Hello, my name is", "The president of the United States is",
            "The capital of France is", "The future of AI is"]  # examples/rlhf_http.py's
 TIMEOUT_S = 20.0

@@ -1,7 +1,7 @@
 """LoRA adapters on CUDA (Triton LoRA kernels inside CUDA graphs) against transformers + peft:
 float32 token equality in a batch mixing two adapters and the base model, bfloat16 logprobs
 within tolerance of the merged model's, and a live adapter push over CUDA IPC. Skipped
-without a GPU (the Triton kernels against the torch reference: tests/test_lora_ops.py)."""
+without a GPU (the Triton kernels against the torch reference: tests/gpu/test_lora_ops.py)."""
 
 from __future__ import annotations
 
