@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import hf_greedy
+from helpers.oracle import hf_greedy
 from rlserve import LLM, SamplingParams
 from rlserve.model.demo_model import demo_model_path
 from rlserve.sampling_params import InvalidRequestError

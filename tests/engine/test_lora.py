@@ -226,7 +226,7 @@ def test_tensor_parallel_serves_the_same_adapter_tokens(demo_model, adapters, ba
 
 @pytest.fixture(scope="module")
 def lora_server(demo_model, adapters, tmp_path_factory):
-    from conftest import start_server, stop_server
+    from helpers.servers import start_server, stop_server
     log = tmp_path_factory.mktemp("lora-server") / "server.log"
     srv = start_server(demo_model, log, "--served-model-name", "base", "--enable-lora", "--max-loras", "3",
                        "--max-lora-rank", "16", "--lora-modules", f"a8={adapters['a8'].path}",
@@ -352,7 +352,7 @@ def httpx_get(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def swap_server(demo_model, adapters, tmp_path_factory):
-    from conftest import start_server, stop_server
+    from helpers.servers import start_server, stop_server
     log = tmp_path_factory.mktemp("lora-swap") / "server.log"
     srv = start_server(demo_model, log, "--served-model-name", "base", "--enable-lora", "--max-loras", "1",
                        "--max-cpu-loras", "2", "--max-lora-rank", "16", "--lora-modules", f"a8={adapters['a8'].path}",

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, seeded_wide_model
+from helpers.checkpoints import seeded_wide_model
+from helpers.oracle import hf_greedy
 from rlserve import LLM, SamplingParams
 from rlserve.model.moe import ExpertNames, unstack_experts
 from rlserve.model.moe_models import MixtralForCausalLM
@@ -137,7 +138,7 @@ def test_lora_adapts_attention_and_refuses_expert_and_router_weights(tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from conftest import save_word_tokenizer
+    from helpers.checkpoints import save_word_tokenizer
     from helpers.lora_adapters import make_adapter
     hf = seeded_wide_model(moe_config("qwen3_moe")).eval()
     hf.save_pretrained(tmp_path / "base")

@@ -12,7 +12,8 @@ import httpx
 import pytest
 import torch
 
-from conftest import random_qwen3_checkpoint, start_server, stop_server
+from helpers.checkpoints import random_qwen3_checkpoint
+from helpers.servers import start_server, stop_server
 from rlserve.weight_transfer import IPCWeightTransferEngine, UpdateRefusedError
 
 pytestmark = [

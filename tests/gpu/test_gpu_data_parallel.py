@@ -16,8 +16,8 @@ import pytest
 import torch
 from test_gpu_two_server import PROMPTS, checkpoint, reference  # noqa: F401 (fixtures)
 
-from conftest import start_server, stop_server
 from helpers.data_parallel import complete_all, health, routed, wait_for
+from helpers.servers import start_server, stop_server
 
 pytestmark = [
     pytest.mark.gpu,

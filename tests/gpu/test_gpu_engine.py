@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
+from helpers.oracle import hf_greedy
 
 pytestmark = [
     pytest.mark.gpu,

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import hf_greedy
+from helpers.oracle import hf_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,7 +27,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A small random Qwen3 checkpoint (GQA, q/k norm, untied head) with a word-level tokenizer."""
-    from conftest import random_qwen3_checkpoint
+    from helpers.checkpoints import random_qwen3_checkpoint
     path = tmp_path_factory.mktemp("qwen3-lora")
     hf = random_qwen3_checkpoint(path, VOCAB, 256, tie_word_embeddings=False)
     return str(path), hf
@@ -124,7 +124,7 @@ def test_bfloat16_adapter_logprobs_within_tolerance_of_the_merged_model(checkpoi
 def test_adapter_push_over_ipc_changes_outputs_to_the_new_merged_model(checkpoint, adapters, tmp_path):
     import httpx
 
-    from conftest import start_server, stop_server
+    from helpers.servers import start_server, stop_server
     from rlserve.weight_transfer import WeightSyncClient, WeightTransferError
     path, _ = checkpoint
     peft_model = copy.deepcopy(adapters["r16"][1]).cuda()

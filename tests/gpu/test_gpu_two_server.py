@@ -21,7 +21,8 @@ import httpx
 import pytest
 import torch
 
-from conftest import seeded_wide_model, start_server, stop_server, stream_completion
+from helpers.checkpoints import seeded_wide_model
+from helpers.servers import start_server, stop_server, stream_completion
 from helpers.trainer_agent import TrainerProcess
 from rlserve import envs
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import torch
 
-from conftest import hf_greedy as oracle
+from helpers.oracle import hf_greedy as oracle
 
 PROMPTS = ["The capital of France is", "Hello, my name is", "def fibonacci(n):", "Once upon a time",
            "The quick brown fox", "In 1492, Columbus", "import numpy as np", "My favourite colour is"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conftest import hf_greedy
+from helpers.oracle import hf_greedy
 
 PROMPTS = ["The capital of France is", "Hello, my name is",
            "def fibonacci(n):\n    # returns the n-th Fibonacci number, computed iteratively"]
@@ -31,7 +31,7 @@ def _randomize(peft_model, seed: int, scale: float) -> None:
 
 
 def greedy(model, tokenizer, prompt: str, n: int = MAX_TOKENS) -> list[int]:
-    """transformers' greedy tokens for a text prompt (conftest.hf_greedy)."""
+    """transformers' greedy tokens for a text prompt (helpers.oracle.hf_greedy)."""
     return hf_greedy(model, tokenizer.encode(prompt), n)[0]
 
 

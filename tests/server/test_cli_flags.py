@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from conftest import start_tiny_server, stop_server
+from helpers.servers import start_tiny_server, stop_server
 from rlserve.cli import _resolve_key, build_parser, config_from_args
 
 NO_OPS = ["--swap-space", "4", "--disable-uvicorn-access-log", "--max-seq-len-to-capture", "8192",

@@ -14,7 +14,6 @@ import threading
 import httpx
 import pytest
 
-from conftest import start_tiny_server, stop_server
 from helpers.data_parallel import (
     PROMPTS,
     TOKENS,
@@ -27,6 +26,7 @@ from helpers.data_parallel import (
     trainer_model,
     wait_for,
 )
+from helpers.servers import start_tiny_server, stop_server
 from rlserve.weight_transfer import WeightSyncClient
 
 # -- the module's server --------------------------------------------------------------------

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import start_server, stop_server
+from helpers.servers import start_server, stop_server
 
 ADMIN_KEY = "grpo-admin"
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from conftest import start_tiny_server, stop_server
+from helpers.servers import start_tiny_server, stop_server
 
 KEY = "from-the-environment"
 GLOO = '{"backend": "gloo"}'

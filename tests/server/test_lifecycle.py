@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import start_tiny_server, stop_server
+from helpers.servers import start_tiny_server, stop_server
 from rlserve.model.presets import model_dir
 
 

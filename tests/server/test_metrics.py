@@ -1,7 +1,7 @@
 """/metrics as vLLM exports it: the families, types, labels and buckets vLLM's dashboards
 read, and latencies stamped in the engine, so a request nobody streams (most RL rollouts)
 has a real time to first token and real gaps between its tokens. A two-layer dummy model
-(conftest.start_tiny_server) keeps the server quick; every test reads /metrics around its
+(helpers.servers.start_tiny_server) keeps the server quick; every test reads /metrics around its
 own requests, one at a time."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import start_tiny_server, stop_server
+from helpers.servers import start_tiny_server, stop_server
 
 PROMPT = "The capital of France is"
 N = 8  # tokens per request

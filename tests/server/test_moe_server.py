@@ -15,7 +15,9 @@ import pytest
 import torch
 from test_moe import moe_config, per_expert
 
-from conftest import hf_greedy, save_word_tokenizer, seeded_wide_model, start_server, stop_server, stream_completion
+from helpers.checkpoints import save_word_tokenizer, seeded_wide_model
+from helpers.oracle import hf_greedy
+from helpers.servers import start_server, stop_server, stream_completion
 from rlserve.weight_transfer import UpdateRefusedError, WeightSyncClient
 
 PROMPTS = ["t5 t17 t3 t99", "t1 t2 t3", "t64 t12 t7 t7 t80 t41", "t120"]

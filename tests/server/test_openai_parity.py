@@ -16,8 +16,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import start_server, start_tiny_server, stop_server
 from helpers.sampling_reference import check_sample, model_logits
+from helpers.servers import start_server, start_tiny_server, stop_server
 from rlserve import SamplingParams
 from rlserve.frontend.bad_words import convert_bad_words
 from rlserve.sequence import TokenLogprob

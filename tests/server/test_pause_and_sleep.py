@@ -1,6 +1,6 @@
 """Pause modes compose, and sleep is honest: every /pause answers once its condition holds,
 whatever state it starts from, and after a level-2 sleep nothing is generated from dropped
-weights. A two-layer dummy model (conftest.start_tiny_server) keeps the servers quick."""
+weights. A two-layer dummy model (helpers.servers.start_tiny_server) keeps the servers quick."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from conftest import start_tiny_server, stop_server
+from helpers.servers import start_tiny_server, stop_server
 
 
 @pytest.fixture(scope="module")

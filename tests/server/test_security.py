@@ -16,7 +16,7 @@ import sys
 import httpx
 import pytest
 
-from conftest import start_tiny_server, stop_server
+from helpers.servers import start_tiny_server, stop_server
 from rlserve.server.routes_control import router
 
 API_KEY = "user-key"

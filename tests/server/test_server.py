@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MAX_MODEL_LEN, RunningServer
+from helpers.servers import MAX_MODEL_LEN, RunningServer
 from rlserve import SamplingParams
 
 PROMPTS = ["Hello, my name is", "The capital of France is"]

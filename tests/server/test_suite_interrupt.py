@@ -20,7 +20,7 @@ INNER = textwrap.dedent('''
     import time
     import pytest
     sys.path.insert(0, TESTS)
-    from conftest import start_tiny_server, stop_server
+    from helpers.servers import start_tiny_server, stop_server
 
     @pytest.fixture(scope="module")
     def server(tmp_path_factory):

@@ -13,8 +13,9 @@ import httpx
 import pytest
 import torch
 
-from conftest import greedy_reference, start_server, start_tiny_server, stop_server
-from conftest import hf_greedy as oracle
+from helpers.oracle import greedy_reference
+from helpers.oracle import hf_greedy as oracle
+from helpers.servers import start_server, start_tiny_server, stop_server
 from rlserve.distributed import HeadShard, partition_heads, split_evenly
 from rlserve.weight_transfer import WeightSyncClient
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from conftest import start_server, stop_server
+from helpers.servers import start_server, stop_server
 from helpers.trainer_agent import TrainerProcess
 from rlserve.weight_transfer import get_open_port
 

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from conftest import start_tiny_server, stop_server
+from helpers.servers import start_tiny_server, stop_server
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 TOKENS = list(range(100, 164))  # four full KV blocks: enough for the prefix cache to hold

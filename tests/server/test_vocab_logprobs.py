@@ -10,7 +10,7 @@ import math
 import httpx
 import pytest
 
-from conftest import start_server, start_tiny_server, stop_server
+from helpers.servers import start_server, start_tiny_server, stop_server
 from rlserve import LLM, SamplingParams
 from rlserve.sampling_params import InvalidRequestError
 

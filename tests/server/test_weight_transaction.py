@@ -10,7 +10,8 @@ import httpx
 import pytest
 import requests
 
-from conftest import greedy_reference, start_server, stop_server
+from helpers.oracle import greedy_reference
+from helpers.servers import start_server, stop_server
 from rlserve.weight_transfer import (
     GlooTrainerInitInfo,
     GlooTrainerSendWeightsArgs,
@@ -308,7 +309,7 @@ def test_an_open_transaction_is_abandoned_at_its_timeout_and_at_shutdown(tmp_pat
     server abandons it (nothing staged is served), and a shutdown abandons it too."""
     import time
 
-    from conftest import start_tiny_server
+    from helpers.servers import start_tiny_server
     srv = start_tiny_server(tmp_path / "server.log", "--weight-transfer-config",
                             json.dumps({"backend": "gloo", "timeout_s": 1}))
     try:

@@ -12,7 +12,8 @@ import httpx
 import pytest
 import torch
 
-from conftest import greedy_reference, groups_joined, start_server, start_tiny_server, stop_server, stream_completion
+from helpers.oracle import greedy_reference
+from helpers.servers import groups_joined, start_server, start_tiny_server, stop_server, stream_completion
 from rlserve.weight_transfer import GlooWeightTransferEngine, WeightSyncClient, WeightTransferError, get_open_port
 
 ADMIN_KEY = "admin-secret"
