@@ -343,10 +343,11 @@ def test_every_variable_rlserve_names_is_registered_and_documented():
 def test_tests_import_helpers_not_conftest():
     """conftest.py holds fixtures only (pytest loads it); what a test imports lives in
     tests/helpers, a package, so it reads the same from every folder of the pyramid."""
-    found = [f"{path.relative_to(ROOT)}:{node.lineno}"
-             for path in sorted((ROOT / "tests").rglob("*.py"))
-             for node in ast.walk(ast.parse(path.read_text(), str(path)))
-             if isinstance(node, (ast.Import, ast.ImportFrom))
-             and "conftest" in ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])]
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n == "conftest"]
     assert found == []
     assert sorted(p.name for p in (ROOT / "tests").iterdir() if p.suffix == ".py") == ["conftest.py"]
