@@ -111,6 +111,11 @@ class WeightReceiver:
                                      "/init_weight_transfer_engine first")
         return group
 
+    @property
+    def busy(self) -> bool:
+        """A receive (or refusal) holds this worker: another now would be refused."""
+        return self._lock.locked()
+
     @contextlib.contextmanager
     def _exclusive(self):
         """One receive (or refusal) at a time: a second is refused, never interleaved."""

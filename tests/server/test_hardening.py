@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from helpers.servers import start_tiny_server, stop_server
+from helpers.silent_master import SilentMaster
+from helpers.waiting import wait_until
 
 KEY = "from-the-environment"
 GLOO = '{"backend": "gloo"}'
@@ -42,6 +44,11 @@ def _refused(r: httpx.Response, *words: str) -> str:
     message = r.json()["error"]["message"]
     assert all(w in message for w in words), message
     return message
+
+
+def _gauge(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def _still_serving(server) -> None:
@@ -184,7 +191,8 @@ def test_a_grammar_compile_is_abandoned_when_its_client_goes_away(server):
         _post(server, "/v1/chat/completions", _json_schema_request(_properties(2500)), timeout=0.5)
     except httpx.ReadTimeout:
         pass
-    time.sleep(1)  # the abort reaches the engine; its trial compile is killed
+    # The abort reaches the engine: nothing waits for a grammar, its trial compile is killed.
+    wait_until(lambda: _gauge(server, "vllm:num_requests_waiting") == 0, 60, "the abandoned request leaves the engine")
     _still_serving(server)
     # The abandoned spec is not cached as refused or compiled: asked again, it runs again.
     r = _post(server, "/v1/chat/completions", _json_schema_request(_properties(2500)))
@@ -233,11 +241,11 @@ def test_sigterm_during_a_pending_init_answers_it_and_exits_0_quietly(tmp_path):
     and the server exits 0 with no traceback in its log."""
     srv = start_tiny_server(tmp_path / "server.log", "--weight-transfer-config", GLOO)
     answer = {}
-    from rlserve.weight_transfer.group import get_open_port
-    body = {"init_info": {**_INIT, "master_port": get_open_port()}}
+    silent = SilentMaster()  # the trainer's address: it accepts and never answers
+    body = {"init_info": {**_INIT, "master_port": silent.port}}
     pending = threading.Thread(target=lambda: answer.setdefault("r", _post(srv, "/init_weight_transfer_engine", body)))
     pending.start()
-    time.sleep(2)
+    wait_until(lambda: silent.connections, 60, "the init reaches the trainer's address")
     assert pending.is_alive()
     t0 = time.monotonic()
     srv.process.send_signal(15)
@@ -248,3 +256,4 @@ def test_sigterm_during_a_pending_init_answers_it_and_exits_0_quietly(tmp_path):
     assert time.monotonic() - t0 < 30
     log = srv.log.read_text()
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    silent.close()

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from helpers.servers import start_tiny_server, stop_server
+from helpers.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,8 @@ def test_resume_during_pause_wait_answers_409(server):
     _wait_running(server.url)
     waiter = threading.Thread(target=lambda: answer.setdefault("r", _post(server.url, "/pause", mode="wait")))
     waiter.start()
-    time.sleep(0.5)
+    # The pause is in place at once; the call then waits for the long request.
+    wait_until(lambda: httpx.get(f"{server.url}/is_paused").json()["is_paused"], 60, "the pause reaches the engine")
     assert _post(server.url, "/resume").status_code == 200
     waiter.join(timeout=60)
     r = answer["r"]

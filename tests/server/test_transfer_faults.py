@@ -2,14 +2,13 @@
 problem, keeps serving its old weights bit for bit, and the next good push works.
 
 A real server (gloo, CPU) and a real trainer process (tests/helpers/trainer_agent.py), driven
-through the seed's HTTP control plane.
+through the HTTP control plane of vLLM's RLHF-over-HTTP example.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import socket
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,9 @@ import pytest
 from safetensors import safe_open
 
 from helpers.servers import start_server, stop_server
+from helpers.silent_master import SilentMaster
 from helpers.trainer_agent import TrainerProcess
+from helpers.waiting import wait_until
 from rlserve.weight_transfer import get_open_port
 
 TIMEOUT_S = 6.0  # the server's transfer timeout
@@ -197,16 +198,6 @@ def test_refusals_keep_both_sides_in_step(server, agent, checkpoint):
     good_push(url, agent, checkpoint, scale=0.0)
 
 
-def _silent_master():
-    """Accepts TCP connections and never answers: a wedged trainer, or a black hole."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(16)
-    conns = []
-    threading.Thread(target=lambda: [conns.append(srv.accept()) for _ in iter(int, 1)], daemon=True).start()
-    return srv
-
-
 def test_init_is_validated_and_bounded(server, agent):
     url = server.url
     body = dict(master_port=get_open_port(), rank_offset=1, world_size=2)
@@ -219,8 +210,8 @@ def test_init_is_validated_and_bounded(server, agent):
     r = post(url, "/init_weight_transfer_engine", {"init_info": dict(body, master_address="no-such-host.invalid")})
     assert r.status_code == 400 and "does not resolve" in r.json()["error"]["message"], r.text
     # A port that answers something else: the server's own HTTP port, a silent acceptor.
-    silent = _silent_master()
-    for port in [int(url.rsplit(":", 1)[1]), silent.getsockname()[1]]:
+    silent = SilentMaster()
+    for port in [int(url.rsplit(":", 1)[1]), silent.port]:
         started = time.monotonic()
         r = post(url, "/init_weight_transfer_engine", {"init_info": dict(
             body, master_address="127.0.0.1", master_port=port)})
@@ -235,11 +226,11 @@ def test_a_new_init_replaces_one_stuck_on_a_silent_master(server, agent, checkpo
     """The trainer restarted while the server still waits on its old address: the new
     /init_weight_transfer_engine is not held up, and the old one answers at once."""
     url = server.url
-    silent = _silent_master()
+    silent = SilentMaster()
     started = time.monotonic()
     stuck, stuck_box = in_thread(lambda: post(url, "/init_weight_transfer_engine", {"init_info": dict(
-        master_address="127.0.0.1", master_port=silent.getsockname()[1], rank_offset=1, world_size=2)}))
-    time.sleep(1.0)  # it is waiting on the silent master now
+        master_address="127.0.0.1", master_port=silent.port, rank_offset=1, world_size=2)}))
+    wait_until(lambda: silent.connections, 60, "the server connects to the silent master")
     init(url, agent)
     stuck.join(30)
     assert stuck_box["value"].status_code == 502, stuck_box["value"].text
@@ -305,7 +296,7 @@ def test_one_receive_at_a_time(worker, agent, checkpoint):
     worker_init(worker, agent)
     info = update_info(checkpoint)
     t, box = in_thread(lambda: worker.receiver.receive(info))
-    time.sleep(0.5)  # waiting for the trainer's plan
+    wait_until(lambda: worker.receiver.busy, 60, "the first receive holds the worker")
     with pytest.raises(InvalidUpdateError, match="another weight update is in progress"):
         worker.receiver.receive(info)
     agent.send(op="push", packed=True, bucket_bytes=BUCKET)
@@ -317,10 +308,11 @@ def test_one_receive_at_a_time(worker, agent, checkpoint):
 
 def test_a_new_init_stops_a_stuck_one(worker, agent, checkpoint):
     from rlserve.weight_transfer import WeightTransferError
-    silent = _silent_master()
+    silent = SilentMaster()
     t, box = in_thread(lambda: worker.receiver.join("gloo", dict(
-        master_address="127.0.0.1", master_port=silent.getsockname()[1], rank_offset=1, world_size=2), 120.0))
-    time.sleep(1.0)  # stuck in the store's handshake with a master that never answers
+        master_address="127.0.0.1", master_port=silent.port, rank_offset=1, world_size=2), 120.0))
+    # Stuck in the store's handshake with a master that never answers.
+    wait_until(lambda: silent.connections, 60, "the worker connects to the silent master")
     assert t.is_alive()
     started = time.monotonic()
     worker_init(worker, agent)
