@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -578,11 +579,12 @@ def test_a_peer_that_resets_the_connection_reads_as_closed():
         peer, _ = server.accept()
         with client:
             client.sendall(b"unread")
-            time.sleep(0.1)
+            peer.settimeout(30)
+            assert peer.recv(6, socket.MSG_PEEK) == b"unread"  # arrived, and left unread
             # Linger on with a zero timeout: close() resets the connection at once.
             peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             peer.close()
-            time.sleep(0.1)
+            assert select.select([client], [], [], 30)[0], "the reset never arrived"
             with pytest.raises(FrameError, match="the peer closed the connection"):
                 _recv_exact(client, memoryview(bytearray(16)))
             with pytest.raises(FrameError, match="the peer closed the connection"):
