@@ -401,3 +401,6 @@ class EngineCore:
     def shutdown(self) -> None:
         self.grammars.shutdown()
         self.executor.shutdown()
+        # Frozen objects are never collected: the engine's cycles would outlive it in a
+        # process that goes on (the offline LLM's caller, a test suite).
+        gc.unfreeze()

@@ -60,7 +60,6 @@ class Request(Sequence):
         self.scheduled_time = 0.0
         self.first_token_time = 0.0
         self.last_token_time = 0.0
-        self.paused_kept = False
         self.kv_capacity = 0  # tokens its KV blocks hold (KVCacheManager keeps it)
         # Structured outputs: the grammar's compile (a Future), then the request's matcher.
         self.grammar: Future[CompiledGrammar] | None = None

@@ -198,7 +198,7 @@ class WeightUpdates:
         """Refused before any byte moved: a trainer sending it hears so at once, and the
         group stays in step."""
         try:
-            self.core.executor.collective_rpc(rank.RefuseUpdate(update_info, str(refusal)))
+            self.core.executor.collective_rpc(rank.RefuseUpdate(str(refusal)))
             if self.transaction is not None:  # it commits nothing now: free what it staged
                 self.core.executor.collective_rpc(rank.DropStaged())
         finally:

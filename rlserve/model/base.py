@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -80,14 +80,6 @@ class FullParameter(NamedTuple):
     shape: tuple[int, ...]
     dim: int
     pieces: list[tuple[str, int, int]]
-
-
-class OwnSlots(Protocol):
-    """A module that maps HF names onto its parameters itself (the stacked experts)."""
-
-    def weight_slots(self, module_name: str) -> Iterator[tuple[str, list[tuple[str, WeightSlot]]]]:
-        """(parameter leaf, [(HF name, slot), ...]) for each of its parameters."""
-        ...
 
 
 def missing_weights(expected: Mapping[str, ExpectedParam], sent: Iterable[str]) -> list[str]:

@@ -82,17 +82,9 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
 
 def _run(engine: AsyncEngine, config: EngineConfig, opts: ServeOptions, sock: socket.socket) -> int:
     from rlserve.server.app import create_app
-    from rlserve.server.serving import ServingOptions
     shown_host = "localhost" if opts.host in ("0.0.0.0", "::", "") else opts.host
     url = f"http://{shown_host}:{opts.port}" if engine.client.client_index == 0 else None
-    serving = ServingOptions(max_prompts=opts.max_prompts_per_request, generation_defaults=opts.generation_defaults,
-                             return_tokens_as_token_ids=opts.return_tokens_as_token_ids,
-                             tool_call_parser=opts.tool_call_parser)
-    app = create_app(engine, config, api_key=opts.api_key, admin_key=opts.admin_key, url=url,
-                     reject_while_asleep=opts.reject_while_asleep,
-                     allow_remote_control=opts.allow_remote_control,
-                     max_body_bytes=opts.max_request_body_bytes, serving=serving,
-                     enable_sleep_mode=opts.enable_sleep_mode)
+    app = create_app(engine, config, opts, url=url)
     server = Server(app, engine, log_level=opts.uvicorn_log_level or opts.log_level,
                     grace_s=opts.shutdown_grace_period, linger_s=opts.engine_death_linger,
                     access_log=not opts.disable_uvicorn_access_log)

@@ -30,7 +30,6 @@ from typing import Any, Literal
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from rlserve.config import EngineConfig
 from rlserve.server.limits import check_int_range
 from rlserve.server.responses import APIError
 from rlserve.server.security import require_control_access
@@ -305,7 +304,7 @@ async def reset_prefix_cache(request: Request) -> dict:
     return {"status": "ok"}
 
 
-def add_control_routes(app: FastAPI, engine, config: EngineConfig) -> None:
+def add_control_routes(app: FastAPI) -> None:
     app.include_router(router)
     app.include_router(sleep_router)
 

@@ -7,7 +7,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response, StreamingResponse
@@ -19,8 +19,9 @@ from rlserve.engine.structured_output import StructuredOutputCompiler
 from rlserve.frontend.bad_words import convert_bad_words
 from rlserve.frontend.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
-from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
+from rlserve.server.limits import LARGE_TEXT_CHARS
 from rlserve.server.metrics import ServerMetrics
+from rlserve.server.options import ServeOptions
 from rlserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
 from rlserve.server.responses import (
     APIError,
@@ -46,18 +47,6 @@ if TYPE_CHECKING:
 class Prompt:
     token_ids: list[int]
     text: str
-
-
-@dataclass
-class ServingOptions:
-    """How `rlserve serve` answers requests, beyond the engine's configuration."""
-
-    max_prompts: int = DEFAULT_MAX_PROMPTS
-    # Sampling defaults for fields a request leaves unset (generation_config.py); a
-    # `max_tokens` here caps every request, as vLLM's max_new_tokens does.
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-    return_tokens_as_token_ids: bool = False  # the default of the request field
-    tool_call_parser: str = "hermes"
 
 
 def json_response(model: BaseModel) -> Response:
@@ -165,9 +154,9 @@ class OpenAIServing:
     """Request handling shared by the routes: validation, prompts, sampling parameters."""
 
     def __init__(self, engine: AsyncEngine, config: EngineConfig, metrics: ServerMetrics,
-                 options: ServingOptions | None = None):
-        self.options = options or ServingOptions()
-        self.max_prompts = self.options.max_prompts
+                 options: ServeOptions | None = None):
+        self.options = options or ServeOptions()
+        self.max_prompts = self.options.max_prompts_per_request
         self.engine = engine
         self.config = config
         self.metrics = metrics

@@ -185,7 +185,7 @@ class WeightReceiver:
         self._lora_memo = (wire, (config, expected, validate))
         return config, expected, validate
 
-    def refuse(self, update_info: dict, message: str) -> None:
+    def refuse(self, message: str) -> None:
         """The engine refused this update before receiving it (asleep, a bad weight_version,
         ...): tell a trainer that is sending it, so its trainer_send_weights raises `message`
         at once, and keep the group in step for the next push. Waits at most a couple of

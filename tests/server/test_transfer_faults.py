@@ -278,7 +278,7 @@ def test_worker_refusal_before_the_handshake_tells_the_trainer_at_once(worker, a
     info = update_info(checkpoint)
     message = "the server is asleep: POST /wake_up before updating weights"
     # The engine refuses while the trainer sends: the trainer raises that message at once.
-    t, _ = in_thread(lambda: worker.receiver.refuse(info, message))
+    t, _ = in_thread(lambda: worker.receiver.refuse(message))
     agent.send(op="push", packed=True, bucket_bytes=BUCKET)
     trainer = agent.answer()
     t.join(10)
@@ -286,7 +286,7 @@ def test_worker_refusal_before_the_handshake_tells_the_trainer_at_once(worker, a
     assert trainer["seconds"] < TIMEOUT_S / 2
     # With no trainer, the refusal gives up after the grace; neither leaves the group out of step.
     started = time.monotonic()
-    worker.receiver.refuse(info, "update_info.weight_version: must be an integer")
+    worker.receiver.refuse("update_info.weight_version: must be an integer")
     assert time.monotonic() - started < REFUSAL_GRACE_S + 1
     worker_push(worker, agent, info)
 
