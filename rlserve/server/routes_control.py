@@ -1,4 +1,4 @@
-"""The weight-update control plane, wire-compatible with the seed script and with today's
+"""The weight-update control plane, wire-compatible with vLLM's RLHF-over-HTTP example and with today's
 vLLM (paths, bodies and answers as its RLHF routes have them):
 
     GET  /get_world_size?include_dp=true -> {"world_size": N}
@@ -294,7 +294,7 @@ async def is_sleeping(request: Request) -> dict:
 
 @router.get("/weight_version")
 async def weight_version(request: Request) -> dict:
-    """rlserve's own (the integer the seed reads); vLLM's is /weight_info."""
+    """rlserve's own (the integer vLLM's RLHF-over-HTTP example reads); vLLM's is /weight_info."""
     return {"weight_version": (await _engine(request).stats()).weight_version}
 
 

@@ -4,7 +4,7 @@
     client.init()
     result = client.push(model.named_parameters())   # PushResult(bytes, seconds, gb_per_s, ...)
 
-It performs the seed script's choreography (HTTP calls in threads while this process
+It performs the choreography of vLLM's RLHF-over-HTTP example (HTTP calls in threads while this process
 broadcasts) for one server or several replicas, which then share one transfer group.
 With backend="ipc" (trainer and servers on one GPU) there is no group: each server opens
 this process's CUDA IPC handles once and copies from them on every push.

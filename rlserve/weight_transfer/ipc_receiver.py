@@ -34,7 +34,7 @@ class IPCReceiver:
     def receive(self, update_info: Mapping[str, Any], expected: Mapping[str, Any],
                 validate: Callable[[Sequence[TensorMeta]], None] | None = None
                 ) -> list[tuple[str, torch.Tensor]]:
-        """Validate update_info (seed fields + ipc_handles) against the model (and with
+        """Validate update_info (the NCCL fields + ipc_handles) against the model (and with
         `validate`, as receiver.receive_weights does) and open it."""
         if not isinstance(update_info, Mapping):
             raise InvalidUpdateError("update_info must be a JSON object")

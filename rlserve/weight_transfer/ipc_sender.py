@@ -34,7 +34,7 @@ class IPCSender:
     def update_info(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                     weight_version: int | None = None, *, channel: str | None = None,
                     reference: bool = False) -> dict[str, Any]:
-        """The /update_weights payload for these tensors (seed fields + ipc_handles).
+        """The /update_weights payload for these tensors (the NCCL fields + ipc_handles).
 
         With `reference`, a push whose document equals the last one the server accepted
         on this channel (`accepted`) is sent as a reference to it (ipc_handles.same_as)."""
@@ -139,7 +139,7 @@ class IPCTrainerSendWeightsArgs:
 
 
 class IPCWeightTransferEngine:
-    """Seed-style trainer entry points for the ipc backend.
+    """Trainer entry points in the style of vLLM's RLHF-over-HTTP example for the ipc backend.
 
     The server's /init_weight_transfer_engine takes `{"init_info": {}}` (no group to form).
     `trainer_send_weights` posts /update_weights itself (the handles travel in it), or

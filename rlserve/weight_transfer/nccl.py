@@ -12,7 +12,7 @@ from .trainer import TrainerEngine
 
 class NCCLWeightTransferEngine(TrainerEngine):
     """`trainer_init(init_info, device=...)` forms the group on the GPU the tensors to send
-    are on; without `device` (the seed's call) it uses the current CUDA device."""
+    are on; without `device` (as vLLM's RLHF-over-HTTP example calls it) it uses the current CUDA device."""
 
     backend = "nccl"
 

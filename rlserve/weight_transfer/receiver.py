@@ -65,7 +65,7 @@ class InitInfo:
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], num_workers: int = 1) -> InitInfo:
-        """Validate the seed's init_info for a server with `num_workers` receiving ranks."""
+        """Validate the trainer's init_info for a server with `num_workers` receiving ranks."""
         if not isinstance(data, Mapping):
             raise InvalidUpdateError("init_info must be a JSON object")
         fields = ("master_address", "master_port", "rank_offset", "world_size")
@@ -110,7 +110,7 @@ class UpdateInfo:
 
     @classmethod
     def parse(cls, data: Mapping[str, Any]) -> UpdateInfo:
-        """Validate the seed's update_info JSON; every problem found is reported at once."""
+        """Validate the trainer's update_info JSON; every problem found is reported at once."""
         if not isinstance(data, Mapping):
             raise InvalidUpdateError("update_info must be a JSON object")
         known = ("names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes",

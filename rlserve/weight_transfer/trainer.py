@@ -131,7 +131,7 @@ def trainer_args_dict(trainer_args: Mapping[str, Any] | Any | None) -> dict[str,
 
 
 class TrainerEngine:
-    """Seed-style trainer entry points; subclasses pick the backend and device."""
+    """Trainer entry points in the style of vLLM's RLHF-over-HTTP example; subclasses pick the backend and device."""
 
     backend = ""
 
@@ -162,7 +162,7 @@ class TrainerEngine:
         src: int = 0,
         checksum: bool = True,
     ) -> None:
-        """Keywords as in the seed; `trainer_args` (a dict of the same keywords, or an args
+        """Keywords as in vLLM's RLHF-over-HTTP example; `trainer_args` (a dict of the same keywords, or an args
         dataclass, as vLLM's examples pass) also works."""
         kwargs: dict[str, Any] = dict(
             group=group, packed=packed, packed_buffer_size_bytes=packed_buffer_size_bytes,

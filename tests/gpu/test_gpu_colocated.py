@@ -1,4 +1,4 @@
-"""Colocated mode on one GPU: the seed's flow over CUDA IPC, and sleep / wake.
+"""Colocated mode on one GPU: the flow of vLLM's RLHF-over-HTTP example over CUDA IPC, and sleep / wake.
 
 The trainer is this test process (a transformers model on the GPU); the server is a
 separate `rlserve serve` process on the same GPU with dummy weights. Skipped without CUDA.
@@ -65,7 +65,7 @@ def outputs(url: str) -> list[list[int]]:
 
 
 def seed_flow_push(url: str, sender, named, version: int) -> dict:
-    """The seed script's order: pause, send, resume (the ipc send posts the update itself)."""
+    """The order of vLLM's RLHF-over-HTTP example: pause, send, resume (the ipc send posts the update itself)."""
     httpx.post(f"{url}/pause", params={"mode": "keep"}).raise_for_status()
     try:
         return IPCWeightTransferEngine.trainer_send_weights(

@@ -1,4 +1,4 @@
-"""The server on two GPUs: the seed's RLHF flow over NCCL (server on cuda:0, trainer on
+"""The server on two GPUs: vLLM's RLHF-over-HTTP flow over NCCL (server on cuda:0, trainer on
 cuda:1), a push while keep-mode streams run, a trainer killed mid-push, and tensor
 parallelism across both GPUs. Skipped with fewer than two GPUs.
 

@@ -97,7 +97,7 @@ def init(url: str, agent: Agent) -> None:
 
 
 def push(url: str, agent: Agent, info: dict, **cmd) -> tuple[httpx.Response, dict, float]:
-    """/update_weights (in a thread, as the seed does) while the trainer sends."""
+    """/update_weights (in a thread, as vLLM's RLHF-over-HTTP example does) while the trainer sends."""
     started = time.monotonic()
     t, box = in_thread(lambda: post(url, "/update_weights", {"update_info": info}))
     agent.send(op="push", **{"packed": info["packed"], "bucket_bytes": BUCKET, **cmd})

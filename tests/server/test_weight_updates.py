@@ -1,4 +1,4 @@
-"""Live weight updates against a real server process over gloo (the seed's flow on CPU)."""
+"""Live weight updates against a real server process over gloo (vLLM's RLHF-over-HTTP flow on CPU)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def perturbed(model, scale: float):
     return [(n, p.detach() + scale * torch.randn(p.shape, generator=gen)) for n, p in model.named_parameters()]
 
 
-# -- the seed's flow, and the one-call client --------------------------------------------
+# -- vLLM's RLHF-over-HTTP flow, and the one-call client --------------------------------------------
 
 def _scramble(url: str, model) -> None:
     """Replace every weight with seeded noise, through a group of its own."""

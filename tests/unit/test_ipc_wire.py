@@ -1,6 +1,6 @@
 """The ipc backend's wire format and configuration, checked without a GPU.
 
-Opening real handles, the colocated seed flow and the push timings run on the GPU
+Opening real handles, the colocated flow of vLLM's RLHF-over-HTTP example and the push timings run on the GPU
 (tests/gpu/test_gpu_colocated.py).
 """
 

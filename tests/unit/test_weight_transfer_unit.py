@@ -76,7 +76,7 @@ def expected_params() -> dict[str, ExpectedParam]:
 
 
 def update_info(params: dict[str, torch.Tensor], **extra) -> dict:
-    # Exactly how the seed builds it.
+    # Exactly how vLLM's RLHF-over-HTTP example builds it.
     return dict(names=list(params), dtype_names=[str(p.dtype).split(".")[-1] for p in params.values()],
                 shapes=[list(p.shape) for p in params.values()], **extra)
 
