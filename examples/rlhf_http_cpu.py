@@ -1,9 +1,9 @@
 """vLLM's RLHF-over-HTTP flow on CPU, with gloo instead of NCCL.
 
 It starts `rlserve serve` on SmolLM2-135M-Instruct's config with dummy weights, shows its
-nonsense output, pushes the real weights from a trainer-side model over gloo with the
-the exact HTTP choreography of vLLM's RLHF-over-HTTP example, and shows the output again -- now the real model's, checked
-token for token against transformers. Then it stops the server.
+nonsense output, pushes the real weights from a trainer-side model over gloo with the exact
+HTTP choreography of vLLM's RLHF-over-HTTP example, and shows the output again -- now the
+real model's, checked token for token against transformers. Then it stops the server.
 
     python examples/rlhf_http_cpu.py [--port 8000] [--model DIR]
 """
