@@ -7,7 +7,7 @@ the replicas and routes requests; this module keeps their weights one version):
 - each `/update_weights` reaches every replica, all or nothing per replica; a replica
   whose update failed while another's succeeded leaves rotation and copies the new weights;
 - a replica that (re)starts copies the weights and version a serving replica has now
-  (weight_transfer/peer.py) before it serves; with none to copy from, after a push, it
+  (weight_transfer/server/peer.py) before it serves; with none to copy from, after a push, it
   stays `stale` until the trainer's next push, so it never serves its checkpoint under a
   newer version number.
 """

@@ -37,7 +37,7 @@ import torch
 
 from rlserve import envs
 from rlserve.weight_transfer.address import get_ip, get_open_port
-from rlserve.weight_transfer.client import WeightSyncClient
+from rlserve.weight_transfer.trainer.client import WeightSyncClient
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from rlserve.weight_transfer import (
     receiver_init,
     refuse,
 )
-from rlserve.weight_transfer.ipc_receiver import IPCReceiver
-from rlserve.weight_transfer.peer import copy_parameters, layout_digest
+from rlserve.weight_transfer.server.ipc_receiver import IPCReceiver
+from rlserve.weight_transfer.server.peer import copy_parameters, layout_digest
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class WeightReceiver:
             out[name] = hashlib.sha256(data.tobytes()).hexdigest()[:32]
         return out
 
-    # -- a new data-parallel replica takes a healthy one's weights (weight_transfer/peer.py)
+    # -- a new data-parallel replica takes a healthy one's weights (weight_transfer/server/peer.py)
     def layout(self) -> str:
         return layout_digest(self.model)
 

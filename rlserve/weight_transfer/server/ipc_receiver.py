@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidUpdateError
-from .ipc import IPCHandles, device_uuid, is_reference, view_of
-from .packing import TensorMeta
+from ..errors import InvalidUpdateError
+from ..ipc import IPCHandles, device_uuid, is_reference, view_of
+from ..packing import TensorMeta
 from .receiver import UpdateInfo, check_against_model
 
 

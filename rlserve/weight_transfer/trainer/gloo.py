@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .trainer import TrainerEngine
+from .engine import TrainerEngine
 
 
 class GlooWeightTransferEngine(TrainerEngine):

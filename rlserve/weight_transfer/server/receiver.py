@@ -24,11 +24,11 @@ import torch
 
 from rlserve.model.base import ExpectedParam  # the model says what it accepts; an update is vetted against it
 
-from .address import address_problem
-from .errors import InvalidUpdateError
-from .group import DEFAULT_TIMEOUT_S, TransferGroup
-from .handshake import TrainerPlan, fetch_plan, receiver_handshake, report_done
-from .packing import (
+from ..address import address_problem
+from ..errors import InvalidUpdateError
+from ..group import DEFAULT_TIMEOUT_S, TransferGroup
+from ..handshake import TrainerPlan, fetch_plan, receiver_handshake, report_done
+from ..packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     DTYPES,
@@ -37,7 +37,7 @@ from .packing import (
     plan_digest,
     plan_json,
 )
-from .pipeline import receive_buckets
+from ..pipeline import receive_buckets
 
 MAX_NUM_BUFFERS = 8
 MAX_WORLD_SIZE = (1 << 31) - 1  # NCCL's and torch.distributed's rank count is a 32-bit int

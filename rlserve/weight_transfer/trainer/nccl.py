@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .trainer import TrainerEngine
+from .engine import TrainerEngine
 
 
 class NCCLWeightTransferEngine(TrainerEngine):

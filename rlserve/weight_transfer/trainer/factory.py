@@ -20,12 +20,12 @@ from typing import Any, Protocol
 
 import torch
 
+from ..group import DEFAULT_TIMEOUT_S, TransferGroup
+from ..packing import dtype_name
 from .gloo import GlooWeightTransferEngine
-from .group import DEFAULT_TIMEOUT_S, TransferGroup
 from .http_client import BackgroundCall
 from .ipc_sender import IPCSender, IPCWeightTransferEngine
 from .nccl import NCCLWeightTransferEngine
-from .packing import dtype_name
 
 
 class VLLMWeightSyncClient(Protocol):

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidUpdateError
-from .group import DEFAULT_TIMEOUT_S, TransferGroup
-from .handshake import await_done, cancel, post_plan, trainer_handshake
-from .packing import (
+from ..errors import InvalidUpdateError
+from ..group import DEFAULT_TIMEOUT_S, TransferGroup
+from ..handshake import await_done, cancel, post_plan, trainer_handshake
+from ..packing import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
     TensorMeta,
@@ -30,7 +30,7 @@ from .packing import (
     plan_digest,
     plan_json,
 )
-from .pipeline import send_buckets
+from ..pipeline import send_buckets
 
 
 def trainer_init(backend: str, init_info: Mapping[str, Any] | Any, device: torch.device | str) -> TransferGroup:

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from ..ipc import SharedStorage, SharedTensor, device_uuid
+from ..packing import dtype_name
+from .engine import trainer_args_dict
 from .http_client import post_update
-from .ipc import SharedStorage, SharedTensor, device_uuid
-from .packing import dtype_name
-from .trainer import trainer_args_dict
 
 
 class IPCSender:

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import requests
 
-from .errors import UpdateRefusedError, WeightTransferError
+from ..errors import UpdateRefusedError, WeightTransferError
 
 
 class BackgroundCall(threading.Thread):

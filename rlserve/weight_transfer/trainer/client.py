@@ -27,9 +27,9 @@ import torch
 
 from rlserve.weight_transfer.address import get_open_port, rendezvous_address
 from rlserve.weight_transfer.errors import UpdateRefusedError, WeightTransferError
-from rlserve.weight_transfer.http_client import BackgroundCall, answer, post_update
 from rlserve.weight_transfer.ipc import is_reference
 from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
+from rlserve.weight_transfer.trainer.http_client import BackgroundCall, answer, post_update
 
 
 @dataclass
@@ -47,9 +47,9 @@ class PushResult:
 
 
 def _engine_for(backend: str):
-    from rlserve.weight_transfer.gloo import GlooWeightTransferEngine
-    from rlserve.weight_transfer.ipc_sender import IPCWeightTransferEngine
-    from rlserve.weight_transfer.nccl import NCCLWeightTransferEngine
+    from rlserve.weight_transfer.trainer.gloo import GlooWeightTransferEngine
+    from rlserve.weight_transfer.trainer.ipc_sender import IPCWeightTransferEngine
+    from rlserve.weight_transfer.trainer.nccl import NCCLWeightTransferEngine
     engines = {"nccl": NCCLWeightTransferEngine, "gloo": GlooWeightTransferEngine,
                "ipc": IPCWeightTransferEngine}
     if backend not in engines:
@@ -129,7 +129,7 @@ class WeightSyncClient:
 
     def _group_for(self, tensors) -> None:
         """NCCL: the group lives on the tensors' GPU (formed, or formed again, here)."""
-        from rlserve.weight_transfer.trainer import tensors_device
+        from rlserve.weight_transfer.trainer.engine import tensors_device
         device = tensors_device([t for _, t in tensors])
         if self.backend != "nccl" or device is None:
             return
