@@ -30,8 +30,8 @@ test: install
 	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_lora_ops.py
 
 # The quick loop while editing: the unit tests and the engine on a tiny model (dummy weights),
-# no server; about 75 s on two cores that other test runs shared. The folders under tests/ are the pyramid:
-# unit, engine, server, gpu (tests/helpers: what they share).
+# no server; about 75 s on two cores that other test runs shared. The folders under tests/
+# are the pyramid: unit, engine, server, gpu (tests/helpers: what they share).
 test-fast:
 	$(PYTHON) -m pytest -q tests/unit tests/engine/test_llm_offline.py tests/engine/test_kernels.py
 
