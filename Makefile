@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install demo lint test test-interpret test-gpu model
+.PHONY: install demo lint test test-fast test-interpret test-gpu model
 
 # torch==2.13.0 is the CPU build; a GPU machine keeps the torch it already has.
 install:
@@ -23,15 +23,21 @@ lint:
 	$(PYTHON) -m mypy rlserve
 
 # The second run is the Triton kernels' CPU lane: the MoE and LoRA kernels under Triton's
-# interpreter against their torch references (the rest of tests/test_triton_ops.py takes
+# interpreter against their torch references (the rest of tests/gpu/test_triton_ops.py takes
 # about five minutes there: run it with `make test-interpret`).
 test: install
 	$(PYTHON) -m pytest -q tests
-	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/test_triton_moe.py tests/test_lora_ops.py
+	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_lora_ops.py
+
+# The quick loop while editing: the unit tests and the engine on a tiny model (dummy weights),
+# no server; about 75 s on two cores that other test runs shared. The folders under tests/
+# are the pyramid: unit, engine, server, gpu (tests/helpers: what they share).
+test-fast:
+	$(PYTHON) -m pytest -q tests/unit tests/engine/test_llm_offline.py tests/engine/test_kernels.py
 
 test-interpret:
-	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/test_triton_moe.py tests/test_lora_ops.py tests/test_triton_ops.py \
-		tests/test_batch_invariance_triton.py
+	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_lora_ops.py tests/gpu/test_triton_ops.py \
+		tests/gpu/test_batch_invariance_triton.py
 
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu tests

@@ -233,8 +233,8 @@ def host_planning(path: str, repeats: int) -> bool:
 
     from rlserve.model.loader import load_hf_config
     from rlserve.model.registry import model_class
-    from rlserve.weight_transfer import receiver
-    from rlserve.weight_transfer.receiver import ExpectedParam, UpdateInfo, vet
+    from rlserve.weight_transfer.server import receiver
+    from rlserve.weight_transfer.server.receiver import ExpectedParam, UpdateInfo, vet
     config = load_hf_config(path)
     with torch.device("meta"):
         model = model_class(config)(config)
@@ -304,7 +304,7 @@ def bench_ipc(client: WeightSyncClient, tensors, size: int, repeats: int) -> Non
     as the trainer sees it, the server's own split, and the whole pause-push-resume cycle."""
     import statistics
 
-    from rlserve.weight_transfer.client import post_update
+    from rlserve.weight_transfer.trainer.client import post_update
     url, sender = client.urls[0], client.group[0]
 
     build = []

@@ -1,6 +1,6 @@
-"""The seed's RLHF-over-HTTP flow against rlserve, with NCCL: the server on GPU 0..N-1, the
+"""vLLM's RLHF-over-HTTP flow against rlserve, with NCCL: the server on GPU 0..N-1, the
 trainer on GPU N. Only the imports differ from the original script, and the group's address:
-the local address on the route to the server (loopback for a local one), where the seed
+the local address on the route to the server (loopback for a local one), where vLLM's example
 calls get_ip() (which rlserve keeps, honouring $VLLM_HOST_IP as vLLM does).
 
     rlserve serve facebook/opt-125m --enforce-eager --load-format dummy \
@@ -9,7 +9,7 @@ calls get_ip() (which rlserve keeps, honouring $VLLM_HOST_IP as vLLM does).
 
 The output before the update is nonsense (dummy weights); after it, the real model's.
 BASE_URL, MODEL and TRAIN_DTYPE in the environment change the server, the model (a hub id or
-a directory) and the trainer's dtype (bfloat16, as in the seed).
+a directory) and the trainer's dtype (bfloat16, as in vLLM's example).
 """
 
 import os
@@ -77,7 +77,7 @@ def main():
     for prompt, text in zip(prompts, generate_completions(client, MODEL_NAME, prompts)):
         print(f"Prompt: {prompt!r}\nGenerated text: {text!r}\n" + "-" * 50)
 
-    # The seed calls get_ip(); the local address on the route to the server keeps a
+    # vLLM's example calls get_ip(); the local address on the route to the server keeps a
     # group with a server on this host on loopback.
     master_address, master_port, rank_offset = rendezvous_address(BASE_URL), get_open_port(), 1
     print(f"Initializing weight transfer: master={master_address}:{master_port}")

@@ -1,9 +1,9 @@
-"""The seed's RLHF-over-HTTP flow on CPU, with gloo instead of NCCL.
+"""vLLM's RLHF-over-HTTP flow on CPU, with gloo instead of NCCL.
 
 It starts `rlserve serve` on SmolLM2-135M-Instruct's config with dummy weights, shows its
-nonsense output, pushes the real weights from a trainer-side model over gloo with the
-seed's exact HTTP choreography, and shows the output again -- now the real model's, checked
-token for token against transformers. Then it stops the server.
+nonsense output, pushes the real weights from a trainer-side model over gloo with the exact
+HTTP choreography of vLLM's RLHF-over-HTTP example, and shows the output again -- now the
+real model's, checked token for token against transformers. Then it stops the server.
 
     python examples/rlhf_http_cpu.py [--port 8000] [--model DIR]
 """
@@ -93,7 +93,7 @@ def main() -> int:
         for prompt, text in zip(PROMPTS, before):
             print(f"Prompt: {prompt!r}\nGenerated text: {text!r}\n" + "-" * 50)
 
-        # The seed calls get_ip(); the local address on the route to the server keeps a
+        # vLLM's example calls get_ip(); the local address on the route to the server keeps a
         # group with a server on this host on loopback.
         master_address, master_port, rank_offset = rendezvous_address(base_url), get_open_port(), 1
         print(f"Initializing weight transfer: master={master_address}:{master_port}")

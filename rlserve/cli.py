@@ -9,10 +9,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rlserve import __version__, envs
+from rlserve import envs
 from rlserve.config import EngineConfig
 from rlserve.flags import HelpFormatter, add_flags, flag_values
 from rlserve.server.options import ServeOptions
+from rlserve.version import __version__
 
 logger = logging.getLogger("rlserve")
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rlserve import envs
 from rlserve.flags import byte_size, flag, no_flag, positive_int
@@ -32,6 +32,13 @@ KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8": "float8_e4m3fn",
                    "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 LOAD_FORMATS = ("auto", "dummy", "safetensors", "pt")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+class GrammarLimits(NamedTuple):
+    """The bounds on a structured-output grammar (engine/structured_output.py enforces them)."""
+
+    max_size: int = 1 << 20  # bytes of the spec, and of the grammar's EBNF text
+    timeout_s: float = 30.0  # seconds one compile may take
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str, config_dtype: Any = None) -> torch.dtype:
@@ -178,7 +185,7 @@ class EngineConfig:
         "costs throughput (docs/on-policy.md). VLLM_BATCH_INVARIANT=1 sets it too", group=_RUN))
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "devices one model is split over", type=positive_int, aliases=["-tp"], group=_RUN))
-    # Data parallel (engine/dp_client.py): replicas behind one front end.
+    # Data parallel (frontend/dp_client.py): replicas behind one front end.
     data_parallel_size: int = field(default=1, metadata=flag(
         "engine replicas behind the one endpoint, each of --tensor-parallel-size devices "
         "(replica i: GPUs i*TP..(i+1)*TP-1)", type=positive_int, aliases=["-dp"], group=_RUN))
@@ -330,9 +337,8 @@ class EngineConfig:
         return self.served_model_name or self.model
 
     @property
-    def grammar_limits(self):
-        """structured_output.GrammarLimits: how large a grammar, and how long its compile."""
-        from rlserve.engine.structured_output import GrammarLimits
+    def grammar_limits(self) -> GrammarLimits:
+        """How large a grammar, and how long its compile."""
         return GrammarLimits(self.max_grammar_size, self.grammar_compile_timeout_s)
 
     def replica(self, index: int) -> EngineConfig:

@@ -1,6 +1,6 @@
 """rlserve's environment variables, in one table: each one's name, type, default and meaning.
 
-Every module reads the environment through here (tests/test_structure.py checks), always
+Every module reads the environment through here (tests/unit/test_structure.py checks), always
 at the moment it needs the value: `envs.RLSERVE_KERNELS.get()`. The few read when their
 module is imported say so (`at_import`): a Triton kernel's launch mode and its
 interpreter's quirks are fixed when the kernels are defined. A variable set but empty

@@ -4,14 +4,42 @@ An exception raised in the engine process or on a tensor-parallel rank reaches t
 server as (type name, message, param) and is raised there again as the same type, so
 the HTTP status it maps to (400, 404, 409, 503) does not depend on where it was raised.
 A type missing from the registry arrives as a RuntimeError that names it.
+
+A leaf: it imports nothing of rlserve, so every layer (the model's PEFT checks, the weight
+transfer, the engine, the front end) can raise these. sampling_params and
+weight_transfer.errors re-export the ones they are known by.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from rlserve.sampling_params import InvalidRequestError
-from rlserve.weight_transfer.errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
+
+class InvalidRequestError(ValueError):
+    """A user error. `param` names the offending field; the server turns this into a 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+# The weight transfer's two families, kept apart so a handler maps them without caring about
+# `except` order: the trainer's request is wrong (400; the group stays usable and the old
+# weights keep serving), or the transport failed (the group must be initialised again).
+class InvalidUpdateError(ValueError):
+    """A trainer-supplied init_info/update_info is invalid; the message names the fields."""
+
+
+class WeightTransferError(RuntimeError):
+    """The transfer itself failed or timed out; the group is unusable until re-init."""
+
+
+class UpdateRefusedError(WeightTransferError):
+    """Trainer side: the server refused the update before any byte moved.
+
+    The message is exactly the one the server returned in its HTTP 400, and the
+    group stays usable for the next (corrected) update.
+    """
 
 
 class ModelNotFoundError(InvalidRequestError):

@@ -4,7 +4,7 @@ the structured-output spec, checked when they are made.
 Its own module, as vLLM's sampling_params.py, below the engine and the workers: the API
 server builds these values, the engine core runs requests with them, and a worker
 process of another tensor-parallel rank rebuilds them from a step message
-(rlserve.worker.messages). InvalidRequestError, the user error their checks raise, lives
+(rlserve.worker.channel). InvalidRequestError, the user error their checks raise, lives
 here for the same reason.
 """
 
@@ -18,17 +18,11 @@ from typing import NoReturn
 import numpy as np
 
 from rlserve import json_depth
+from rlserve.errors import InvalidRequestError  # noqa: F401 (re-exported: the name callers know)
 
 MAX_LOGPROBS = 20  # --max-logprobs by default (vLLM's)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's and vLLM's range for a bias: [-100, 100]
 
-
-class InvalidRequestError(ValueError):
-    """A user error. `param` names the offending field; the server turns this into a 400."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 
@@ -107,7 +101,7 @@ class SamplingParams:
     stop tokens while below `min_tokens`), `logit_bias`, the penalties, then temperature,
     min-p, top-k and top-p.
     `bad_words` are strings the front end turns into `bad_words_token_ids`
-    (rlserve.engine.bad_words); the engine itself only reads token ids.
+    (rlserve.frontend.bad_words); the engine itself only reads token ids.
     """
 
     n: int = 1
@@ -247,7 +241,7 @@ class SamplingParams:
         if self.bad_words:
             raise InvalidRequestError(
                 "bad_words: must be converted to bad_words_token_ids before the engine "
-                "(rlserve.engine.bad_words.convert_bad_words)", "bad_words")
+                "(rlserve.frontend.bad_words.convert_bad_words)", "bad_words")
 
     @property
     def uses_logits_processors(self) -> bool:

@@ -3,7 +3,7 @@
 Named as nano-vllm's and vLLM's first engine's sequence.py, and for the same reason: these
 are the values that cross from the engine (rlserve.engine) to the workers (rlserve.worker),
 so they live below both. The engine fills them; the workers only read them (a worker
-process of another tensor-parallel rank keeps mirrors, rlserve.worker.messages).
+process of another tensor-parallel rank keeps mirrors, rlserve.worker.channel).
 
     Sequence          a request's tokens, and what sampling reads of it (fixed for its life)
     SamplingRow       its row of the sampler's per-row parameters

@@ -37,10 +37,12 @@ case "${1:-suite}" in
     # Three shards side by side: the kernel tests are bound by Triton's compiles on the host's
     # cores, the engine and server tests by start-up; each test sizes its own KV cache, so they
     # share the GPU. Together they fit one call where one pytest did not.
-    shards=("tests/test_triton_ops.py"
-            "tests/test_lora_ops.py tests/test_triton_moe.py tests/test_gpu_sampling.py"
+    shards=("tests/gpu/test_triton_ops.py"
+            "tests/gpu/test_lora_ops.py tests/gpu/test_triton_moe.py tests/gpu/test_gpu_sampling.py"
             "")
-    others=$(ls tests/test_gpu_*.py | grep -v test_gpu_sampling.py | tr '\n' ' ')
+    # The third: every other file of tests/gpu (where each GPU test lives).
+    others=$(ls tests/gpu/test_*.py | grep -v -e test_triton_ops.py -e test_lora_ops.py -e test_triton_moe.py \
+             -e test_gpu_sampling.py | tr '\n' ' ')
     shards[2]=$others
     for i in 0 1 2; do
       # shellcheck disable=SC2086

@@ -23,25 +23,9 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.engine.grammar_wait import GrammarWait
 from rlserve.engine.kv_cache import RouteStore, kv_manager
-from rlserve.engine.outputs import (
-    EngineCoreOutputs,
-    EngineStats,
-    Finished,
-    Rejected,
-    StepOut,
-    check_return_routed_experts,
-    merge_outputs,
-)
-from rlserve.engine.request import (
-    EngineUnavailableError,
-    FinishReason,
-    Request,
-    RequestStatus,
-    sample_ids,
-    validate_prompt,
-)
+from rlserve.engine.request import FinishReason, Request, RequestStatus
 from rlserve.engine.scheduler import Scheduler
-from rlserve.errors import ConflictError, ModelNotFoundError
+from rlserve.errors import ConflictError, EngineUnavailableError, ModelNotFoundError
 from rlserve.memory import GiB, MemoryProfile
 from rlserve.model.loader import (
     eos_token_ids,
@@ -52,6 +36,16 @@ from rlserve.model.loader import (
 )
 from rlserve.model.moe import SparseMoeBlock, config_value
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.wire.outputs import (
+    EngineCoreOutputs,
+    EngineStats,
+    Finished,
+    Rejected,
+    StepOut,
+    check_return_routed_experts,
+    merge_outputs,
+)
+from rlserve.wire.validation import sample_ids, validate_prompt
 from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
 from rlserve.worker.memory_profile import KVSizing
@@ -315,7 +309,7 @@ class EngineCore:
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
         if mode == "wait" and self.pause_mode == "keep" and self.has_unfinished():
-            from rlserve.engine.messages import ConflictError
+            from rlserve.wire.messages import ConflictError
             raise ConflictError(
                 f"mode: wait: generation is paused with mode keep and {len(self.unfinished_ids())} "
                 "requests are frozen, so waiting for them would never end; POST /resume first "
@@ -444,3 +438,6 @@ class EngineCore:
     def shutdown(self) -> None:
         self.grammars.shutdown()
         self.executor.shutdown()
+        # Frozen objects are never collected: the engine's cycles would outlive it in a
+        # process that goes on (the offline LLM's caller, a test suite).
+        gc.unfreeze()

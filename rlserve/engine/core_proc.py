@@ -41,7 +41,12 @@ import zmq
 
 from rlserve import envs
 from rlserve.engine.core import EngineCore
-from rlserve.engine.messages import (
+from rlserve.engine.weight_updates import LATER, Handler, WeightUpdates
+from rlserve.errors import ConflictError, EngineUnavailableError, ModelNotFoundError
+from rlserve.process import profiled, watch_parent
+from rlserve.sampling_params import InvalidRequestError
+from rlserve.weight_transfer.address import get_ip
+from rlserve.wire.messages import (
     AbortAll,
     AbortRequests,
     AddRequest,
@@ -62,13 +67,7 @@ from rlserve.engine.messages import (
     WakeUp,
     error_result,
 )
-from rlserve.engine.outputs import EngineCoreOutputs, Rejected
-from rlserve.engine.request import EngineUnavailableError
-from rlserve.engine.weight_updates import LATER, Handler, WeightUpdates
-from rlserve.errors import ConflictError, ModelNotFoundError
-from rlserve.process import profiled, watch_parent
-from rlserve.sampling_params import InvalidRequestError
-from rlserve.weight_transfer.address import get_ip
+from rlserve.wire.outputs import EngineCoreOutputs, Rejected
 
 logger = logging.getLogger(__name__)
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from rlserve.engine.outputs import Rejected
 from rlserve.engine.request import Request, RequestStatus
 from rlserve.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from rlserve.wire.outputs import Rejected
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from rlserve.engine.structured_output import CompiledGrammar, GrammarLimits, StructuredOutputCompiler
+    from rlserve.config import GrammarLimits
+    from rlserve.engine.structured_output import CompiledGrammar, StructuredOutputCompiler
 
 
 class GrammarWait:

@@ -22,7 +22,10 @@ from collections import deque
 from typing import TYPE_CHECKING, cast
 
 from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.outputs import (
+from rlserve.engine.request import FinishReason, Request, RequestStatus
+from rlserve.sampling_params import InvalidRequestError
+from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput
+from rlserve.wire.outputs import (
     ITERATION_TOKENS_BUCKETS,
     EngineCoreOutputs,
     FinalTokens,
@@ -31,10 +34,8 @@ from rlserve.engine.outputs import (
     RoutedExperts,
     Started,
     StepOut,
+    version_spans,
 )
-from rlserve.engine.request import FinishReason, Request, RequestStatus, version_spans
-from rlserve.sampling_params import InvalidRequestError
-from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from rlserve.engine.structured_output import GrammarMatcher

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from rlserve.config import GrammarLimits
 from rlserve.process import die_with_parent
 from rlserve.sampling_params import InvalidRequestError, StructuredOutputsParams
 
@@ -54,11 +55,6 @@ def bitmask_width(vocab_size: int) -> int:
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """[rows, bitmask_width] int32 on the host, every token allowed (all bits set)."""
     return torch.full((rows, bitmask_width(vocab_size)), -1, dtype=torch.int32)
-
-
-class GrammarLimits(NamedTuple):
-    max_size: int = 1 << 20  # bytes of the spec, and of the grammar's EBNF text
-    timeout_s: float = 30.0  # seconds one compile may take
 
 
 class CompiledGrammar(NamedTuple):

@@ -24,7 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlserve.engine.messages import (
+from rlserve.errors import ConflictError
+from rlserve.sampling_params import InvalidRequestError
+from rlserve.wire.messages import (
     Call,
     CopyWeightsFromPeer,
     CopyWeightsToPeer,
@@ -37,9 +39,7 @@ from rlserve.engine.messages import (
     WeightChecksums,
     WeightsLayout,
 )
-from rlserve.errors import ConflictError
-from rlserve.sampling_params import InvalidRequestError
-from rlserve.weight_transfer.receiver import skipped
+from rlserve.model.base import skipped
 from rlserve.worker import calls as rank
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class WeightUpdates:
         """Refused before any byte moved: a trainer sending it hears so at once, and the
         group stays in step."""
         try:
-            self.core.executor.collective_rpc(rank.RefuseUpdate(update_info, str(refusal)))
+            self.core.executor.collective_rpc(rank.RefuseUpdate(str(refusal)))
             if self.transaction is not None:  # it commits nothing now: free what it staged
                 self.core.executor.collective_rpc(rank.DropStaged())
         finally:

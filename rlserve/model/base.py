@@ -14,13 +14,48 @@ required themselves; the names they cover count as sent (`missing_weights`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from rlserve.model.parallel import ParallelLMHead, ShardedModule
-from rlserve.weight_transfer.receiver import ExpectedParam, ExpectedWeights  # what an update is checked against
+
+
+@dataclass(frozen=True)
+class ExpectedParam:
+    """What the server's model accepts under one name: what a checkpoint load and a live
+    update are both checked against (expected_weights() builds them from the weight slots)."""
+
+    shape: tuple[int, ...]
+    required: bool = True  # a required name missing from an update refuses it
+    dtype: torch.dtype | None = None  # staging dtype for this name; None: receive_weights' target_dtype
+    # Required names this one carries too (a stacked expert tensor's per-expert names): sent
+    # with it, they are not missing, and sent beside it, they are sent twice.
+    covers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))  # compared with metas' tuples
+
+class ExpectedWeights(dict[str, ExpectedParam]):
+    """A model's names and what each takes (name -> ExpectedParam), and the prefixes of
+    names it takes and drops, whatever their shape: a multimodal trainer's vision tower,
+    pushed with the text model whose server serves only the text."""
+
+    def __init__(self, params=(), skipped_prefixes: tuple[str, ...] = ()):
+        super().__init__(params)
+        self.skipped_prefixes = skipped_prefixes
+
+    def skips(self, name: str) -> bool:
+        return bool(self.skipped_prefixes) and name.startswith(self.skipped_prefixes)
+
+
+def skipped(names: Sequence[str], expected: Mapping[str, ExpectedParam]) -> int:
+    """How many of `names` the model takes and drops."""
+    if not isinstance(expected, ExpectedWeights) or not expected.skipped_prefixes:
+        return 0
+    return sum(map(expected.skips, names))
 
 
 class Piece(NamedTuple):
@@ -64,14 +99,6 @@ class FullParameter(NamedTuple):
     shape: tuple[int, ...]
     dim: int
     pieces: list[tuple[str, int, int]]
-
-
-class OwnSlots(Protocol):
-    """A module that maps HF names onto its parameters itself (the stacked experts)."""
-
-    def weight_slots(self, module_name: str) -> Iterator[tuple[str, list[tuple[str, WeightSlot]]]]:
-        """(parameter leaf, [(HF name, slot), ...]) for each of its parameters."""
-        ...
 
 
 def missing_weights(expected: Mapping[str, ExpectedParam], sent: Iterable[str]) -> list[str]:

@@ -1,4 +1,4 @@
-"""OPT (the seed's facebook/opt-125m): learned positions offset by 2, LayerNorm, ReLU,
+"""OPT (facebook/opt-125m, the model of vLLM's RLHF-over-HTTP example): learned positions offset by 2, LayerNorm, ReLU,
 optional project_in/project_out when word_embed_proj_dim differs from hidden_size."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ use_rslora; rank_pattern / alpha_pattern override r / lora_alpha for the modules
 name ends with a pattern key, as PEFT matches them. This module only reads, checks and
 names them: the engine keeps its table of loaded adapters (rlserve.engine.lora), a worker
 puts the tensors in slots (rlserve.model.lora), a trainer sends them
-(rlserve.weight_transfer.client).
+(rlserve.weight_transfer.trainer.client).
 """
 from __future__ import annotations
 

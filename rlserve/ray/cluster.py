@@ -15,7 +15,7 @@ replica on CPU. The replica actor (replica.py) takes bundle 0 and starts the eng
 process on the GPUs of all its bundles (the others are held by small GPUHolder actors).
 
 The router is `rlserve serve --data-parallel-size N` started here, in this process's node
-(the trainer's), attached over ZeroMQ/TCP to the engines (engine/dp_client.py): it routes
+(the trainer's), attached over ZeroMQ/TCP to the engines (frontend/dp_client.py): it routes
 requests, fans the control plane out, and answers at `cluster.url`. A replica whose engine
 dies is taken out of rotation at once; this object's monitor thread starts a new engine in
 the same actor and attaches it (`POST /replicas/{i}/attach`), which copies the current
@@ -37,7 +37,7 @@ import torch
 
 from rlserve import envs
 from rlserve.weight_transfer.address import get_ip, get_open_port
-from rlserve.weight_transfer.client import WeightSyncClient
+from rlserve.weight_transfer.trainer.client import WeightSyncClient
 
 logger = logging.getLogger(__name__)
 

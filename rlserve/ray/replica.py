@@ -15,9 +15,9 @@ import msgpack
 import msgspec
 import zmq
 
-from rlserve.engine.messages import EngineDead
 from rlserve.process import spawn
 from rlserve.weight_transfer.address import get_ip, get_open_port
+from rlserve.wire.messages import EngineDead
 
 
 class EngineReplica:

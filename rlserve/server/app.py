@@ -16,59 +16,55 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from rlserve import __version__, envs
+from rlserve import envs
 from rlserve.config import EngineConfig
-from rlserve.engine.messages import ConflictError, EngineDeadError
-from rlserve.engine.request import EngineUnavailableError
+from rlserve.errors import EngineUnavailableError
 from rlserve.process import profiled
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.server import routes_openai
-from rlserve.server.limits import BODY_JSON_DEPTH, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from rlserve.server.limits import BODY_JSON_DEPTH, BodySizeLimit
 from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from rlserve.server.options import ServeOptions
 from rlserve.server.responses import APIError, VersionResponse, error_type
 from rlserve.server.routes_service import add_service_routes
-from rlserve.server.serving import ServingOptions
 from rlserve.server.serving_chat import ChatServing
 from rlserve.server.serving_completion import CompletionServing
+from rlserve.version import __version__
+from rlserve.wire.messages import ConflictError, EngineDeadError
 
 if TYPE_CHECKING:
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.frontend.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
-def create_app(engine: AsyncEngine, config: EngineConfig, *, api_key: str | None = None,
-               admin_key: str | None = None, url: str | None = None,
-               reject_while_asleep: bool = False, allow_remote_control: bool = False,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, serving: ServingOptions | None = None,
-               enable_sleep_mode: bool = False, root_path: str = "", load_tracking: bool = False,
-               tokenizer_info: bool = False) -> FastAPI:
+def create_app(engine: AsyncEngine, config: EngineConfig, opts: ServeOptions | None = None, *,
+               url: str | None = None) -> FastAPI:
     """Build the app around an engine whose process is starting: the app's start-up waits
-    until the model has loaded, and its shutdown stops the engine. `enable_sleep_mode`:
-    /sleep, /wake_up and /is_sleeping exist without a weight-transfer backend too.
-    `root_path`: the prefix a proxy serves it under; `load_tracking`: GET /load counts the
-    requests in flight; `tokenizer_info`: GET /tokenizer_info exists."""
+    until the model has loaded, and its shutdown stops the engine. `opts`: the server's
+    flags (keys, limits, sampling defaults), as `rlserve serve` parsed them."""
+    opts = opts or ServeOptions()
     metrics = ServerMetrics(config.name, config=config)
-    lifespan = _lifespan(engine, config, metrics, serving or ServingOptions(), url)
-    app = FastAPI(title="rlserve", version=__version__, lifespan=lifespan, root_path=root_path,
+    lifespan = _lifespan(engine, config, metrics, opts, url)
+    app = FastAPI(title="rlserve", version=__version__, lifespan=lifespan, root_path=opts.root_path,
                   description="OpenAI-compatible rollout server for RL post-training.")
     app.state.engine = engine
     app.state.config = config
-    app.state.api_key = api_key
-    app.state.admin_key = admin_key
-    app.state.allow_remote_control = allow_remote_control  # see rlserve/server/security.py
-    app.state.reject_while_asleep = reject_while_asleep
+    app.state.api_key = opts.api_key
+    app.state.admin_key = opts.admin_key
+    app.state.allow_remote_control = opts.allow_remote_control  # see rlserve/server/security.py
+    app.state.reject_while_asleep = opts.reject_while_asleep
     app.state.metrics = metrics
     app.state.stopping = asyncio.Event()  # set on SIGINT/SIGTERM: pending control calls end
 
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=opts.max_request_body_bytes)
     _add_error_handlers(app)
     _add_service_routes(app)
-    add_service_routes(app, load_tracking, tokenizer_info)
-    _add_routers(app, engine, config, enable_sleep_mode)
+    add_service_routes(app, opts.enable_server_load_tracking, opts.enable_tokenizer_info_endpoint)
+    _add_routers(app, engine, config, opts.enable_sleep_mode)
     return app
 
 
-def _lifespan(engine: AsyncEngine, config: EngineConfig, metrics: ServerMetrics, serving: ServingOptions,
+def _lifespan(engine: AsyncEngine, config: EngineConfig, metrics: ServerMetrics, opts: ServeOptions,
               url: str | None):
     """Start-up: wait for the engine's model, then set up the two serving flows; shutdown:
     stop the engine."""
@@ -81,8 +77,8 @@ def _lifespan(engine: AsyncEngine, config: EngineConfig, metrics: ServerMetrics,
         engine.set_latency_observer(metrics)
         metrics.memory = info.memory
         metrics.set_max_model_len(engine.max_model_len)
-        app.state.completions = CompletionServing(engine, config, metrics, serving)
-        app.state.chat = ChatServing(engine, config, metrics, serving)
+        app.state.completions = CompletionServing(engine, config, metrics, opts)
+        app.state.chat = ChatServing(engine, config, metrics, opts)
         _limit_max_tokens_in_schema(app, engine.max_model_len)
         # Everything start-up made (tokenizer, templates, routes, schemas) lives as long as
         # the server: out of the collector's sight, a request's garbage is cheap to collect.
@@ -98,6 +94,7 @@ def _lifespan(engine: AsyncEngine, config: EngineConfig, metrics: ServerMetrics,
                 yield
         finally:
             await engine.shutdown()
+            gc.unfreeze()  # what start-up froze can be collected again (an app in a longer-lived process)
 
     return lifespan
 
@@ -115,7 +112,7 @@ def _add_routers(app: FastAPI, engine: AsyncEngine, config: EngineConfig, enable
     if config.weight_transfer is not None:
         # The control plane exists only when a weight-transfer backend is configured.
         from rlserve.server.routes_control import add_control_routes
-        add_control_routes(app, engine, config)
+        add_control_routes(app)
     elif enable_sleep_mode:
         from rlserve.server.routes_control import add_sleep_routes
         add_sleep_routes(app)

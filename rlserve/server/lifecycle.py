@@ -32,7 +32,7 @@ from rlserve.server.options import ServeOptions
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.frontend.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(config: EngineConfig, opts: ServeOptions) -> int:
     """Run the server until it is stopped; returns the process's exit code."""
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.frontend.async_engine import AsyncEngine
     try:  # a port in use fails now, not after the model has loaded
         sock = bind_socket(opts.host, opts.port)
     except OSError as e:
@@ -82,20 +82,9 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
 
 def _run(engine: AsyncEngine, config: EngineConfig, opts: ServeOptions, sock: socket.socket) -> int:
     from rlserve.server.app import create_app
-    from rlserve.server.serving import ServingOptions
     shown_host = "localhost" if opts.host in ("0.0.0.0", "::", "") else opts.host
     url = f"http://{shown_host}:{opts.port}" if engine.client.client_index == 0 else None
-    serving = ServingOptions(max_prompts=opts.max_prompts_per_request, generation_defaults=opts.generation_defaults,
-                             return_tokens_as_token_ids=opts.return_tokens_as_token_ids,
-                             tool_call_parser=opts.tool_call_parser,
-                             force_include_usage=opts.enable_force_include_usage)
-    app = create_app(engine, config, api_key=opts.api_key, admin_key=opts.admin_key, url=url,
-                     reject_while_asleep=opts.reject_while_asleep,
-                     allow_remote_control=opts.allow_remote_control,
-                     max_body_bytes=opts.max_request_body_bytes, serving=serving,
-                     enable_sleep_mode=opts.enable_sleep_mode, root_path=opts.root_path,
-                     load_tracking=opts.enable_server_load_tracking,
-                     tokenizer_info=opts.enable_tokenizer_info_endpoint)
+    app = create_app(engine, config, opts, url=url)
     server = Server(app, engine, log_level=opts.uvicorn_log_level or opts.log_level,
                     grace_s=opts.shutdown_grace_period, linger_s=opts.engine_death_linger,
                     access_log=not opts.disable_uvicorn_access_log)
@@ -107,7 +96,7 @@ def _run(engine: AsyncEngine, config: EngineConfig, opts: ServeOptions, sock: so
 
 def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engine: AsyncEngine,
                       sock: socket.socket) -> subprocess.Popen:
-    from rlserve.engine.core_client import EngineCoreClient
+    from rlserve.frontend.core_client import EngineCoreClient
     sock.set_inheritable(True)
     client = engine.client
     assert isinstance(client, EngineCoreClient)  # one engine: the CLI refuses more API servers with data parallel
@@ -120,8 +109,8 @@ def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engi
 
 def api_server_main(argv: list[str] | None = None) -> int:
     """A further API server: attach to the running engine, serve on the inherited socket."""
-    from rlserve.engine.async_engine import AsyncEngine
-    from rlserve.engine.core_client import EngineAddresses
+    from rlserve.frontend.async_engine import AsyncEngine
+    from rlserve.frontend.core_client import EngineAddresses
     parser = argparse.ArgumentParser(description="one more rlserve API server process")
     parser.add_argument("--fd", type=int, required=True, help="the listening socket")
     parser.add_argument("--index", type=int, required=True, help="this API server's number")

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from rlserve.engine.outputs import ITERATION_TOKENS_BUCKETS
+from rlserve.wire.outputs import ITERATION_TOKENS_BUCKETS
 
 if TYPE_CHECKING:
     from rlserve.config import EngineConfig
-    from rlserve.engine.output_processor import RequestState
-    from rlserve.engine.outputs import EngineStats, RequestTiming
+    from rlserve.frontend.output_processor import RequestState
+    from rlserve.wire.outputs import EngineStats, RequestTiming
     from rlserve.memory import MemoryProfile
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

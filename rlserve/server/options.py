@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlserve.flags import byte_size, flag, json_object, no_flag, port_number, positive_int
+from rlserve.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS
 from rlserve.server.tool_parsers import TOOL_PARSERS
 
 _SERVER, _OUTPUTS = "server", "sampling defaults and outputs"
@@ -44,9 +45,9 @@ class ServeOptions:
     api_server_count: int = field(default=1, metadata=flag(
         "API server processes on the port (HTTP, tokenization and detokenization), all feeding "
         "the one engine process", type=positive_int, group=_SERVER))
-    max_request_body_bytes: int = field(default=64 << 20, metadata=flag(
+    max_request_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata=flag(
         "larger request bodies are refused with 413", type=byte_size, group=_SERVER))
-    max_prompts_per_request: int = field(default=2048, metadata=flag(
+    max_prompts_per_request: int = field(default=DEFAULT_MAX_PROMPTS, metadata=flag(
         "prompts in one /v1/completions request at most", type=positive_int, group=_SERVER))
     shutdown_grace_period: float = field(default=5.0, metadata=flag(
         "on SIGINT or SIGTERM, requests in flight may finish for this long; then they end with "

@@ -1,4 +1,4 @@
-"""The weight-update control plane, wire-compatible with the seed script and with today's
+"""The weight-update control plane, wire-compatible with vLLM's RLHF-over-HTTP example and with today's
 vLLM (paths, bodies and answers as its RLHF routes have them):
 
     GET  /get_world_size?include_dp=true -> {"world_size": N}
@@ -30,7 +30,6 @@ from typing import Any, Literal
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from rlserve.config import EngineConfig
 from rlserve.server.limits import check_int_range
 from rlserve.server.responses import APIError
 from rlserve.server.security import require_control_access
@@ -297,7 +296,7 @@ async def is_sleeping(request: Request) -> dict:
 
 @router.get("/weight_version")
 async def weight_version(request: Request) -> dict:
-    """rlserve's own (the integer the seed reads); vLLM's is /weight_info."""
+    """rlserve's own (the integer vLLM's RLHF-over-HTTP example reads); vLLM's is /weight_info."""
     return {"weight_version": (await _engine(request).stats()).weight_version}
 
 
@@ -307,7 +306,7 @@ async def reset_prefix_cache(request: Request) -> dict:
     return {"status": "ok"}
 
 
-def add_control_routes(app: FastAPI, engine, config: EngineConfig) -> None:
+def add_control_routes(app: FastAPI) -> None:
     app.include_router(router)
     app.include_router(sleep_router)
 

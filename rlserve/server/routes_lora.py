@@ -18,9 +18,9 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlserve.engine.messages import ModelNotFoundError
 from rlserve.server.responses import APIError, ModelCard
 from rlserve.server.security import require_control_access
+from rlserve.wire.messages import ModelNotFoundError
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -1,4 +1,4 @@
-"""Data-parallel replicas (engine/dp_client.py), with `--data-parallel-size` above 1:
+"""Data-parallel replicas (frontend/dp_client.py), with `--data-parallel-size` above 1:
 
     GET  /replicas                      each replica: state, weight version, pid, load
     POST /replicas/{index}/attach       {"input": zmq address, "output": zmq address}:

@@ -7,7 +7,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response, StreamingResponse
@@ -15,13 +15,13 @@ from pydantic import BaseModel
 
 from rlserve import json_depth
 from rlserve.config import EngineConfig
-from rlserve.engine.bad_words import convert_bad_words
-from rlserve.engine.output_processor import RequestState, SampleDelta
-from rlserve.engine.request import validate_prompt, version_spans
 from rlserve.engine.structured_output import StructuredOutputCompiler
+from rlserve.frontend.bad_words import convert_bad_words
+from rlserve.frontend.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
-from rlserve.server.limits import DEFAULT_MAX_PROMPTS, LARGE_TEXT_CHARS
+from rlserve.server.limits import LARGE_TEXT_CHARS
 from rlserve.server.metrics import ServerMetrics
+from rlserve.server.options import ServeOptions
 from rlserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
 from rlserve.server.responses import (
     APIError,
@@ -37,28 +37,17 @@ from rlserve.server.responses import (
 from rlserve.server.routes_json import RoutesJSON, splice
 from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
+from rlserve.wire.outputs import version_spans
+from rlserve.wire.validation import validate_prompt
 
 if TYPE_CHECKING:
-    from rlserve.engine.async_engine import AsyncEngine
+    from rlserve.frontend.async_engine import AsyncEngine
 
 
 @dataclass
 class Prompt:
     token_ids: list[int]
     text: str
-
-
-@dataclass
-class ServingOptions:
-    """How `rlserve serve` answers requests, beyond the engine's configuration."""
-
-    max_prompts: int = DEFAULT_MAX_PROMPTS
-    # Sampling defaults for fields a request leaves unset (generation_config.py); a
-    # `max_tokens` here caps every request, as vLLM's max_new_tokens does.
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-    return_tokens_as_token_ids: bool = False  # the default of the request field
-    tool_call_parser: str = "hermes"
-    force_include_usage: bool = False  # every stream ends with usage (--enable-force-include-usage)
 
 
 def json_response(model: BaseModel) -> Response:
@@ -175,9 +164,9 @@ class OpenAIServing:
     """Request handling shared by the routes: validation, prompts, sampling parameters."""
 
     def __init__(self, engine: AsyncEngine, config: EngineConfig, metrics: ServerMetrics,
-                 options: ServingOptions | None = None):
-        self.options = options or ServingOptions()
-        self.max_prompts = self.options.max_prompts
+                 options: ServeOptions | None = None):
+        self.options = options or ServeOptions()
+        self.max_prompts = self.options.max_prompts_per_request
         self.engine = engine
         self.config = config
         self.metrics = metrics
@@ -319,7 +308,7 @@ class OpenAIServing:
         stream_options.include_usage (or --enable-force-include-usage), and with it
         stream_options.continuous_usage_stats."""
         opts = body.stream_options
-        final = self.options.force_include_usage or bool(opts and opts.include_usage)
+        final = self.options.enable_force_include_usage or bool(opts and opts.include_usage)
         return final, final and bool(opts and opts.continuous_usage_stats)
 
     def truncate(self, prompt: Prompt, body: CompletionRequest | ChatCompletionRequest) -> Prompt:

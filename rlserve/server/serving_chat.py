@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from rlserve.engine.output_processor import RequestState, SampleDelta
+from rlserve.frontend.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
 from rlserve.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest

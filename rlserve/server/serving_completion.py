@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from fastapi.responses import Response
 
-from rlserve.engine.output_processor import RequestState, SampleDelta
+from rlserve.frontend.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
 from rlserve.server.protocol import CompletionRequest

@@ -1,4 +1,5 @@
-"""Errors of the weight-transfer layer.
+"""Errors of the weight-transfer layer, defined in rlserve/errors.py (every error that
+crosses a process is) and known here by the names trainers import.
 
 Two families, kept apart on purpose so a handler can map them without caring
 about `except` order:
@@ -8,20 +9,10 @@ about `except` order:
   the group stays usable and the old weights keep serving.
 - `WeightTransferError` (a RuntimeError): the transport failed (timeout, peer
   gone, group unusable). The group must be initialised again.
+- `UpdateRefusedError` (a WeightTransferError), trainer side: the server refused the
+  update before any byte moved; the group stays usable.
 """
 
+from rlserve.errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
 
-class InvalidUpdateError(ValueError):
-    """A trainer-supplied init_info/update_info is invalid; the message names the fields."""
-
-
-class WeightTransferError(RuntimeError):
-    """The transfer itself failed or timed out; the group is unusable until re-init."""
-
-
-class UpdateRefusedError(WeightTransferError):
-    """Trainer side: the server refused the update before any byte moved.
-
-    The message is exactly the one the server returned in its HTTP 400, and the
-    group stays usable for the next (corrected) update.
-    """
+__all__ = ["InvalidUpdateError", "UpdateRefusedError", "WeightTransferError"]

@@ -213,14 +213,14 @@ _SEED_INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size
 
 
 def parse_ipc_init_info(data: Any) -> None:
-    """The ipc backend forms no group: `{}` is the init_info. The seed's group fields are
+    """The ipc backend forms no group: `{}` is the init_info. The group fields of vLLM's RLHF-over-HTTP example are
     accepted and ignored, so a script written for nccl needs no change to its init call."""
     if not isinstance(data, Mapping):
         raise InvalidUpdateError("init_info must be a JSON object ({} for the ipc backend)")
     unknown = sorted(set(data) - set(_SEED_INIT_FIELDS))
     if unknown:
         raise InvalidUpdateError(f"init_info: unknown field(s) {', '.join(unknown)}; the ipc "
-                                 "backend takes {} (the seed's group fields are ignored)")
+                                 "backend takes {} (the group fields of an NCCL or gloo group are ignored)")
 
 
 def view_of(storage: torch.UntypedStorage, meta: TensorMeta, t: SharedTensor) -> torch.Tensor:

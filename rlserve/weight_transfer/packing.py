@@ -91,10 +91,6 @@ class Bucket(NamedTuple):
                                        self.sizes)))
 
 
-def align_up(n: int, align: int = ALIGN_BYTES) -> int:
-    return (n + align - 1) // align * align
-
-
 _name_of, _dtype_of, _shape_of = (operator.itemgetter(i) for i in range(3))  # TensorMeta's fields
 
 

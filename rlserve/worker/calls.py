@@ -103,11 +103,10 @@ class ReceiveWeights(RankCall):
 
 class RefuseUpdate(RankCall):
     background: ClassVar[bool] = True
-    update_info: Any
     message: str
 
     def run(self, worker) -> None:
-        worker.receiver.refuse(self.update_info, self.message)
+        worker.receiver.refuse(self.message)
 
 
 class ApplyStaged(RankCall):

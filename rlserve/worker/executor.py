@@ -39,7 +39,7 @@ from rlserve.config import EngineConfig
 from rlserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, host_store, tp_device
 from rlserve.process import spawn
 from rlserve.worker.calls import RankCall, TensorCall
-from rlserve.worker.messages import Channel, ChannelClosed, StepEncoder, error_from_reply, reply_error_text
+from rlserve.worker.channel import Channel, ChannelClosed, StepEncoder, error_from_reply, reply_error_text
 from rlserve.worker.model_runner import ModelRunnerOutput, StepHandle
 from rlserve.worker.worker import Worker
 

@@ -32,8 +32,8 @@ from rlserve.weight_transfer import (
     receiver_init,
     refuse,
 )
-from rlserve.weight_transfer.ipc_receiver import IPCReceiver
-from rlserve.weight_transfer.peer import copy_parameters, layout_digest
+from rlserve.weight_transfer.server.ipc_receiver import IPCReceiver
+from rlserve.weight_transfer.server.peer import copy_parameters, layout_digest
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,11 @@ class WeightReceiver:
                                      "/init_weight_transfer_engine first")
         return group
 
+    @property
+    def busy(self) -> bool:
+        """A receive (or refusal) holds this worker: another now would be refused."""
+        return self._lock.locked()
+
     @contextlib.contextmanager
     def _exclusive(self):
         """One receive (or refusal) at a time: a second is refused, never interleaved."""
@@ -182,7 +187,7 @@ class WeightReceiver:
         self._lora_memo = (wire, (config, expected, validate))
         return config, expected, validate
 
-    def refuse(self, update_info: dict, message: str) -> None:
+    def refuse(self, message: str) -> None:
         """The engine refused this update before receiving it (asleep, a bad weight_version,
         ...): tell a trainer that is sending it, so its trainer_send_weights raises `message`
         at once, and keep the group in step for the next push. Waits at most a couple of
@@ -265,7 +270,7 @@ class WeightReceiver:
             out[name] = hashlib.sha256(data.tobytes()).hexdigest()[:32]
         return out
 
-    # -- a new data-parallel replica takes a healthy one's weights (weight_transfer/peer.py)
+    # -- a new data-parallel replica takes a healthy one's weights (weight_transfer/server/peer.py)
     def layout(self) -> str:
         return layout_digest(self.model)
 

@@ -30,7 +30,7 @@ import torch
 
 from rlserve.process import watch_parent
 from rlserve.worker.calls import AnyRankCall, AnyTensorCall, RankCall
-from rlserve.worker.messages import Channel, ChannelClosed, StepDecoder, error_reply
+from rlserve.worker.channel import Channel, ChannelClosed, StepDecoder, error_reply
 
 logger = logging.getLogger(__name__)
 

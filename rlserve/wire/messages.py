@@ -1,0 +1,226 @@
+"""What API servers and the engine-core process say to each other over ZeroMQ.
+
+msgpack through msgspec structs: every message is typed and validated when decoded,
+nothing is pickled.
+
+API server -> engine (one PULL socket the engine binds; every API server PUSHes to it):
+    AddRequest       a prompt with its sampling parameters (its n samples are made there)
+    AbortRequests    end these samples now
+    Call             a control call: its id and its body, one struct per call (Pause, UpdateWeights,
+                     LoadLoRAAdapter, ...), answered by a CallResult
+Engine -> API server (one PULL socket per API server, which binds it; the engine PUSHes):
+    EngineReady      once, when the model is loaded: what the front end needs to know
+    EngineCoreOutputs  one per step: see outputs.py
+    CallResult       the answer to a Call (an error as rlserve/errors.py carries it)
+    EngineDead       the engine is stopping on an error; the reason says why
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from rlserve.errors import (  # noqa: F401 (re-exported)
+    ConflictError,
+    EngineDeadError,
+    EngineUnavailableError,
+    ModelNotFoundError,
+    WireError,
+    from_wire,
+    to_wire,
+)
+from rlserve.memory import MemoryProfile
+from rlserve.sampling_params import SamplingParams
+from rlserve.wire.outputs import EngineCoreOutputs
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool  # report its tokens every step (else once, when it finishes)
+    client: int = 0  # the API server it came from: its outputs go back there
+    cache_salt: str | None = None
+    lora_name: str | None = None  # a loaded LoRA adapter to run with (None: the base model)
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+# -- control calls: one struct per call, sent inside a Call ---------------------------------
+
+class ControlCall(msgspec.Struct, array_like=True, tag=True):
+    """A control call's body; the engine answers each with a CallResult."""
+
+
+class Pause(ControlCall):
+    mode: str = "abort"
+    clear_cache: bool = False
+
+
+class Resume(ControlCall):
+    pass
+
+
+class Sleep(ControlCall):
+    level: int = 1
+
+
+class WakeUp(ControlCall):
+    pass
+
+
+class ResetPrefixCache(ControlCall):
+    pass
+
+
+class GetStats(ControlCall):
+    pass
+
+
+class AbortAll(ControlCall):
+    pass
+
+
+class Shutdown(ControlCall):
+    pass
+
+
+class ListLoRAAdapters(ControlCall):
+    pass
+
+
+class LoadLoRAAdapter(ControlCall):
+    """Load a PEFT adapter directory as `lora_name` (vLLM's /v1/load_lora_adapter)."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # replace a loaded adapter of that name
+
+
+class UnloadLoRAAdapter(ControlCall):
+    lora_name: str
+
+
+# Weight updates (engine/weight_updates.py owns them).
+
+class InitWeightTransfer(ControlCall):
+    backend: str
+    init_info: dict
+    timeout_s: float
+
+
+class UpdateWeights(ControlCall):
+    update_info: Any
+    weight_version: Any = None  # checked by the engine: a wrong type is refused by name
+
+
+class StartWeightUpdate(ControlCall):
+    """Open a transaction: the /update_weights that follow stage, /finish_weight_update commits."""
+
+    is_checkpoint_format: bool = True
+
+
+class FinishWeightUpdate(ControlCall):
+    weight_version: Any = None  # checked by the engine (a string of digits, or an integer)
+
+
+class SetWeightVersion(ControlCall):
+    new_version: Any
+
+
+class ShutdownWeightTransfer(ControlCall):
+    pass
+
+
+class WeightChecksums(ControlCall):
+    """Each rank's digest of each of its parameters (what /weight_checker compares)."""
+
+
+class WeightsLayout(ControlCall):
+    pass
+
+
+class CopyWeightsToPeer(ControlCall):
+    address: str
+    ports: list[int]
+    digests: list[str]
+    timeout_s: float
+
+
+class CopyWeightsFromPeer(ControlCall):
+    address: str
+    ports: list[int]
+    digests: list[str]
+    timeout_s: float
+    weight_version: int
+
+
+WeightCall = (InitWeightTransfer | UpdateWeights | StartWeightUpdate | FinishWeightUpdate | SetWeightVersion
+              | ShutdownWeightTransfer | WeightChecksums | WeightsLayout | CopyWeightsToPeer | CopyWeightsFromPeer)
+
+AnyControlCall = (Pause | Resume | Sleep | WakeUp | ResetPrefixCache | GetStats | AbortAll | Shutdown
+                  | ListLoRAAdapters | LoadLoRAAdapter | UnloadLoRAAdapter | WeightCall)
+
+
+class Call(msgspec.Struct, tag="call", array_like=True):
+    call_id: int
+    body: AnyControlCall
+    client: int = 0  # the API server it came from: the answer goes back there
+
+
+class LoRAAdapterInfo(msgspec.Struct):
+    """A loaded adapter, as list_loras and load_lora answer."""
+
+    name: str
+    slot: int
+    path: str | None  # None: pushed by a trainer
+    r: int
+    lora_alpha: float
+
+
+class EngineReady(msgspec.Struct, tag="ready", array_like=True):
+    max_model_len: int
+    vocab_size: int
+    world_size: int
+    eos_token_ids: list[int]
+    weight_version: int
+    kv_capacity_tokens: int
+    model_type: str
+    device: str
+    dtype: str
+    load_seconds: float
+    pid: int
+    host: str = ""  # an address other hosts reach this one at (data-parallel weight copies)
+    memory: MemoryProfile | None = None  # rank 0's device memory at start (None: not measured)
+    moe: bool = False  # the model has mixture-of-experts layers
+    routed_experts: bool = False  # it records them (enable_return_routed_experts)
+
+
+class CallResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True):
+    call_id: int
+    ok: bool
+    value: Any = None
+    error: str = ""
+    error_type: str = ""
+    param: str | None = None
+
+
+class EngineDead(msgspec.Struct, tag="dead", array_like=True):
+    reason: str
+
+
+EngineInput = AddRequest | AbortRequests | Call
+EngineOutput = EngineCoreOutputs | CallResult | EngineReady | EngineDead
+
+
+def error_result(call_id: int, e: BaseException) -> CallResult:
+    w = to_wire(e)
+    return CallResult(call_id, False, error=w.message, error_type=w.type, param=w.param)
+
+
+def error_from_result(r: CallResult) -> BaseException:
+    """The engine's exception, as its own type where the front end maps it to a status."""
+    return from_wire(WireError(r.error_type, r.error, r.param))
