@@ -7,17 +7,16 @@ modes and version spans, sleep, prefix cache, structured outputs) works on an Mo
 from __future__ import annotations
 
 import json
-import re
-import threading
 
 import httpx
 import pytest
 import torch
-from test_moe import moe_config, per_expert
 
 from helpers.checkpoints import save_word_tokenizer, seeded_wide_model
+from helpers.moe import moe_config, per_expert
 from helpers.oracle import hf_greedy
-from helpers.servers import start_server, stop_server, stream_completion
+from helpers.servers import start_server, stop_server
+from helpers.streams import stream_frozen_mid_way
 from rlserve.weight_transfer import UpdateRefusedError, WeightSyncClient
 
 PROMPTS = ["t5 t17 t3 t99", "t1 t2 t3", "t64 t12 t7 t7 t80 t41", "t120"]
@@ -111,7 +110,7 @@ def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, tr
     which weights; sleep and wake-up serve the same bits again."""
     hf, _ = trainer
     v0 = httpx.get(f"{server.url}/weight_version").json()["weight_version"]
-    t, results = _stream_frozen_mid_way(server.url)
+    t, results = stream_frozen_mid_way(server.url, PROMPTS[0])
     sync.push([(n, p.detach()) for n, p in hf.named_parameters()], pause_mode="keep")
     t.join(120)
     chunks, finish, spans = results[0]
@@ -120,33 +119,6 @@ def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, tr
     assert httpx.post(f"{server.url}/sleep", params={"level": 1}, timeout=60).status_code == 200
     assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
     assert served(server.url) == before
-
-
-def _stream_frozen_mid_way(url: str) -> tuple[threading.Thread, list]:
-    """A streamed request frozen by pause(keep) after its first token, still unfinished (the
-    tiny model can finish 400 tokens before a pause sent by a busy test process lands: then
-    the request is let finish and another one tried)."""
-    for _ in range(5):
-        results, progress = [None], [0]
-
-        def freeze() -> None:  # from the stream's reader, after its first token
-            assert httpx.post(f"{url}/pause", params={"mode": "keep"}, timeout=60).status_code == 200
-
-        t = threading.Thread(target=stream_completion, args=(url, "m", PROMPTS[0], 400, results, progress, 0,
-                                                             (1, freeze)))
-        t.start()
-        while not _paused(url) and t.is_alive():
-            t.join(0.01)
-        stats = httpx.get(f"{url}/metrics", timeout=30).text
-        if re.search(r"^vllm:num_requests_(running|waiting)\{[^}]*\} [1-9]", stats, re.M):
-            return t, results
-        assert httpx.post(f"{url}/resume", timeout=60).status_code == 200
-        t.join(120)
-    pytest.fail("every request finished before its keep-pause landed")
-
-
-def _paused(url: str) -> bool:
-    return httpx.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
 
 
 @pytest.fixture(scope="module")

@@ -11,22 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import seeded_wide_model
+from helpers.checkpoints import seeded_wide_model
+from helpers.moe import moe_config
+from helpers.routes import hf_routes, preset_config
 from rlserve import LLM, SamplingParams
 from rlserve.sampling_params import InvalidRequestError
-from test_moe import moe_config
 
 MAX_TOKENS = 10
-
-
-def preset_config():
-    """The moe-tiny preset (Qwen3-MoE, 8 experts, top-2, layer 1 dense) with a small vocabulary,
-    untied (tied wide random embeddings make a model repeat its input token, and samples alike)."""
-    from transformers import Qwen3MoeConfig
-
-    from rlserve.model.presets import PRESETS
-    fields = {k: v for k, v in PRESETS["moe-tiny"].items() if k not in ("torch_dtype", "model_type")}
-    return Qwen3MoeConfig(**{**fields, "vocab_size": 256, "eos_token_id": 0, "tie_word_embeddings": False})
 
 
 @pytest.fixture(scope="module", params=["moe-tiny", "qwen2_moe"])
@@ -36,29 +27,6 @@ def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return str(path), hf
-
-
-def hf_routes(hf, token_ids: list[int]) -> np.ndarray:
-    """transformers' own top-k at every layer for `token_ids` (one forward pass), as
-    [tokens, num_hidden_layers, top_k] with -1 at dense layers."""
-    cfg = hf.config
-    out = np.full((len(token_ids), cfg.num_hidden_layers, cfg.num_experts_per_tok), -1, dtype=np.int32)
-    hooks = []
-    for i, layer in enumerate(hf.model.layers):
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is None or not hasattr(gate, "top_k"):
-            continue
-
-        def record(_module, _args, output, i=i):
-            out[:, i] = output[2].cpu().numpy()
-        hooks.append(gate.register_forward_hook(record))
-    try:
-        with torch.no_grad():
-            hf(torch.tensor([token_ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return out
 
 
 def prompts(n: int, vocab: int) -> list[list[int]]:
@@ -119,7 +87,7 @@ def test_routes_survive_preemption_and_recompute(checkpoint):
 
 def test_stop_string_cuts_routes_at_the_kept_tokens(checkpoint):
     path, hf = checkpoint
-    from conftest import save_word_tokenizer
+    from helpers.checkpoints import save_word_tokenizer
     save_word_tokenizer(path, hf.config.vocab_size)
     prompt = prompts(1, hf.config.vocab_size)[0]
     with LLM(path, device="cpu", dtype="float32", max_model_len=256, enable_return_routed_experts=True) as llm:
@@ -170,8 +138,8 @@ def test_lora_on_the_attention_routes_as_the_merged_model(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from conftest import save_word_tokenizer
-    from lora_adapters import make_adapter
+    from helpers.checkpoints import save_word_tokenizer
+    from helpers.lora_adapters import make_adapter
     hf = seeded_wide_model(moe_config("qwen3_moe")).eval()
     hf.save_pretrained(tmp_path / "base")
     save_word_tokenizer(tmp_path / "base", hf.config.vocab_size)

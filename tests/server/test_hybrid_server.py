@@ -13,10 +13,12 @@ import httpx
 import pytest
 import torch
 
-from conftest import hf_greedy, save_word_tokenizer, start_server, stop_server
+from helpers.checkpoints import save_word_tokenizer
+from helpers.hybrid import hybrid_model, text_names
+from helpers.oracle import hf_greedy
+from helpers.servers import start_server, stop_server
+from helpers.streams import stream_frozen_mid_way
 from rlserve.weight_transfer import UpdateRefusedError, WeightSyncClient
-from test_hybrid import hybrid_model, text_names
-from test_moe_server import _stream_frozen_mid_way
 
 PROMPTS = ["t5 t17 t3 t99", "t1 t2 t3", "t64 t12 t7 t7 t80 t41", "t120"]
 MAX_TOKENS = 10
@@ -124,7 +126,7 @@ def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, tr
     KV cache, and wake-up serves the same bits again."""
     hf, _ = trainer
     v0 = httpx.get(f"{server.url}/weight_version").json()["weight_version"]
-    t, results = _stream_frozen_mid_way(server.url)
+    t, results = stream_frozen_mid_way(server.url, PROMPTS[0])
     sync.push([(n, p.detach()) for n, p in hf.named_parameters()], pause_mode="keep")
     t.join(120)
     chunks, finish, spans = results[0]

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
+from helpers.hybrid import hybrid_model, prompts
+from helpers.oracle import hf_greedy
 from rlserve import LLM, SamplingParams
 from rlserve.ops import fla_gated_delta as fla
 from rlserve.ops import gated_delta as ref
-from test_hybrid import hybrid_model, prompts
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import seeded_wide_model
+from helpers.checkpoints import seeded_wide_model
+from helpers.routes import hf_routes
 from rlserve import LLM, SamplingParams
-from test_routing_replay import hf_routes
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import seeded_wide_model
+from helpers.checkpoints import seeded_wide_model
+from helpers.moe import ARCHS, moe_config
 from rlserve import LLM, SamplingParams
 from rlserve.moe_replay import RouteShapeError, moe_routers, pad_routes, replay_routes
-from test_moe import ARCHS, moe_config
 
 
 @pytest.fixture(scope="module", params=ARCHS)

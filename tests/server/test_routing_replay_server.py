@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from openai import BadRequestError, OpenAI
 
-from conftest import save_word_tokenizer, seeded_wide_model, start_server, start_tiny_server, stop_server
+from helpers.checkpoints import save_word_tokenizer, seeded_wide_model
+from helpers.routes import hf_routes, preset_config
+from helpers.servers import start_server, start_tiny_server, stop_server
 from rlserve.weight_transfer import WeightSyncClient
-from test_routing_replay import hf_routes, preset_config
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 

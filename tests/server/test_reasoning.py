@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import THINK_TEMPLATE, RunningServer
+from helpers.reasoning import THINK_TEMPLATE
+from helpers.servers import RunningServer
 from rlserve.server.reasoning_parsers import REASONING_PARSERS, ThinkStream, split_whole
 
 CHAT = [{"role": "user", "content": "What is two plus two?"}]

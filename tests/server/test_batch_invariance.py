@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conftest import start_server, stop_server
+from helpers.servers import start_server, stop_server
 
 MAX_TOKENS = 4
 # Eight prompts of about 10 to 130 tokens: the longer ones span several KV blocks and 64-token chunks.

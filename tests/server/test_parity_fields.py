@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MAX_MODEL_LEN, RunningServer
+from helpers.servers import MAX_MODEL_LEN, RunningServer
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

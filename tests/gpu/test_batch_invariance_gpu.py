@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import seeded_wide_model
+from helpers.checkpoints import seeded_wide_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,7 +24,7 @@ def qwen3_shaped(tmp_path_factory) -> str:
     """Qwen3-0.6B's shapes (28 layers, 16/8 heads of 128, hidden 1024), random weights."""
     from transformers import Qwen3Config
 
-    from conftest import save_word_tokenizer
+    from helpers.checkpoints import save_word_tokenizer
     path = tmp_path_factory.mktemp("qwen3-0.6b-shaped")
     cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
