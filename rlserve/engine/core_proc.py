@@ -54,6 +54,7 @@ from rlserve.engine.messages import (
     ListLoRAAdapters,
     LoadLoRAAdapter,
     Pause,
+    ReleaseKVCache,
     ResetPrefixCache,
     Resume,
     Shutdown,
@@ -120,6 +121,8 @@ class EngineCoreProc:
             sock.close()
 
     def _send(self, client: int | None, message: Any) -> None:
+        if isinstance(message, EngineCoreOutputs):  # the label the tokens' weights were served under
+            message.label = self.core.weight_labels.get(message.version)
         self.outbox.put((client, message))
 
     def _emit(self, out: EngineCoreOutputs) -> None:
@@ -291,7 +294,18 @@ class EngineCoreProc:
             self.waits.remove(call)
 
     def _sleep(self, call: Call, body: Sleep) -> None:
+        if body.level >= 1:  # staged parts would land on weights that moved, or are gone
+            self.updates.end(f"/sleep?level={body.level} came while it was open")
+        if body.level == 2 and not self.core.sleeping:
+            # Nothing runs again until a full update: the requests in flight end now, with
+            # finish_reason "abort" (vLLM's sleep aborts them too), never an answer-less wait.
+            self._abort(self.core.unfinished_ids())
         out = self.core.sleep(body.level)
+        if out is not None:
+            self._emit(out)
+
+    def _release_kv_cache(self, call: Call, body: ReleaseKVCache) -> None:
+        out = self.core.release_kv_cache()
         if out is not None:
             self._emit(out)
 
@@ -310,7 +324,8 @@ class EngineCoreProc:
             **self.updates.handlers,  # weight updates: weight_updates.py
             Pause: self._pause, Sleep: self._sleep, AbortAll: self._abort_all, Shutdown: self._shutdown,
             Resume: lambda call, body: core.resume(),
-            WakeUp: lambda call, body: core.wake_up(),
+            WakeUp: lambda call, body: core.wake_up(body.tags),
+            ReleaseKVCache: self._release_kv_cache,
             ResetPrefixCache: lambda call, body: core.reset_prefix_cache(),
             GetStats: lambda call, body: core.stats(),
             ListLoRAAdapters: lambda call, body: core.list_lora_adapters(),

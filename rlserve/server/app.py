@@ -20,6 +20,7 @@ from rlserve import __version__, envs
 from rlserve.config import EngineConfig
 from rlserve.engine.messages import ConflictError, EngineDeadError
 from rlserve.engine.request import EngineUnavailableError
+from rlserve.errors import PayloadTooLargeError
 from rlserve.process import profiled
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.server import routes_openai
@@ -188,7 +189,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return _error(400, str(exc), param=exc.param)
+        return _error(413 if isinstance(exc, PayloadTooLargeError) else 400, str(exc), param=exc.param)
 
     # FastAPI answers 422 by default; OpenAI clients expect 400 naming the field.
     @app.exception_handler(RequestValidationError)
