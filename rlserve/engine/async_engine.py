@@ -278,7 +278,8 @@ class AsyncEngine:
         if cfg.backend == "ipc":
             parse_ipc_init_info(init_info)
         else:
-            InitInfo.parse(init_info, num_workers=self.world_size)  # a 400 before anything blocks
+            InitInfo.parse(init_info, num_workers=self.world_size,
+                           max_world_size=cfg.max_world_size)  # a 400 before anything blocks
         await self.call(InitWeightTransfer(cfg.backend, init_info, cfg.timeout_s))
 
     async def update_weights(self, update_info: dict) -> WeightUpdateResult:

@@ -393,7 +393,11 @@ class EngineCore:
     def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> dict:
         """Load a PEFT adapter directory as `name`. In place (load_inplace), the requests
         running with it continue on the new weights, which is a new weight version."""
-        adapter, replaced = self.require_lora().load(name, path, load_inplace)
+        return self.install_lora_adapter(self.require_lora().read(name, path, load_inplace))
+
+    def install_lora_adapter(self, read) -> dict:
+        """An adapter read off the engine thread (LoRAManager.read), put in place now."""
+        adapter, replaced = self.require_lora().install(read)
         if replaced:
             self.new_weight_version(None)
         return adapter.info()

@@ -200,8 +200,8 @@ async def abort_requests(request: Request, body: AbortRequestsRequest | None = B
 @router.post("/update_weight_version")
 async def update_weight_version(body: UpdateWeightVersionRequest, request: Request) -> dict:
     """Name the weights now served (the next tokens carry it); the weights do not change."""
-    answer = await _engine(request).update_weight_version(body.new_version)
-    return {"success": True, "new_version": answer["new_version"]}
+    await _engine(request).update_weight_version(body.new_version)
+    return {"success": True, "new_version": body.new_version}  # as given (vLLM's answer), checked
 
 
 @router.get("/weight_info")
