@@ -120,7 +120,7 @@ def test_bad_adapter_files_are_4xx_at_once_while_generation_goes_on(server, good
             body = dict(model="m", prompt=[1, 2, 3], max_tokens=400, ignore_eos=True, stream=True)
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
                 last = time.monotonic()
-                for line in r.iter_lines():
+                for _ in r.iter_lines():
                     now = time.monotonic()
                     gaps.append(now - last)
                     last = now

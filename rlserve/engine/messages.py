@@ -234,3 +234,6 @@ def error_result(call_id: int, e: BaseException) -> CallResult:
 def error_from_result(r: CallResult) -> BaseException:
     """The engine's exception, as its own type where the front end maps it to a status."""
     return from_wire(WireError(r.error_type, r.error, r.param))
+
+
+LATER = object()  # a control call's handler answers it later, through the loop's callback

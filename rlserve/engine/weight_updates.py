@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlserve.engine.messages import (
+    LATER,
     Call,
     CopyWeightsFromPeer,
     CopyWeightsToPeer,
@@ -45,6 +46,8 @@ from rlserve.engine.messages import (
     WeightChecksums,
     WeightsLayout,
 )
+from rlserve.engine.weight_checker import WeightChecker
+from rlserve.engine.weight_transaction import Transaction, announced_elements
 from rlserve.engine.weight_version import WeightVersion, parse_version
 from rlserve.errors import ConflictError, PayloadTooLargeError
 from rlserve.sampling_params import InvalidRequestError
@@ -52,8 +55,6 @@ from rlserve.weight_transfer.errors import InvalidUpdateError
 from rlserve.worker import calls as rank
 
 logger = logging.getLogger(__name__)
-
-_MAX_CHECKER_CALLS = 64  # /weight_checker calls waiting at once: more is a 409
 
 Answer = Callable[..., None]  # answer(call, value) or answer(call, error=exception)
 Handler = Callable[[Call, Any], Any]  # handler(call, call.body): the answer, or LATER
@@ -78,29 +79,6 @@ class _Received:
     error: BaseException | None = None  # the receive failed
 
 
-@dataclass
-class Transaction:
-    """An update in parts: /start_weight_update ... /finish_weight_update."""
-
-    number: int
-    opened: float
-    touched: float  # the last call of it: its timeout counts from there
-    id: str = ""  # its owner's name for it: parts and finish that carry an id must carry this one
-    parts: int = 0
-    num_bytes: int = 0
-    num_elements: int = 0  # staged and announced: bounded by the model's size
-    failure: BaseException | None = None  # the first part that failed: finish commits nothing
-
-    def describe(self) -> str:
-        return (f"weight update transaction {self.number} (transaction_id {self.id!r}, opened "
-                f"{time.monotonic() - self.opened:.0f}s ago, {self.parts} part(s) staged)")
-
-    def check_owner(self, transaction_id: str | None, what: str) -> None:
-        if transaction_id is not None and transaction_id != self.id:
-            raise ConflictError(f"{what}: transaction_id {transaction_id!r:.80} is not the open one: "
-                                f"{self.describe()} is open; it is left as it was")
-
-
 class WeightUpdates:
     def __init__(self, core, answer: Answer, timeout_s: float = 120.0):
         self.core = core
@@ -112,12 +90,11 @@ class WeightUpdates:
         self.expired: str | None = None  # why the last transaction timed out, until the next start
         self._numbers = 0
         self.commits = 0  # weights copied in (a checksum read meanwhile is read again)
-        self._checkers: list[Call] = []  # /weight_checker calls waiting on the digests under way
-        self._checker_lock = threading.Lock()
+        self.checker = WeightChecker(self)
         self.handlers: dict[type, Handler] = {  # the loop runs them; LATER: answered through `answer`
             InitWeightTransfer: self._init, UpdateWeights: self._update, StartWeightUpdate: self._start,
             FinishWeightUpdate: self._finish, SetWeightVersion: self._set_version,
-            ShutdownWeightTransfer: self._shutdown_transfer, WeightChecksums: self._checksums,
+            ShutdownWeightTransfer: self._shutdown_transfer, WeightChecksums: self.checker.handle,
             WeightsLayout: self._layout, CopyWeightsToPeer: self._copy_to_peer,
             CopyWeightsFromPeer: self._copy_from_peer}
 
@@ -126,7 +103,7 @@ class WeightUpdates:
         """A thread is waiting on the trainer: the loop looks at `received` often."""
         return self.transfer is not None or not self.received.empty()
 
-    def _beside(self, name: str, fn: Callable[[], None]) -> None:
+    def beside(self, name: str, fn: Callable[[], None]) -> None:
         threading.Thread(target=fn, name=f"rlserve-{name}", daemon=True).start()
 
     def _done(self, call: Call) -> None:
@@ -153,7 +130,7 @@ class WeightUpdates:
             finally:
                 self._done(call)
 
-        self._beside("init-transfer", join)
+        self.beside("init-transfer", join)
         return LATER
 
     # -- receiving an update (or one part of a transaction) ----------------------------------
@@ -194,7 +171,7 @@ class WeightUpdates:
                 txn.failure = refusal
         if refusal is not None:
             drop = txn is not None  # it commits nothing now: free what it staged
-            self._beside("refuse-update", lambda: self._refuse(call, update_info, refusal, drop))
+            self.beside("refuse-update", lambda: self._refuse(call, update_info, refusal, drop))
             return LATER
         if txn is not None:
             txn.num_elements += announced_elements(update_info)
@@ -205,7 +182,7 @@ class WeightUpdates:
             self._receive(call, update_info, version, lora)
             self.apply_received()
         else:
-            self._beside("receive-update", lambda: self._receive(call, update_info, version, lora))
+            self.beside("receive-update", lambda: self._receive(call, update_info, version, lora))
         return LATER
 
     def _staging_refusal(self, txn: Transaction, update_info: Any) -> InvalidRequestError | None:
@@ -424,49 +401,6 @@ class WeightUpdates:
         self.core.executor.collective_rpc(rank.CloseTransfer())
         return {"message": "Weight transfer engine shut down"}
 
-    def _checksums(self, call: Call, body: WeightChecksums) -> Any:
-        """Digests are computed on a thread beside the steps (hashing a large model takes
-        seconds); calls that arrive meanwhile share that computation, and a commit that
-        lands while it reads the parameters makes it read them again."""
-        if self.core.sleeping:
-            raise ConflictError("weight_checker requires an awake, unpaused engine")
-        if body.reset:
-            self.core.executor.collective_rpc(rank.ResetWeights())
-            self.core.scheduler.no_weights = True  # noise is not served: a full update ends this
-            self.commits += 1
-            self.core.new_weight_version(None)
-            return {"reset": True}
-        with self._checker_lock:
-            if len(self._checkers) >= _MAX_CHECKER_CALLS:
-                raise ConflictError(f"weight_checker: {len(self._checkers)} calls already wait for the digests "
-                                    "under way; call again once they have answered")
-            self._checkers.append(call)
-            if len(self._checkers) > 1:
-                return LATER
-        self._beside("weight-checker", self._compute_checksums)
-        return LATER
-
-    def _compute_checksums(self) -> None:
-        result: Any = None
-        for _ in range(3):
-            commits = self.commits
-            try:
-                result = self.core.executor.collective_rpc(rank.Checksums())
-            except Exception as e:
-                result = e
-                break
-            if commits == self.commits:
-                break
-        else:
-            result = ConflictError("weight_checker: the weights changed three times while being read; call again")
-        with self._checker_lock:
-            calls, self._checkers = self._checkers, []
-        for waiting in calls:
-            if isinstance(result, BaseException):
-                self.answer(waiting, error=result)
-            else:
-                self.answer(waiting, result)
-
     # A data-parallel replica that (re)joins copies a healthy replica's weights (and then
     # takes its version): the source sends between two of its steps, so the copy is one
     # version, never half of an update (updates are applied between steps too).
@@ -497,17 +431,3 @@ class WeightUpdates:
                                       f"{list(digests)} at the source)", "replica")
 
 
-LATER = object()  # a call answered later, through the loop's callback
-
-
-def announced_elements(update_info: Any) -> int:
-    """The elements an update_info's shapes announce (0 for shapes that do not parse: the
-    receiver refuses those by name)."""
-    shapes = update_info.get("shapes") if isinstance(update_info, dict) else None
-    if not isinstance(shapes, list):
-        return 0
-    total = 0
-    for shape in shapes:
-        if isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            total += math.prod(shape)
-    return total
