@@ -108,7 +108,7 @@ class Worker:
         move to host memory (level 1) or are dropped (level 2: the next update must send
         them all). Again while asleep, it only deepens (level 2 drops the host copy)."""
         self.receiver.forget_storage()
-        if self.runner.num_blocks:
+        if self.runner.kv_cache is not None:
             self._kv_blocks = self.runner.num_blocks
             self.runner.free_kv_cache()
         if level == 2:
@@ -126,7 +126,7 @@ class Worker:
 
     def release_kv_cache(self) -> None:
         """The KV cache's memory back, the weights kept (wake_up's "kv_cache" restores it)."""
-        if self.runner.num_blocks:
+        if self.runner.kv_cache is not None:
             self._kv_blocks = self.runner.num_blocks
             self.runner.free_kv_cache()
         if self.device.type == "cuda":
@@ -147,10 +147,10 @@ class Worker:
                 else:  # level 2: storage comes back uninitialised until the next update
                     p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=self.device)
             self._host_weights = {}
-        if "kv_cache" in tags and not self.runner.num_blocks:
+        if "kv_cache" in tags and self.runner.kv_cache is None:
             self.runner.allocate_kv_cache(self._kv_blocks)
         weights_back = all(p.numel() or not self._param_shapes[n].numel() for n, p in self.model.named_parameters())
-        if weights_back and self.runner.num_blocks and getattr(self, "_graph_args", None) is not None:
+        if weights_back and self.runner.kv_cache is not None and getattr(self, "_graph_args", None) is not None:
             self.runner.capture_cuda_graphs(*self._graph_args)
 
     # -- execution ---------------------------------------------------------------------
