@@ -294,16 +294,16 @@ class AsyncEngine:
         try:
             if isinstance(update_info, dict):
                 transaction_id = update_info.pop("transaction_id", None)
-                if transaction_id is not None and not isinstance(transaction_id, str):
-                    raise InvalidRequestError("update_info.transaction_id: must be a string, got "
-                                              f"{type(transaction_id).__name__}", "update_info")
+                if transaction_id is not None and not (isinstance(transaction_id, str) and len(transaction_id) <= 128):
+                    raise InvalidRequestError("update_info.transaction_id: must be a string of at most 128 "
+                                              f"characters, got {type(transaction_id).__name__}", "update_info")
             version = parse_version(update_info.get("weight_version") if isinstance(update_info, dict) else None,
                                     "update_info.weight_version")
             check_int_range(update_info, "update_info")
         except InvalidRequestError as e:
             # Refused here, it still goes to the engine, so a trainer that is sending hears
             # the refusal at once instead of waiting out its timeout for the server's answer.
-            version, refusal, param, sent = None, str(e), e.param, None
+            version, refusal, param, sent, transaction_id = None, str(e), e.param, None, None
         answer = await self.call(UpdateWeights(sent, version, transaction_id, refusal, param))
         result = WeightUpdateResult(**{k: answer[k] for k in WeightUpdateResult.__dataclass_fields__ if k in answer})
         result.staged = bool(answer.get("staged"))

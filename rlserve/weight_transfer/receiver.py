@@ -16,7 +16,7 @@ import itertools
 import operator
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -274,17 +274,6 @@ def check_against_model(metas: Sequence[TensorMeta], expected: Mapping[str, Expe
         problems.append(f"missing required parameters: {_listing(ordered)}{_stacked_hint(ordered, expected)}")
     if problems:
         raise InvalidUpdateError("update_info refused: " + "; ".join(problems))
-
-
-def missing_required(names: Iterable[str], expected: Mapping[str, ExpectedParam]) -> list[str]:
-    """The required names that `names` (checked ones, over several parts) leave out, in
-    the model's order; a stacked expert tensor carries the names it covers."""
-    index = _model_index(expected)
-    covered = set(names)
-    for name in index.covering.intersection(covered):
-        covered.update(expected[name].covers)
-    missing = index.required.difference(covered)
-    return [n for n in expected if n in missing]
 
 
 listing = _listing

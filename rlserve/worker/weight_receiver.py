@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rlserve.model.base import copy_all
+from rlserve.model.base import copy_all, missing_weights
 from rlserve.model.peft import LoRAConfig, pair_tensors, peft_name
 from rlserve.weight_transfer import (
     ExpectedParam,
@@ -33,7 +33,7 @@ from rlserve.weight_transfer import (
 )
 from rlserve.weight_transfer.ipc_receiver import IPCReceiver
 from rlserve.weight_transfer.peer import copy_parameters, layout_digest
-from rlserve.weight_transfer.receiver import listing, missing_required
+from rlserve.weight_transfer.receiver import listing
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class WeightReceiver:
         none worth keeping: after a level-2 sleep, or a dummy start), else nothing is
         copied and the missing names are listed."""
         if complete and self.parts and self.staged_lora is None:
-            missing = missing_required((n for part in self.parts for n, _ in part), self.expected)
+            missing = missing_weights(self.expected, (n for part in self.parts for n, _ in part))
             if missing:
                 self.drop()
                 raise InvalidUpdateError(f"update_info: the transaction's parts leave the model incomplete "
