@@ -101,6 +101,9 @@ def test_ten_thousand_control_calls_and_not_one_500(server):
                 r = client.request(method, path, **kw)
             except ValueError:  # a body httpx itself will not encode (NaN-free JSON only)
                 continue
+            except httpx.TransportError as e:  # the server dropped the connection: a crash
+                errors.append(f"#{i} {method} {path} {kw}: {e!r}")
+                continue
             statuses[r.status_code] += 1
             if r.status_code >= 500 or r.status_code == 422:
                 errors.append(f"#{i} {method} {path} {kw}: {r.status_code} {r.text[:300]}")

@@ -53,6 +53,7 @@ class Worker:
                                   config.logprobs_mode, lora=self.lora,
                                   kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype))
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        self._host_weights: dict[str, torch.Tensor] = {}  # level-1 sleep: the weights in host memory
         self.receiver = WeightReceiver(self.model, self.device, self.dtype, self.lora, rank)
 
     @torch.no_grad()
