@@ -17,6 +17,7 @@ import math
 import os
 import re
 import stat
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,7 @@ def peft_adapter_tensors(peft_model, adapter: str | None = None) -> tuple[dict[s
 MAX_PATTERN_CHARS = 512
 MAX_PATTERNS = 1024
 MATCH_TIMEOUT_S = 0.05
+PATTERNS_BUDGET_S = 0.5
 
 
 def _compile(pattern: str) -> Any:
@@ -101,12 +103,28 @@ def _regex_problem(pattern: str) -> str | None:
     if len(pattern) > MAX_PATTERN_CHARS:
         return f"longer than {MAX_PATTERN_CHARS} characters"
     try:
+        regex.compile(pattern)  # its errors' positions are in the pattern as written
         _compile(pattern).match("model.layers.0.self_attn.q_proj", timeout=MATCH_TIMEOUT_S)
     except (regex.error, RecursionError, OverflowError, ValueError) as e:
         return str(e) if not isinstance(e, RecursionError) else "nested too deep"
     except TimeoutError:
         return f"takes more than {MATCH_TIMEOUT_S}s to match a module name (catastrophic backtracking)"
     return None
+
+
+def _bad_patterns(patterns: Mapping[str, Any]) -> list[str]:
+    """Each pattern that is not a usable regex, with why; all of them checked within
+    PATTERNS_BUDGET_S (a config of many slow patterns is refused as a whole)."""
+    deadline = time.monotonic() + PATTERNS_BUDGET_S
+    bad = []
+    for key in patterns:
+        if time.monotonic() > deadline:
+            bad.append(f"checking the patterns took more than {PATTERNS_BUDGET_S}s")
+            break
+        why = _regex_problem(key)
+        if why:
+            bad.append(f"{key!r:.80} ({why})")
+    return bad
 
 
 def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
@@ -177,9 +195,9 @@ class LoRAConfig:
             if not (isinstance(value, Mapping) and all(
                     isinstance(k, str) and isinstance(v, kind) and not isinstance(v, bool) and v > 0
                     for k, v in value.items())):
-                problems.append(f"{key} must map module names to positive numbers, got {value!r}")
+                problems.append(f"{key} must map module names to positive numbers, got {value!r:.200}")
                 value = {}
-            bad_keys = [f"{k!r} ({_regex_problem(k)})" for k in value if _regex_problem(k)]
+            bad_keys = _bad_patterns(value)
             if bad_keys:
                 problems.append(f"{key}: keys are module-name patterns, not valid regexes: {', '.join(bad_keys)}")
                 value = {}
