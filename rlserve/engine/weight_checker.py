@@ -6,20 +6,28 @@ parameter, after which nothing is served until a full update."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rlserve.engine.messages import LATER, Call, WeightChecksums
 from rlserve.errors import ConflictError
 from rlserve.worker import calls as rank
 
-if TYPE_CHECKING:
-    from rlserve.engine.weight_updates import WeightUpdates
+
+class Updates(Protocol):
+    """What the checker needs of the engine's owner of updates (weight_updates.py)."""
+
+    core: Any
+    commits: int  # weights copied in so far: a reading that saw one land is read again
+    answer: Callable[..., None]
+
+    def beside(self, name: str, fn: Callable[[], None]) -> None: ...
 
 MAX_WAITING_CALLS = 64  # /weight_checker calls waiting on one reading: more is a 409
 
 
 class WeightChecker:
-    def __init__(self, updates: WeightUpdates):
+    def __init__(self, updates: Updates):
         self.updates = updates
         self._waiting: list[Call] = []  # calls waiting on the reading under way
         self._lock = threading.Lock()
