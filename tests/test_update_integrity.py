@@ -312,3 +312,59 @@ def test_every_version_field_answers_2xx_or_a_400_naming_it(server, served):
         for value in (2**64, 2**70, "18446744073709551616"):
             r = client.post("/update_weight_version", json={"new_version": value})
             assert r.status_code == 400 and "64-bit" in r.json()["error"]["message"], r.text
+
+
+# -- sleep and wake by tags, as vLLM's RL loop does them -------------------------------------------------
+
+def test_wake_the_weights_update_them_then_wake_the_kv_cache(server, trainer, named, served):
+    url = server.url
+    assert post(url, "sleep", level=2).status_code == 200
+    r = post(url, "wake_up", tags="weights")
+    assert r.status_code == 200 and r.json()["status"] == "sleeping", r.text
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}  # the KV cache still sleeps
+    trainer.update(named)  # the weights are awake: an update lands
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+    assert post(url, "wake_up", tags="kv_cache").json()["status"] == "awake"
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+    assert checksums(url) == served and generate(url).status_code == 200
+    r = post(url, "wake_up", tags="gpu")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tags", r.text
+
+
+def test_sleep_level_0_and_release_kv_cache_memory(server, served):
+    url = server.url
+    assert post(url, "sleep", level=0).status_code == 200
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+    assert post(url, "wake_up").status_code == 200
+    assert post(url, "sleep", level=3).status_code == 400
+    assert post(url, "release_kv_cache_memory").status_code == 200
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+    assert post(url, "release_kv_cache_memory").status_code == 409  # released already
+    assert post(url, "wake_up", tags="kv_cache").status_code == 200
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+    assert generate(url).status_code == 200 and checksums(url) == served
+
+
+# -- /weight_checker as vLLM shapes it ---------------------------------------------------------------
+
+def test_weight_checker_keys_full_digests_as_vllm_and_reset_needs_a_full_update(server, trainer, named, served):
+    url = server.url
+    assert set(served) == {f"dp0:pp0:pcp0:tp0:{name}" for name in served_names(named)}
+    assert all(len(d) == 64 and int(d, 16) >= 0 for d in served.values())
+    r = post(url, "weight_checker", {"action": "reset"})
+    assert r.status_code == 200, r.text
+    assert all(checksums(url)[k] != v for k, v in served.items())
+    assert generate(url).status_code == 503  # noise is not served
+    trainer.update(named)
+    assert checksums(url) == served and generate(url).status_code == 200
+
+
+def served_names(named: list) -> set[str]:
+    """The server's parameter names for the tiny model: q/k/v and gate/up are fused."""
+    out = set()
+    for name, _ in named:
+        for part, fused in ((".q_proj.", ".qkv_proj."), (".k_proj.", ".qkv_proj."), (".v_proj.", ".qkv_proj."),
+                            (".gate_proj.", ".gate_up_proj."), (".up_proj.", ".gate_up_proj.")):
+            name = name.replace(part, fused)
+        out.add(name)
+    return out
