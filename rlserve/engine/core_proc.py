@@ -301,7 +301,7 @@ class EngineCoreProc:
     def _sleep(self, call: Call, body: Sleep) -> None:
         if body.level >= 1:  # staged parts would land on weights that moved, or are gone
             self.updates.end(f"/sleep?level={body.level} came while it was open")
-        if body.level == 2 and not self.core.sleeping:
+        if body.level == 2 and not self.core.scheduler.no_weights:  # also a level-1 sleep deepened
             # Nothing runs again until a full update: the requests in flight end now, with
             # finish_reason "abort" (vLLM's sleep aborts them too), never an answer-less wait.
             self._abort(self.core.unfinished_ids())
