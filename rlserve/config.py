@@ -76,16 +76,19 @@ class WeightTransferConfig:
 
     backend: str = "nccl"  # nccl | gloo | ipc
     timeout_s: float = 120.0  # every collective gives up after this long
+    # The largest trainer group init_info may name: the trainer keeps state per rank, and a
+    # group of millions would only hold memory and time until its timeout.
+    max_world_size: int = 1024
 
     @classmethod
     def parse(cls, value: str | dict | None) -> WeightTransferConfig | None:
         if value is None:
             return None
         data = json.loads(value) if isinstance(value, str) else dict(value)
-        unknown = set(data) - {"backend", "timeout_s", "timeout"}
+        unknown = set(data) - {"backend", "timeout_s", "timeout", "max_world_size"}
         if unknown:
             raise ValueError(f"weight-transfer-config: unknown keys {sorted(unknown)}; "
-                             "known: backend, timeout_s")
+                             "known: backend, timeout_s, max_world_size")
         if "timeout" in data:
             data["timeout_s"] = data.pop("timeout")
         cfg = cls(**data)
@@ -94,6 +97,8 @@ class WeightTransferConfig:
                              f"got {cfg.backend!r}")
         if not cfg.timeout_s > 0:
             raise ValueError("weight-transfer-config: timeout_s must be > 0")
+        if not (isinstance(cfg.max_world_size, int) and 2 <= cfg.max_world_size < 1 << 31):
+            raise ValueError("weight-transfer-config: max_world_size must be an integer in 2..2^31-1")
         return cfg
 
 

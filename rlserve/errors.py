@@ -49,6 +49,10 @@ class ModelNotFoundError(InvalidRequestError):
         super().__init__(message, param)
 
 
+class PayloadTooLargeError(InvalidRequestError):
+    """More than a bound allows to be held at once (HTTP 413)."""
+
+
 class ConflictError(RuntimeError):
     """The call collides with one already under way (HTTP 409)."""
 
@@ -63,7 +67,8 @@ class EngineDeadError(RuntimeError):
 
 # Subclasses before the classes they extend: a lookup by name never loses the subclass.
 _REGISTRY: dict[str, type[BaseException]] = {t.__name__: t for t in (
-    ModelNotFoundError, InvalidRequestError, ConflictError, EngineUnavailableError, EngineDeadError,
+    ModelNotFoundError, PayloadTooLargeError, InvalidRequestError, ConflictError, EngineUnavailableError,
+    EngineDeadError,
     InvalidUpdateError, UpdateRefusedError, WeightTransferError,
     ValueError, KeyError, TypeError, RuntimeError, MemoryError, NotImplementedError)}
 

@@ -239,11 +239,10 @@ class LLM:
         self.engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Undo `sleep`. `tags` (vLLM's partial wake-up) is not supported: all comes back."""
-        if tags is not None:
-            raise ValueError("tags: rlserve wakes the weights and the KV cache together; "
-                             "call wake_up() without tags")
-        self.engine.wake_up()
+        """Undo `sleep`: everything, or what `tags` names ("weights", "kv_cache": vLLM's
+        partial wake-up, to update the weights before the KV cache takes its memory back).
+        `is_sleeping()` stays true until everything is awake."""
+        self.engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         return self.engine.sleeping
@@ -254,8 +253,9 @@ class LLM:
         trainer's `model.named_parameters()`); returns the new weight version. Names and
         shapes are checked as each tensor is copied. After `sleep(level=2)` the update must
         hold every weight, and is refused (before anything is copied) otherwise."""
-        if self.engine.sleeping:
-            raise RuntimeError("update_weights: the engine is asleep; call wake_up() first")
+        if self.engine.weights_asleep:
+            raise RuntimeError("update_weights: the weights are asleep; call wake_up() (or "
+                               "wake_up(tags=['weights'])) first")
         weights = list(weights)
         scheduler = self.engine.scheduler
         if scheduler.no_weights:  # dropped by sleep(level=2): a partial update would leave garbage

@@ -104,6 +104,8 @@ class EngineCore:
                                  else self.device.type == "cuda") and self.world_size == 1
         self.inflight: _InFlight | None = None
         self.weight_version = 0
+        self.weight_labels: dict[int, str] = {}  # number -> the label it was served under (the latest few)
+        self.asleep: frozenset[str] = frozenset()  # what sleeps: "weights", "kv_cache" (level 0: "scheduling")
         self.paused = False
         self.pause_mode: str | None = None
         self.held: list[Request] = []  # arrived while paused: admitted on resume
@@ -344,31 +346,67 @@ class EngineCore:
     def sleeping(self) -> bool:
         return self.scheduler.sleeping
 
+    @property
+    def weights_asleep(self) -> bool:
+        return "weights" in self.asleep
+
     def sleep(self, level: int = 1) -> EngineCoreOutputs | None:
         """Give the device memory back (see Worker.sleep). Running requests keep their
         tokens and recompute their KV after wake-up; requests that arrive meanwhile wait.
-        Level 2 drops the weights: nothing runs again until a full update arrives."""
-        if level not in (1, 2):
-            raise InvalidRequestError(f"level: must be 1 or 2, got {level!r}", "level")
-        if self.sleeping:
-            if level == 2 and not self.scheduler.no_weights:
-                self.executor.collective_rpc(rank.Sleep(2))  # deepen: drop the host copy too
-                self.scheduler.no_weights = True
-            return None
+        Level 2 drops the weights: nothing runs again until a full update arrives (the
+        caller ends the requests in flight first). Level 0, as vLLM's, only stops
+        scheduling: nothing is given back."""
+        if level not in (0, 1, 2):
+            raise InvalidRequestError(f"level: must be 0, 1 or 2, got {level!r}", "level")
+        if self.sleeping and (level == 0 or (self.weights_asleep and (level == 1 or self.scheduler.no_weights))):
+            return None  # as deep already
+        # Deeper than now: from level 0, from weights woken alone, or level 1 to 2.
         outputs = self._process(self.inflight) if self.inflight is not None else None
         self.inflight = None
+        self.scheduler.sleeping = True
+        if level == 0:
+            self.asleep = frozenset({"scheduling"})
+            return outputs
         for req in reversed(list(self.scheduler.running)):  # keeps their order in the queue
             self.scheduler.drop_kv(req)
         self.kv.reset_prefix_cache()
         self.executor.collective_rpc(rank.Sleep(level))
-        self.scheduler.sleeping = True
-        self.scheduler.no_weights = level == 2
+        self.asleep = frozenset({"weights", "kv_cache"})
+        if level == 2:
+            self.scheduler.no_weights = True
         return outputs
 
-    def wake_up(self) -> None:
+    def release_kv_cache(self) -> EngineCoreOutputs | None:
+        """Give the KV cache back, the weights kept (vLLM's release_kv_cache_memory): the
+        requests in flight keep their tokens and recompute after /wake_up (tags kv_cache)."""
         if self.sleeping:
-            self.executor.collective_rpc(rank.WakeUp())
-            self.scheduler.sleeping = False
+            asleep = ", ".join(sorted(self.asleep))
+            raise ConflictError(f"release_kv_cache_memory: the engine is asleep already ({asleep}); "
+                                "POST /wake_up first")
+        outputs = self._process(self.inflight) if self.inflight is not None else None
+        self.inflight = None
+        for req in reversed(list(self.scheduler.running)):
+            self.scheduler.drop_kv(req)
+        self.kv.reset_prefix_cache()
+        self.executor.collective_rpc(rank.ReleaseKVCache())
+        self.asleep = frozenset({"kv_cache"})
+        self.scheduler.sleeping = True
+        return outputs
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake what `tags` names ("weights", "kv_cache"; None: everything). The engine
+        sleeps until everything is awake: an RL loop wakes the weights, updates them, then
+        wakes the KV cache (vLLM's order)."""
+        wanted = set(tags) if tags else {"weights", "kv_cache", "scheduling"}
+        unknown = sorted(wanted - {"weights", "kv_cache", "scheduling"})
+        if unknown:
+            raise InvalidRequestError(f"tags: unknown tag(s) {', '.join(map(repr, unknown))} (known: 'weights', "
+                                      "'kv_cache')", "tags")
+        waking = sorted(self.asleep & wanted - {"scheduling"})
+        if waking:
+            self.executor.collective_rpc(rank.WakeUp(waking))
+        self.asleep = frozenset(self.asleep - wanted - {"scheduling"})  # any wake ends a level-0 sleep
+        self.scheduler.sleeping = bool(self.asleep)
 
     # -- weights -----------------------------------------------------------------------
     def apply_weights(self, weights: list[tuple[str, torch.Tensor]], version: int | None = None) -> int:
@@ -386,7 +424,11 @@ class EngineCore:
     def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> dict:
         """Load a PEFT adapter directory as `name`. In place (load_inplace), the requests
         running with it continue on the new weights, which is a new weight version."""
-        adapter, replaced = self.require_lora().load(name, path, load_inplace)
+        return self.install_lora_adapter(self.require_lora().read(name, path, load_inplace))
+
+    def install_lora_adapter(self, read) -> dict:
+        """An adapter read off the engine thread (LoRAManager.read), put in place now."""
+        adapter, replaced = self.require_lora().install(read)
         if replaced:
             self.new_weight_version(None)
         return adapter.info()
@@ -404,15 +446,28 @@ class EngineCore:
     def list_lora_adapters(self) -> list[dict]:
         return [] if self.lora is None else self.lora.list()
 
-    def new_weight_version(self, version: int | None, reset_prefix_cache: bool = True) -> int:
-        """The weights changed (between two steps): number them (`version`, or the next)."""
-        self.weight_version = self.weight_version + 1 if version is None else int(version)
+    def new_weight_version(self, version: int | str | None, reset_prefix_cache: bool = True) -> int:
+        """The weights changed (between two steps): number them (`version`, or the next;
+        a label, rlserve.wire.weight_version, names the next number)."""
+        if isinstance(version, str):
+            self.weight_version += 1
+            self.weight_labels[self.weight_version] = version
+            for old in list(self.weight_labels)[:-64]:  # what responses still in flight may report
+                del self.weight_labels[old]
+        else:
+            self.weight_version = self.weight_version + 1 if version is None else int(version)
+            self.weight_labels.pop(self.weight_version, None)
         if reset_prefix_cache:  # KV computed under the old weights must not be reused
             self.kv.reset_prefix_cache()
         return self.weight_version
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
+
+    @property
+    def weight_label(self) -> str:
+        """The served version as vLLM reports it: its label, or its number as a string."""
+        return self.weight_labels.get(self.weight_version, str(self.weight_version))
 
     # -- stats -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -430,6 +485,8 @@ class EngineCore:
             weight_version=self.weight_version,
             paused=self.paused,
             sleeping=self.sleeping,
+            weight_label=self.weight_labels.get(self.weight_version),
+            asleep=sorted(self.asleep),
             sleep_level=(2 if self.scheduler.no_weights else 1) if self.sleeping else 0,
             num_waiting_deferred=len(self.grammars) + self.scheduler.num_deferred,
             iteration_tokens=list(self.scheduler.iteration_tokens),

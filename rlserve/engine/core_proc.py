@@ -25,6 +25,7 @@ told why (EngineDead) and the process exits 1.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 import os
@@ -59,6 +60,7 @@ from rlserve.wire.messages import (
     ListLoRAAdapters,
     LoadLoRAAdapter,
     Pause,
+    ReleaseKVCache,
     ResetPrefixCache,
     Resume,
     Shutdown,
@@ -119,6 +121,8 @@ class EngineCoreProc:
             sock.close()
 
     def _send(self, client: int | None, message: Any) -> None:
+        if isinstance(message, EngineCoreOutputs):  # the label the tokens' weights were served under
+            message.label = self.core.weight_labels.get(message.version)
         self.outbox.put((client, message))
 
     def _emit(self, out: EngineCoreOutputs) -> None:
@@ -166,6 +170,8 @@ class EngineCoreProc:
         transfer = core.config.weight_transfer
         self.updates = WeightUpdates(core, self._answer, transfer.timeout_s if transfer is not None else 120.0)
         self._handlers = self._handler_table()
+        self.later: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # from threads, for the loop
+        self.pending_later = 0  # loop thread only
         self._send(None, EngineReady(
             max_model_len=core.max_model_len, vocab_size=core.vocab_size,
             world_size=core.world_size, eos_token_ids=sorted(core.eos_token_ids),
@@ -178,9 +184,11 @@ class EngineCoreProc:
     def run(self) -> None:
         core, updates = self.core, self.updates
         while not self.stopping:
-            soon = bool(core.grammars) or updates.busy or updates.transaction is not None
+            soon = (bool(core.grammars) or updates.busy or updates.transaction is not None
+                    or self.pending_later > 0)
             self._read_inputs(block=not core.has_work(), timeout_ms=_SOON_POLL_MS if soon else _IDLE_POLL_MS)
             updates.apply_received()  # between two steps
+            self._run_later()
             if core.has_work() or bool(core.grammars):
                 out = core.step()
                 if out is not None:
@@ -291,9 +299,56 @@ class EngineCoreProc:
             self.waits.remove(call)
 
     def _sleep(self, call: Call, body: Sleep) -> None:
+        if body.level >= 1:  # staged parts would land on weights that moved, or are gone
+            self.updates.end(f"/sleep?level={body.level} came while it was open")
+        if body.level == 2 and not self.core.scheduler.no_weights:  # also a level-1 sleep deepened
+            # Nothing runs again until a full update: the requests in flight end now, with
+            # finish_reason "abort" (vLLM's sleep aborts them too), never an answer-less wait.
+            self._abort(self.core.unfinished_ids())
         out = self.core.sleep(body.level)
         if out is not None:
             self._emit(out)
+
+    def _release_kv_cache(self, call: Call, body: ReleaseKVCache) -> None:
+        out = self.core.release_kv_cache()
+        if out is not None:
+            self._emit(out)
+
+    def _load_lora(self, call: Call, body: LoadLoRAAdapter) -> Any:
+        """Files are read and checked on a thread (a slow disk, a large adapter or a bad
+        file never holds the steps); the loop installs what was read between two steps."""
+        lora = self.core.require_lora()
+
+        def read() -> None:
+            try:
+                done = lora.read(body.lora_name, body.lora_path, body.load_inplace)
+            except Exception as e:
+                self.later.put(functools.partial(self._answer, call, error=e))
+                return
+            self.later.put(functools.partial(self._call_now, call, functools.partial(
+                self.core.install_lora_adapter, done)))
+
+        self.pending_later += 1
+        threading.Thread(target=read, name="rlserve-lora-read", daemon=True).start()
+        return LATER
+
+    def _call_now(self, call: Call, fn: Callable[[], Any]) -> None:
+        try:
+            value = fn()
+        except Exception as e:
+            self._answer(call, error=e)
+        else:
+            self._answer(call, value)
+
+    def _run_later(self) -> None:
+        """What threads finished, run on the loop's thread between two steps."""
+        while self.pending_later:
+            try:
+                fn = self.later.get_nowait()
+            except queue.Empty:
+                return
+            self.pending_later -= 1
+            fn()
 
     def _abort_all(self, call: Call, body: AbortAll) -> int:
         ids = self.core.unfinished_ids()
@@ -310,11 +365,12 @@ class EngineCoreProc:
             **self.updates.handlers,  # weight updates: weight_updates.py
             Pause: self._pause, Sleep: self._sleep, AbortAll: self._abort_all, Shutdown: self._shutdown,
             Resume: lambda call, body: core.resume(),
-            WakeUp: lambda call, body: core.wake_up(),
+            WakeUp: lambda call, body: core.wake_up(body.tags),
+            ReleaseKVCache: self._release_kv_cache,
             ResetPrefixCache: lambda call, body: core.reset_prefix_cache(),
             GetStats: lambda call, body: core.stats(),
             ListLoRAAdapters: lambda call, body: core.list_lora_adapters(),
-            LoadLoRAAdapter: lambda call, b: core.load_lora_adapter(b.lora_name, b.lora_path, b.load_inplace),
+            LoadLoRAAdapter: self._load_lora,
             UnloadLoRAAdapter: lambda call, body: core.unload_lora_adapter(body.lora_name),
         }
 

@@ -35,6 +35,16 @@ class LoRARequest(NamedTuple):
     lora_path: str | None = None
 
 
+class ReadAdapter(NamedTuple):
+    """An adapter directory as read (off the engine thread), waiting to be installed."""
+
+    name: str
+    path: str
+    load_inplace: bool
+    config: LoRAConfig
+    tensors: list
+
+
 @dataclass
 class LoRAAdapter:
     name: str
@@ -95,11 +105,18 @@ class LoRAManager:
         """Read a PEFT directory into host memory (and a free slot, if any). Returns the
         adapter and whether it replaced one of the same name (whose requests now run on the
         new weights)."""
+        return self.install(self.read(name, path, load_inplace))
+
+    def _refuse_second_load(self, name: str, load_inplace: bool) -> None:
+        if name in self.adapters and not load_inplace:  # vLLM's words for it
+            raise InvalidRequestError(f"lora_name: the LoRA adapter {name!r} has already been loaded; "
+                                      "unload it first, or pass load_inplace: true to replace it", "lora_name")
+
+    def read(self, name: str, path: str, load_inplace: bool = False) -> ReadAdapter:
+        """The slow half of a load, safe off the engine thread (it reads files and checks
+        them, and touches no table): the adapter as read, for `install`."""
         check_lora_name(name)
-        old = self.adapters.get(name)
-        if old is not None and not load_inplace:
-            raise InvalidRequestError(f"lora_name: an adapter named {name!r} is already loaded "
-                                      "(unload it first, or pass load_inplace)", "lora_name")
+        self._refuse_second_load(name, load_inplace)
         config, tensors = read_adapter(path, self.max_rank)
         # Names, pairs and shapes, before anything moves (rank 0's model answers for all).
         lora = self.executor.driver.lora
@@ -107,6 +124,13 @@ class LoRAManager:
             lora.check(pair_tensors(tensors, config, "adapter_model", lora.exempt))
         except ValueError as e:
             raise InvalidRequestError(f"lora_path: {path}: {e}", "lora_path") from None
+        return ReadAdapter(name, path, load_inplace, config, tensors)
+
+    def install(self, read: ReadAdapter) -> tuple[LoRAAdapter, bool]:
+        """The engine thread's half of a load: host memory, a slot, the table."""
+        name, path, config, tensors = read.name, read.path, read.config, read.tensors
+        self._refuse_second_load(name, read.load_inplace)  # loaded meanwhile
+        old = self.adapters.get(name)
         self._make_room(name)
         slot = old.slot if old is not None and old.slot is not None else self._empty_slot()
         self.executor.load_tensors(rank.LoadLoRA(name, slot, config.to_wire()), tensors)

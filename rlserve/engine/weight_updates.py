@@ -3,7 +3,13 @@ loop (core_proc.py), which only carries its calls and answers.
 
     idle --init--> ready --update--> received --(between two steps)--> applied: version, prefix reset
                    ready --start--> open --update (a part)-->* staged --finish--> committed
-                                    open --start | shutdown | timeout--> abandoned (nothing served changes)
+                                    open --init | shutdown | sleep | timeout--> abandoned (nothing served changes)
+
+A transaction has an owner: /start_weight_update names it (`transaction_id`, given or
+made), and a part or finish that carries another id is a 409, as is a second start while
+one is open; a vLLM client that sends no id gets the one transaction open, as in vLLM.
+After a level-2 sleep (or a dummy start) the model holds nothing worth serving: only a
+complete update (every required weight, over all of a transaction's parts) ends that.
 
 Joining a trainer's group and receiving an update wait on the trainer: they run on a
 thread of their own while the loop steps on. What the thread received waits in
@@ -16,7 +22,9 @@ of its parts or none.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import queue
 import threading
 import time
@@ -24,9 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlserve.errors import ConflictError
+from rlserve.engine.weight_checker import WeightChecker
+from rlserve.engine.weight_transaction import Transaction, announced_elements
+from rlserve.errors import ConflictError, PayloadTooLargeError
+from rlserve.model.base import skipped
 from rlserve.sampling_params import InvalidRequestError
+from rlserve.weight_transfer.errors import InvalidUpdateError
 from rlserve.wire.messages import (
+    LATER,
     Call,
     CopyWeightsFromPeer,
     CopyWeightsToPeer,
@@ -39,7 +52,7 @@ from rlserve.wire.messages import (
     WeightChecksums,
     WeightsLayout,
 )
-from rlserve.model.base import skipped
+from rlserve.wire.weight_version import WeightVersion, parse_version
 from rlserve.worker import calls as rank
 
 logger = logging.getLogger(__name__)
@@ -48,55 +61,24 @@ Answer = Callable[..., None]  # answer(call, value) or answer(call, error=except
 Handler = Callable[[Call, Any], Any]  # handler(call, call.body): the answer, or LATER
 
 
-_MAX_VERSION = (1 << 63) - 1  # a version travels as a 64-bit integer with every step's tokens
-
-
-def parse_version(version: Any, field: str = "weight_version") -> int | None:
-    """A weight version as vLLM sends it (a string, or an integer), as rlserve numbers it."""
-    if version is None:
-        return None
-    if isinstance(version, str) and version.strip().isdigit() and len(version) <= 64:
-        version = int(version)
-    if isinstance(version, int) and not isinstance(version, bool) and 0 <= version <= _MAX_VERSION:
-        return version
-    raise InvalidRequestError(
-        f"{field}: rlserve numbers weight versions (every token's version is reported), so it must be "
-        f"an integer in 0..{_MAX_VERSION}, or a string of its digits, got {version!r:.200}", field)
-
-
 def asleep_refusal(core) -> InvalidRequestError | None:
-    """The one rule for an asleep engine: wake up first (its weight storage is given back)."""
-    if core.sleeping:
-        return InvalidRequestError("the server is asleep: POST /wake_up before updating weights",
-                                   "update_info")
+    """The one rule for an asleep engine: wake the weights first (their storage is given
+    back); the KV cache may stay asleep (vLLM's /wake_up?tags=weights, update, then kv_cache)."""
+    if core.weights_asleep:
+        return InvalidRequestError("the server's weights are asleep: POST /wake_up (or /wake_up?tags=weights) "
+                                   "before updating weights", "update_info")
     return None
 
 
 @dataclass
 class _Received:
     call: Call
-    version: int | None
+    version: WeightVersion | None
     num_bytes: int
     receive_seconds: float
     lora: tuple[str, dict] | None  # an adapter's update: (name, its config for the workers)
     error: BaseException | None = None  # the receive failed
     skipped: int = 0  # names the model took and dropped (a multimodal trainer's vision tower)
-
-
-@dataclass
-class Transaction:
-    """An update in parts: /start_weight_update ... /finish_weight_update."""
-
-    number: int
-    opened: float
-    touched: float  # the last call of it: its timeout counts from there
-    parts: int = 0
-    num_bytes: int = 0
-    failure: BaseException | None = None  # the first part that failed: finish commits nothing
-
-    def describe(self) -> str:
-        return (f"weight update transaction {self.number} (opened {time.monotonic() - self.opened:.0f}s ago, "
-                f"{self.parts} part(s) staged)")
 
 
 class WeightUpdates:
@@ -109,10 +91,12 @@ class WeightUpdates:
         self.transaction: Transaction | None = None
         self.expired: str | None = None  # why the last transaction timed out, until the next start
         self._numbers = 0
+        self.commits = 0  # weights copied in (a checksum read meanwhile is read again)
+        self.checker = WeightChecker(self)
         self.handlers: dict[type, Handler] = {  # the loop runs them; LATER: answered through `answer`
             InitWeightTransfer: self._init, UpdateWeights: self._update, StartWeightUpdate: self._start,
             FinishWeightUpdate: self._finish, SetWeightVersion: self._set_version,
-            ShutdownWeightTransfer: self._shutdown_transfer, WeightChecksums: self._checksums,
+            ShutdownWeightTransfer: self._shutdown_transfer, WeightChecksums: self.checker.handle,
             WeightsLayout: self._layout, CopyWeightsToPeer: self._copy_to_peer,
             CopyWeightsFromPeer: self._copy_from_peer}
 
@@ -121,7 +105,7 @@ class WeightUpdates:
         """A thread is waiting on the trainer: the loop looks at `received` often."""
         return self.transfer is not None or not self.received.empty()
 
-    def _beside(self, name: str, fn: Callable[[], None]) -> None:
+    def beside(self, name: str, fn: Callable[[], None]) -> None:
         threading.Thread(target=fn, name=f"rlserve-{name}", daemon=True).start()
 
     def _done(self, call: Call) -> None:
@@ -148,7 +132,7 @@ class WeightUpdates:
             finally:
                 self._done(call)
 
-        self._beside("init-transfer", join)
+        self.beside("init-transfer", join)
         return LATER
 
     # -- receiving an update (or one part of a transaction) ----------------------------------
@@ -157,16 +141,30 @@ class WeightUpdates:
             raise ConflictError(f"update_weights: {type(self.transfer.body).__name__} is still under way; "
                                 "send /update_weights once it has answered")
         update_info, txn = body.update_info, self.transaction
-        refusal, lora, version = None, None, None
+        lora, version = None, body.weight_version
+        refusal: InvalidRequestError | ConflictError | None = None
         try:
-            version = parse_version(body.weight_version)
+            if txn is not None:  # another owner's part: refused, and the open transaction left alone
+                try:
+                    txn.check_owner(body.transaction_id, "update_info.transaction_id")
+                except ConflictError:
+                    txn = None
+                    raise
+            if body.refusal is not None:  # the API server refused it: the trainer hears it here
+                raise InvalidRequestError(body.refusal, body.refusal_param or "update_info")
+            if txn is None and body.transaction_id is not None:
+                raise ConflictError(f"update_info.transaction_id: {body.transaction_id!r:.80} is not open "
+                                    f"({self.expired or 'no weight update is open'}); taken alone, this part "
+                                    "would be applied as a whole update, so it is refused")
             refusal = asleep_refusal(self.core) or self._transaction_refusal(txn)
+            if refusal is None and txn is not None:
+                refusal = self._staging_refusal(txn, update_info)
             if refusal is None and isinstance(update_info, dict) and update_info.get("lora_name") is not None:
                 if txn is not None:
                     raise InvalidRequestError("update_info.lora_name: an adapter is updated in one "
                                               "/update_weights, outside a transaction", "update_info")
                 lora = (update_info["lora_name"], self.core.require_lora().update_config(update_info))
-        except InvalidRequestError as e:
+        except (InvalidRequestError, ConflictError) as e:
             refusal = e
         self.transfer = call
         if txn is not None:
@@ -174,8 +172,11 @@ class WeightUpdates:
             if refusal is not None and txn.failure is None:
                 txn.failure = refusal
         if refusal is not None:
-            self._beside("refuse-update", lambda: self._refuse(call, update_info, refusal))
+            drop = txn is not None  # it commits nothing now: free what it staged
+            self.beside("refuse-update", lambda: self._refuse(call, update_info, refusal, drop))
             return LATER
+        if txn is not None:
+            txn.num_elements += announced_elements(update_info)
         transfer = self.core.config.weight_transfer
         if transfer is not None and transfer.backend == "ipc":
             # An IPC receive opens handles to the trainer's memory and waits on nobody: done
@@ -183,8 +184,25 @@ class WeightUpdates:
             self._receive(call, update_info, version, lora)
             self.apply_received()
         else:
-            self._beside("receive-update", lambda: self._receive(call, update_info, version, lora))
+            self.beside("receive-update", lambda: self._receive(call, update_info, version, lora))
         return LATER
+
+    def _staging_refusal(self, txn: Transaction, update_info: Any) -> InvalidRequestError | None:
+        """A transaction stages at most the model's size (a trainer resending whole parts
+        would otherwise grow the server's memory without bound): a 413, before any byte moves."""
+        elements = announced_elements(update_info)
+        model = self.model_elements
+        if txn.num_elements + elements <= model:
+            return None
+        return PayloadTooLargeError(
+            f"update_info.shapes: this part ({elements} elements) would stage {txn.num_elements + elements} "
+            f"elements in {txn.describe()}, more than the model's {model} (the cap on a transaction's "
+            "staging); finish the transaction before sending more", "update_info")
+
+    @functools.cached_property
+    def model_elements(self) -> int:
+        """Elements of every tensor the model takes (stacked and per-expert names both)."""
+        return sum(math.prod(e.shape) for e in self.core.executor.driver.receiver.expected.values())
 
     def _transaction_refusal(self, txn: Transaction | None) -> InvalidRequestError | None:
         """A part of a transaction that failed, or of one abandoned at its timeout (the trainer
@@ -196,18 +214,18 @@ class WeightUpdates:
             return InvalidRequestError(f"update_info: {self.expired}; /start_weight_update again", "update_info")
         return None
 
-    def _refuse(self, call: Call, update_info: Any, refusal: InvalidRequestError) -> None:
+    def _refuse(self, call: Call, update_info: Any, refusal: Exception, drop: bool) -> None:
         """Refused before any byte moved: a trainer sending it hears so at once, and the
         group stays in step."""
         try:
             self.core.executor.collective_rpc(rank.RefuseUpdate(str(refusal)))
-            if self.transaction is not None:  # it commits nothing now: free what it staged
+            if drop:
                 self.core.executor.collective_rpc(rank.DropStaged())
         finally:
             self._done(call)
             self.answer(call, error=refusal)
 
-    def _receive(self, call: Call, update_info: Any, version: int | None, lora) -> None:
+    def _receive(self, call: Call, update_info: Any, version: WeightVersion | None, lora) -> None:
         """Receive into staging (on the thread), then hand it, or the failure, to the loop."""
         t0 = time.perf_counter()
         part = self.transaction is not None
@@ -276,9 +294,12 @@ class WeightUpdates:
                                "num_bytes": got.num_bytes, "receive_seconds": got.receive_seconds,
                                "apply_seconds": time.perf_counter() - t0, "skipped": got.skipped})
 
-    def _commit(self, version: int | None, lora: tuple[str, dict] | None = None) -> int:
+    def _commit(self, version: WeightVersion | None, lora: tuple[str, dict] | None = None,
+                parts: bool = False) -> int:
         """Copy what every rank staged into the model, now (between two steps, so no step
-        ever sees a half-updated model), and number the new weights."""
+        ever sees a half-updated model), and number the new weights. Without weights worth
+        keeping (a level-2 sleep, a dummy start), a transaction's parts must together carry
+        every required weight, or nothing is copied (a whole update is checked so on receipt)."""
         refusal = asleep_refusal(self.core)
         if refusal is not None:
             self.core.executor.collective_rpc(rank.DropStaged())
@@ -286,8 +307,14 @@ class WeightUpdates:
         if lora is not None:
             self.core.lora.apply_update(*lora)
         else:
-            self.core.executor.collective_rpc(rank.ApplyStaged())
-            self.core.scheduler.no_weights = False  # an update carries every required weight
+            complete = parts and self.core.scheduler.no_weights
+            try:
+                self.core.executor.collective_rpc(rank.ApplyStaged(complete=complete))
+            except Exception:
+                self._drop_parts()  # a rank that refused must not leave another's staging behind
+                raise
+            self.core.scheduler.no_weights = False  # every required weight is in place now
+        self.commits += 1
         return self.core.new_weight_version(version)
 
     # -- the transaction -----------------------------------------------------------------------
@@ -299,23 +326,27 @@ class WeightUpdates:
             raise ConflictError(f"start_weight_update: {type(self.transfer.body).__name__} is still under "
                                 "way; start once it has answered")
         if self.transaction is not None:
-            what = self.transaction.describe()
-            self.abandon("a new /start_weight_update")
-            raise ConflictError(f"start_weight_update: {what} was still open; it is abandoned now (nothing "
-                                "of it is served): call /start_weight_update again")
+            # Never abandoned by another start: that would drop its owner's parts behind its
+            # back. Its owner finishes it; its timeout, or a new init, ends it otherwise.
+            raise ConflictError(f"start_weight_update: {self.transaction.describe()} is still open: finish "
+                                f"it first (or it is abandoned after {self.timeout_s:.0f}s without a call)")
+        refusal = asleep_refusal(self.core)
+        if refusal is not None:
+            raise refusal
         self._numbers += 1
         self.expired = None
         now = time.monotonic()
-        self.transaction = Transaction(self._numbers, now, now)
-        return {"message": "Weight update started", "transaction": self._numbers}
+        txn_id = body.transaction_id if body.transaction_id is not None else f"txn-{self._numbers}"
+        self.transaction = Transaction(self._numbers, now, now, txn_id)
+        return {"message": "Weight update started", "transaction": self._numbers, "transaction_id": txn_id}
 
     def _finish(self, call: Call, body: FinishWeightUpdate) -> dict:
-        version = parse_version(body.weight_version)
-        txn = self.transaction
+        version, txn = body.weight_version, self.transaction
         if txn is None:
             why, self.expired = (f": {self.expired}" if self.expired else ""), None
             raise InvalidRequestError(f"finish_weight_update: no weight update is open{why} (POST "
                                       "/start_weight_update first)", "weight_version")
+        txn.check_owner(body.transaction_id, "transaction_id")
         if self.transfer is not None:
             raise ConflictError(f"finish_weight_update: a part of {txn.describe()} is still being "
                                 "received; finish once its /update_weights has answered")
@@ -326,15 +357,29 @@ class WeightUpdates:
             message = (f"finish_weight_update: nothing was committed: a part of weight update "
                        f"transaction {txn.number} failed: {txn.failure}")
             raise (failed(message, "update_info") if issubclass(failed, InvalidRequestError) else failed(message))
+        if self.core.scheduler.no_weights and not txn.parts:
+            raise InvalidRequestError("finish_weight_update: nothing was committed: the weights were dropped "
+                                      "(a level-2 sleep, or a dummy start) and this transaction sent none; "
+                                      "send every weight", "update_info")
         t0 = time.perf_counter()
-        if txn.parts:
-            new = self._commit(version)
-        else:
-            new = self.core.new_weight_version(version)
-        logger.info("weight update transaction %d committed: %d part(s), %.1f MB, version %d",
-                    txn.number, txn.parts, txn.num_bytes / 1e6, new)
-        return {"message": "Weight update finished", "weight_version": new, "parts": txn.parts,
-                "num_bytes": txn.num_bytes, "apply_seconds": time.perf_counter() - t0}
+        try:
+            new = self._commit(version, parts=True) if txn.parts else self.core.new_weight_version(version)
+        except InvalidUpdateError as e:
+            raise InvalidUpdateError(f"finish_weight_update: nothing was committed: {e}") from None
+        logger.info("weight update transaction %d committed: %d part(s), %.1f MB, version %s",
+                    txn.number, txn.parts, txn.num_bytes / 1e6, self.core.weight_label)
+        return {"message": "Weight update finished", "weight_version": self.core.weight_label,
+                "number": new, "parts": txn.parts, "num_bytes": txn.num_bytes,
+                "apply_seconds": time.perf_counter() - t0, "transaction_id": txn.id}
+
+    def end(self, why: str) -> None:
+        """Abandon the open transaction, and tell its owner at its next part or finish."""
+        txn = self.transaction
+        if txn is None:
+            return
+        self.abandon(why)
+        self.expired = (f"weight update transaction {txn.number} ({txn.id!r}) was abandoned: {why}; "
+                        "nothing of it is served")
 
     def abandon(self, why: str) -> None:
         """Close an open transaction without committing it."""
@@ -352,9 +397,9 @@ class WeightUpdates:
 
     # -- the other calls ------------------------------------------------------------------------
     def _set_version(self, call: Call, body: SetWeightVersion) -> dict:
-        version = parse_version(body.new_version, "new_version")
-        self.core.new_weight_version(version, reset_prefix_cache=False)
-        return {"success": True, "new_version": str(version)}
+        version = parse_version(body.new_version, "new_version")  # parsed already: the engine's own check
+        number = self.core.new_weight_version(version, reset_prefix_cache=False)
+        return {"success": True, "new_version": self.core.weight_label, "number": number}
 
     def _shutdown_transfer(self, call: Call, body: ShutdownWeightTransfer) -> dict:
         self.abandon("/shutdown_weight_transfer_engine")
@@ -365,11 +410,6 @@ class WeightUpdates:
                                 "now, call again once it has answered")
         self.core.executor.collective_rpc(rank.CloseTransfer())
         return {"message": "Weight transfer engine shut down"}
-
-    def _checksums(self, call: Call, body: WeightChecksums) -> list[dict[str, str]]:
-        if self.core.sleeping:
-            raise ConflictError("weight_checker requires an awake, unpaused engine")
-        return self.core.executor.collective_rpc(rank.Checksums())
 
     # A data-parallel replica that (re)joins copies a healthy replica's weights (and then
     # takes its version): the source sends between two of its steps, so the copy is one
@@ -388,6 +428,7 @@ class WeightUpdates:
     def _copy_from_peer(self, call: Call, body: CopyWeightsFromPeer) -> dict:
         self._check_layouts(body.digests)
         sizes = self.core.executor.collective_rpc(rank.CopyPeer(False, body.address, body.ports, None, body.timeout_s))
+        self.commits += 1
         self.core.scheduler.no_weights = False
         self.core.new_weight_version(body.weight_version)
         return {"weight_version": body.weight_version, "num_bytes": sum(int(x) for x in sizes)}
@@ -400,4 +441,3 @@ class WeightUpdates:
                                       f"{list(digests)} at the source)", "replica")
 
 
-LATER = object()  # a call answered later, through the loop's callback

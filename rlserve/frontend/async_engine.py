@@ -22,6 +22,7 @@ from rlserve.frontend.core_client import EngineAddresses, EngineCoreClient
 from rlserve.frontend.output_processor import LatencyObserver, OutputProcessor, RequestState
 from rlserve.frontend.request_output import RequestOutput
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.wire.limits import check_int_range
 from rlserve.wire.messages import (
     AbortAll,
     AnyControlCall,
@@ -35,6 +36,7 @@ from rlserve.wire.messages import (
     LoRAAdapterInfo,
     ModelNotFoundError,
     Pause,
+    ReleaseKVCache,
     ResetPrefixCache,
     Resume,
     SetWeightVersion,
@@ -46,9 +48,9 @@ from rlserve.wire.messages import (
     WakeUp,
     WeightChecksums,
 )
-from rlserve.frontend.output_processor import LatencyObserver, OutputProcessor, RequestState
 from rlserve.wire.outputs import EngineCoreOutputs, EngineStats, check_return_routed_experts
 from rlserve.wire.validation import check_cache_salt, sample_ids, validate_prompt
+from rlserve.wire.weight_version import parse_version
 
 if TYPE_CHECKING:
     from rlserve.frontend.dp_client import DPEngineClient
@@ -96,6 +98,7 @@ class AsyncEngine:
         self.requests: dict[str, RequestState] = {}
         self.info: EngineReady  # set by start()
         self.weight_version = 0  # of the latest tokens seen
+        self.weight_labels: dict[int, str] = {}  # version -> its label, as the engine's outputs tell (the latest few)
         self.on_dead: Callable[[str], None] | None = None  # told once, after requests failed
         self._ids = itertools.count()
 
@@ -151,6 +154,7 @@ class AsyncEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already running", "request_id")
         state = RequestState(request_id, prompt, prompt_token_ids, params, arrival, notify, stream)
+        state.weight_labels = self.weight_labels
         self.client.add_request(request_id, prompt_token_ids, params,
                                 stream or OutputProcessor.needs_steps(params), cache_salt, lora_name)
         self.processor.add(state)
@@ -179,6 +183,10 @@ class AsyncEngine:
 
     def _on_outputs(self, out: EngineCoreOutputs) -> None:
         self.weight_version = out.version
+        if out.label is not None and self.weight_labels.get(out.version) != out.label:
+            self.weight_labels[out.version] = out.label
+            if len(self.weight_labels) > 64:
+                del self.weight_labels[next(iter(self.weight_labels))]
         aborts = self.processor.process(out)
         if aborts:  # stop strings ended these samples here
             self.client.abort(aborts)
@@ -224,11 +232,18 @@ class AsyncEngine:
     async def resume(self) -> None:
         await self.call(Resume())
 
+    def version_label(self, version: int) -> str:
+        """A version as vLLM reports it: its label, or its number as a string."""
+        return self.weight_labels.get(version, str(version))
+
     async def sleep(self, level: int = 1) -> None:
         await self.call(Sleep(level))
 
-    async def wake_up(self) -> None:
-        await self.call(WakeUp())
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.call(WakeUp(tags))
+
+    async def release_kv_cache(self) -> None:
+        await self.call(ReleaseKVCache())
 
     async def reset_prefix_cache(self) -> None:
         await self.call(ResetPrefixCache())
@@ -268,7 +283,8 @@ class AsyncEngine:
         if cfg.backend == "ipc":
             parse_ipc_init_info(init_info)
         else:
-            InitInfo.parse(init_info, num_workers=self.world_size)  # a 400 before anything blocks
+            InitInfo.parse(init_info, num_workers=self.world_size,
+                           max_world_size=cfg.max_world_size)  # a 400 before anything blocks
         await self.call(InitWeightTransfer(cfg.backend, init_info, cfg.timeout_s))
 
     async def update_weights(self, update_info: dict) -> WeightUpdateResult:
@@ -278,8 +294,22 @@ class AsyncEngine:
         Generation goes on while the bytes arrive (unless paused); a failed or refused
         transfer leaves the previous weights serving.
         """
-        version = update_info.get("weight_version") if isinstance(update_info, dict) else None
-        answer = await self.call(UpdateWeights(update_info, version))
+        transaction_id, refusal, param = None, None, None
+        sent: Any = update_info
+        try:
+            if isinstance(update_info, dict):
+                transaction_id = update_info.pop("transaction_id", None)
+                if transaction_id is not None and not (isinstance(transaction_id, str) and len(transaction_id) <= 128):
+                    raise InvalidRequestError("update_info.transaction_id: must be a string of at most 128 "
+                                              f"characters, got {type(transaction_id).__name__}", "update_info")
+            version = parse_version(update_info.get("weight_version") if isinstance(update_info, dict) else None,
+                                    "update_info.weight_version")
+            check_int_range(update_info, "update_info")
+        except InvalidRequestError as e:
+            # Refused here, it still goes to the engine, so a trainer that is sending hears
+            # the refusal at once instead of waiting out its timeout for the server's answer.
+            version, refusal, param, sent, transaction_id = None, str(e), e.param, None, None
+        answer = await self.call(UpdateWeights(sent, version, transaction_id, refusal, param))
         result = WeightUpdateResult(**{k: answer[k] for k in WeightUpdateResult.__dataclass_fields__ if k in answer})
         result.staged = bool(answer.get("staged"))
         logger.info("weights %s version %d: %.1f MB received in %.3fs, applied in %.3fs",
@@ -287,20 +317,27 @@ class AsyncEngine:
                     result.num_bytes / 1e6, result.receive_seconds, result.apply_seconds)
         return result
 
-    async def start_weight_update(self, is_checkpoint_format: bool = True) -> dict:
-        return await self.call(StartWeightUpdate(is_checkpoint_format))
+    async def start_weight_update(self, is_checkpoint_format: bool = True, transaction_id: str | None = None) -> dict:
+        return await self.call(StartWeightUpdate(is_checkpoint_format, transaction_id))
 
-    async def finish_weight_update(self, weight_version: Any = None) -> dict:
-        return await self.call(FinishWeightUpdate(weight_version))
+    async def finish_weight_update(self, weight_version: Any = None, transaction_id: str | None = None) -> dict:
+        return await self.call(FinishWeightUpdate(parse_version(weight_version), transaction_id))
 
     async def update_weight_version(self, new_version: Any) -> dict:
-        answer = await self.call(SetWeightVersion(new_version))
-        self.weight_version = int(answer["new_version"])
+        version = parse_version(new_version, "new_version")
+        if version is None:
+            raise InvalidRequestError("new_version: required (an integer or a string)", "new_version")
+        answer = await self.call(SetWeightVersion(version))
+        self.weight_version = int(answer.get("number", self.weight_version))
         return answer
 
     async def weight_checksums(self) -> list[dict[str, str]]:
         """Every rank's digest of each of its parameters (replicas after one another)."""
         return await self.call(WeightChecksums())
+
+    async def reset_weights(self) -> None:
+        """Noise over every parameter (/weight_checker's reset): served only after a full update."""
+        await self.call(WeightChecksums(reset=True))
 
     async def shutdown_weight_transfer(self) -> dict:
         return await self.call(ShutdownWeightTransfer())

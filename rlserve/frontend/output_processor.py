@@ -10,7 +10,7 @@ process, the other on every message from the engine-core process.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -99,6 +99,7 @@ class RequestState:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.num_cached_tokens = 0
         self.weight_version = 0
+        self.weight_labels: Mapping[int, str] = {}  # version -> label, the engine's (shared, kept current)
         self.num_finished = 0
         self.error: BaseException | None = None
 

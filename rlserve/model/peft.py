@@ -12,13 +12,17 @@ puts the tensors in slots (rlserve.model.lora), a trainer sends them
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
+import stat
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex  # type: ignore[import-untyped]
 import torch
 
 from rlserve import json_depth
@@ -81,18 +85,56 @@ def peft_adapter_tensors(peft_model, adapter: str | None = None) -> tuple[dict[s
     return config.to_wire(), tensors
 
 
+# PEFT matches module names with the config's regexes. A pattern such as `(.|.){0,24}Z`
+# takes exponential time to fail in a backtracking engine: every match runs under the
+# `regex` module's timeout, and patterns are bounded in length and number.
+MAX_PATTERN_CHARS = 512
+MAX_PATTERNS = 1024
+MATCH_TIMEOUT_S = 0.05
+PATTERNS_BUDGET_S = 0.5
+
+
+def _compile(pattern: str) -> Any:
+    return regex.compile(rf"(.*\.)?({pattern})$")
+
+
 def _regex_problem(pattern: str) -> str | None:
     """What is wrong with `pattern` as a regex (PEFT matches module names with it), or None."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        return f"longer than {MAX_PATTERN_CHARS} characters"
     try:
-        re.compile(pattern)
-    except (re.error, RecursionError, OverflowError) as e:
+        regex.compile(pattern)  # its errors' positions are in the pattern as written
+        _compile(pattern).match("model.layers.0.self_attn.q_proj", timeout=MATCH_TIMEOUT_S)
+    except (regex.error, RecursionError, OverflowError, ValueError) as e:
         return str(e) if not isinstance(e, RecursionError) else "nested too deep"
+    except TimeoutError:
+        return f"takes more than {MATCH_TIMEOUT_S}s to match a module name (catastrophic backtracking)"
     return None
+
+
+def _bad_patterns(patterns: Mapping[str, Any]) -> list[str]:
+    """Each pattern that is not a usable regex, with why; all of them checked within
+    PATTERNS_BUDGET_S (a config of many slow patterns is refused as a whole)."""
+    deadline = time.monotonic() + PATTERNS_BUDGET_S
+    bad = []
+    for key in patterns:
+        if time.monotonic() > deadline:
+            bad.append(f"checking the patterns took more than {PATTERNS_BUDGET_S}s")
+            break
+        why = _regex_problem(key)
+        if why:
+            bad.append(f"{key!r:.80} ({why})")
+    return bad
 
 
 def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
     for key, value in patterns.items():  # PEFT's get_pattern_key: the module name ends with the key
-        if re.match(rf"(.*\.)?({key})$", module):
+        try:
+            found = _compile(key).match(module, timeout=MATCH_TIMEOUT_S)
+        except TimeoutError:
+            raise InvalidRequestError(f"rank_pattern/alpha_pattern: {key!r:.80} takes more than "
+                                      f"{MATCH_TIMEOUT_S}s to match {module!r}", "lora_config") from None
+        if found:
             return value
     return default
 
@@ -147,12 +189,15 @@ class LoRAConfig:
         patterns = {}
         for key, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
             value = data.get(key) or {}
+            if isinstance(value, Mapping) and len(value) > MAX_PATTERNS:
+                problems.append(f"{key}: at most {MAX_PATTERNS} patterns, got {len(value)}")
+                value = {}
             if not (isinstance(value, Mapping) and all(
                     isinstance(k, str) and isinstance(v, kind) and not isinstance(v, bool) and v > 0
                     for k, v in value.items())):
-                problems.append(f"{key} must map module names to positive numbers, got {value!r}")
+                problems.append(f"{key} must map module names to positive numbers, got {value!r:.200}")
                 value = {}
-            bad_keys = [f"{k!r} ({_regex_problem(k)})" for k in value if _regex_problem(k)]
+            bad_keys = _bad_patterns(value)
             if bad_keys:
                 problems.append(f"{key}: keys are module-name patterns, not valid regexes: {', '.join(bad_keys)}")
                 value = {}
@@ -216,26 +261,86 @@ def pair_tensors(named: Iterable[tuple[str, torch.Tensor]], config: LoRAConfig, 
     return pairs
 
 
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json: a few kB in practice
+MAX_ADAPTER_BYTES = 16 << 30  # the tensors' file: a rank-256 adapter of a 70B model is a few GB
+
+
+def _read_regular(directory: str, name: str, limit: int) -> bytes | None:
+    """The bytes of `directory/name`, or None if there is no such file. Refuses what is not
+    a regular file (a FIFO would block the reader until someone writes to it; a device
+    never ends), a link that leads out of the adapter's directory, and a file over `limit`."""
+    file = os.path.join(directory, name)
+    if not os.path.lexists(file):
+        return None
+    real, root = os.path.realpath(file), os.path.realpath(directory)
+    if os.path.commonpath([real, root]) != root:
+        raise InvalidRequestError(f"lora_path: {file} links out of the adapter's directory (to {real})", "lora_path")
+    try:
+        # O_NONBLOCK: opening a FIFO returns at once (fstat then refuses it) instead of blocking
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise InvalidRequestError(f"lora_path: cannot open {file}: {e.strerror}", "lora_path") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidRequestError(f"lora_path: {file} is not a regular file", "lora_path")
+        if info.st_size > limit:
+            raise InvalidRequestError(f"lora_path: {file} is {info.st_size} bytes, over the limit of {limit}",
+                                      "lora_path")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise InvalidRequestError(f"lora_path: cannot read {file}: {e.strerror}", "lora_path") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # grew while read
+        raise InvalidRequestError(f"lora_path: {file} is over the limit of {limit} bytes", "lora_path")
+    return data
+
+
+def _load_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
+    """The adapter's tensors, from bytes read with the checks above; a corrupt file is the
+    caller's error (400), named."""
+    for name in ("adapter_model.safetensors", "adapter_model.bin"):
+        data = _read_regular(path, name, MAX_ADAPTER_BYTES)
+        if data is None:
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load as load_safetensors
+                return list(load_safetensors(data).items())
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+                raise ValueError("not a mapping of names to tensors")
+            return list(state.items())
+        except Exception as e:  # safetensors' SafetensorError, pickle's many errors: the file is bad
+            raise InvalidRequestError(f"lora_path: {os.path.join(path, name)} is not a valid "
+                                      f"{'safetensors' if name.endswith('.safetensors') else 'weights-only torch'} "
+                                      f"file: {str(e)[:300]}", "lora_path") from None
+    raise InvalidRequestError(f"lora_path: {path} has no adapter_model.safetensors", "lora_path")
+
+
 def read_adapter(path: str, max_rank: int) -> tuple[LoRAConfig, list[tuple[str, torch.Tensor]]]:
     """A PEFT adapter directory: its config and tensors (safetensors, or a weights-only
-    adapter_model.bin)."""
+    adapter_model.bin). Every file is checked before it is read (regular, inside the
+    directory, bounded): see _read_regular."""
     if not os.path.isdir(path):  # vLLM's LoRAAdapterNotFoundError: a 404
         raise ModelNotFoundError(f"lora_path: no adapter found for {path!r} (not a directory on "
                                  "the server)", "lora_path")
     config_file = os.path.join(path, "adapter_config.json")
+    raw = _read_regular(path, "adapter_config.json", MAX_CONFIG_BYTES)
+    if raw is None:
+        raise InvalidRequestError(f"lora_path: cannot read {config_file}: no such file", "lora_path")
     try:
-        with open(config_file) as f:
-            data = json_depth.loads(f.read())
-    except (OSError, ValueError) as e:
-        raise InvalidRequestError(f"lora_path: cannot read {config_file}: {e}", "lora_path") from e
+        data = json_depth.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(f"lora_path: cannot read {config_file}: {e}", "lora_path") from None
+    if isinstance(data, Mapping) and str(data.get("init_lora_weights", "")).lower().startswith("pissa"):
+        # vLLM refuses these too: a PiSSA adapter's base is the residual left after its
+        # principal components were moved into A and B, not the served weights.
+        raise InvalidRequestError(f"lora_path: {path} is a PiSSA adapter (init_lora_weights "
+                                  f"{data['init_lora_weights']!r}): it needs its own residual base weights; "
+                                  "convert it to a plain LoRA adapter (PEFT's "
+                                  "path_initial_model_for_weight_conversion) to serve it", "lora_path")
     config = LoRAConfig.parse(data, "adapter_config", max_rank)
-    st = os.path.join(path, "adapter_model.safetensors")
-    if os.path.exists(st):
-        from safetensors.torch import load_file
-        tensors = list(load_file(st).items())
-    elif os.path.exists(os.path.join(path, "adapter_model.bin")):
-        state = torch.load(os.path.join(path, "adapter_model.bin"), map_location="cpu", weights_only=True)
-        tensors = list(state.items())
-    else:
-        raise InvalidRequestError(f"lora_path: {path} has no adapter_model.safetensors", "lora_path")
-    return config, tensors
+    return config, _load_tensors(path)

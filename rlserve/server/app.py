@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from rlserve import envs
 from rlserve.config import EngineConfig
-from rlserve.errors import EngineUnavailableError
+from rlserve.errors import ConflictError, EngineDeadError, EngineUnavailableError, PayloadTooLargeError
 from rlserve.process import profiled
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.server import routes_openai
@@ -30,7 +30,6 @@ from rlserve.server.routes_service import add_service_routes
 from rlserve.server.serving_chat import ChatServing
 from rlserve.server.serving_completion import CompletionServing
 from rlserve.version import __version__
-from rlserve.wire.messages import ConflictError, EngineDeadError
 
 if TYPE_CHECKING:
     from rlserve.frontend.async_engine import AsyncEngine
@@ -191,7 +190,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return _error(400, str(exc), param=exc.param)
+        return _error(413 if isinstance(exc, PayloadTooLargeError) else 400, str(exc), param=exc.param)
 
     # FastAPI answers 422 by default; OpenAI clients expect 400 naming the field.
     @app.exception_handler(RequestValidationError)

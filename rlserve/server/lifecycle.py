@@ -16,10 +16,13 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -68,7 +71,7 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
         logger.info("started %d more API server processes (pids %s)", len(children),
                     ", ".join(str(c.pid) for c in children))
     try:
-        return _run(engine, config, opts, sock)
+        return _run(engine, config, opts, sock, children)
     finally:
         for child in children:
             if child.poll() is None:
@@ -80,7 +83,8 @@ def serve(config: EngineConfig, opts: ServeOptions) -> int:
                 child.kill()
 
 
-def _run(engine: AsyncEngine, config: EngineConfig, opts: ServeOptions, sock: socket.socket) -> int:
+def _run(engine: AsyncEngine, config: EngineConfig, opts: ServeOptions, sock: socket.socket,
+         children: list[subprocess.Popen] | None = None) -> int:
     from rlserve.server.app import create_app
     shown_host = "localhost" if opts.host in ("0.0.0.0", "::", "") else opts.host
     url = f"http://{shown_host}:{opts.port}" if engine.client.client_index == 0 else None
@@ -88,10 +92,31 @@ def _run(engine: AsyncEngine, config: EngineConfig, opts: ServeOptions, sock: so
     server = Server(app, engine, log_level=opts.uvicorn_log_level or opts.log_level,
                     grace_s=opts.shutdown_grace_period, linger_s=opts.engine_death_linger,
                     access_log=not opts.disable_uvicorn_access_log)
+    if children:
+        threading.Thread(target=_watch_api_servers, args=(children, server), name="rlserve-api-watch",
+                         daemon=True).start()
     server.run(sockets=[sock])
-    if engine.dead is not None:
+    if engine.dead is not None or server.api_server_died:
         return 1
     return 0 if server.started else 1
+
+
+def _watch_api_servers(children: list[subprocess.Popen], server: Server) -> None:
+    """An API server that dies takes its share of the connections with it while /health,
+    answered by another, stays 200: the whole server stops instead (exit status 1), so a
+    supervisor restarts it and a load balancer stops sending it requests."""
+    while not server.should_exit:
+        for i, child in enumerate(children, start=1):
+            status = child.poll()
+            if status is not None and not server.should_exit:
+                logger.error("API server %d (pid %d) exited with status %s: the server stops", i, child.pid, status)
+                server.api_server_died = True
+                os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's own handler: a graceful stop
+                return
+        time.sleep(_WATCH_INTERVAL_S)  # a child's exit has no event to wait on here
+
+
+_WATCH_INTERVAL_S = 0.5
 
 
 def _spawn_api_server(index: int, config: EngineConfig, opts: ServeOptions, engine: AsyncEngine,
@@ -143,6 +168,7 @@ class Server(uvicorn.Server):
         self.grace_s = grace_s
         self.linger_s = linger_s
         self._stopping = False
+        self.api_server_died = False  # another API server process exited: this one stops too
         engine.on_dead = self._engine_died
 
     def handle_exit(self, sig: int, frame) -> None:

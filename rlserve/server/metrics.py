@@ -24,8 +24,8 @@ from rlserve.wire.outputs import ITERATION_TOKENS_BUCKETS
 if TYPE_CHECKING:
     from rlserve.config import EngineConfig
     from rlserve.frontend.output_processor import RequestState
-    from rlserve.wire.outputs import EngineStats, RequestTiming
     from rlserve.memory import MemoryProfile
+    from rlserve.wire.outputs import EngineStats, RequestTiming
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

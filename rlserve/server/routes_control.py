@@ -12,7 +12,8 @@ vLLM (paths, bodies and answers as its RLHF routes have them):
     POST /pause?mode=abort|wait|keep&clear_cache=true
     POST /resume
     GET  /is_paused, GET /weight_version, POST /reset_prefix_cache
-    POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping
+    POST /sleep?level=0|1|2, POST /wake_up?tags=weights|kv_cache, GET /is_sleeping,
+    POST /release_kv_cache_memory
 
 These routes exist only when a weight-transfer backend is configured (the sleep routes
 also with --enable-sleep-mode). They answer only loopback clients, or with `--admin-key`
@@ -23,16 +24,15 @@ rlserve/server/security.py.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Awaitable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 
-from rlserve.server.limits import check_int_range
 from rlserve.server.responses import APIError
 from rlserve.server.security import require_control_access
+from rlserve.wire.limits import check_int_range
 
 
 class InitWeightTransferRequest(BaseModel):
@@ -47,19 +47,27 @@ class UpdateWeightsRequest(BaseModel):
                     "packed_num_buffers, weight_version (optional)")
 
 
+_TRANSACTION_ID = Field(None, max_length=128, description="the transaction's owner names it (start), and "
+                                                          "names it again (finish); none: the open one")
+
+
 class StartWeightUpdateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     is_checkpoint_format: bool = Field(True, description="true: names as in the checkpoint (what rlserve takes)")
+    transaction_id: str | None = _TRANSACTION_ID
 
 
+# Versions are taken as any JSON value here and parsed by rlserve.wire.weight_version, the
+# one parser every version field shares (a 400 naming the field, never a type error's 422).
 class FinishWeightUpdateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    weight_version: StrictInt | str | None = Field(None, description="the committed weights' version")
+    weight_version: Any = Field(None, description="the committed weights' version: a number or a label")
+    transaction_id: str | None = _TRANSACTION_ID
 
 
 class UpdateWeightVersionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    new_version: StrictInt | str
+    new_version: Any = Field(description="a number, or a label (any printable string)")
 
 
 class AbortRequestsRequest(BaseModel):
@@ -131,7 +139,6 @@ async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: 
 @router.post("/update_weights")
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
     metrics = request.app.state.metrics
-    check_int_range(body.update_info, "update_info")
     try:
         result = await _unless_stopping(request, _engine(request).update_weights(body.update_info),
                                         "update_weights")
@@ -144,7 +151,8 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
     metrics.weight_update(True, result.receive_seconds + result.apply_seconds, result.num_bytes)
     gbps = result.num_bytes / max(result.receive_seconds, 1e-9) / 1e9
     answer = {"status": "ok", "message": "Weights updated", "staged": result.staged,
-              "weight_version": result.weight_version, "bytes": result.num_bytes,
+              "weight_version": result.weight_version,
+              "weight_label": _engine(request).version_label(result.weight_version), "bytes": result.num_bytes,
               "receive_seconds": result.receive_seconds, "apply_seconds": result.apply_seconds,
               "gb_per_second": gbps}
     if result.skipped:  # a multimodal trainer's vision tower, which this server does not hold
@@ -159,10 +167,12 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
 @router.post("/start_weight_update")
 async def start_weight_update(request: Request, body: StartWeightUpdateRequest | None = Body(None)) -> dict:
     """Open a transaction: the /update_weights that follow stage (nothing served changes)
-    until /finish_weight_update. A start while one is open is a 409 naming it, and that
-    one is abandoned (a trainer that restarted calls start again)."""
+    until /finish_weight_update. A start while one is open is a 409 naming it (that one
+    stays open for its owner; a trainer that restarted calls /init_weight_transfer_engine,
+    which abandons it). The answer's `transaction_id` (the one given, or one made) may be
+    carried by every part (`update_info.transaction_id`) and the finish: another id is a 409."""
     body = body or StartWeightUpdateRequest()
-    return await _engine(request).start_weight_update(body.is_checkpoint_format)
+    return await _engine(request).start_weight_update(body.is_checkpoint_format, body.transaction_id)
 
 
 @router.post("/finish_weight_update")
@@ -171,7 +181,7 @@ async def finish_weight_update(request: Request, body: FinishWeightUpdateRequest
     cache reset); if any part failed, commit nothing and say what failed."""
     body = body or FinishWeightUpdateRequest()
     try:
-        answer = await _engine(request).finish_weight_update(body.weight_version)
+        answer = await _engine(request).finish_weight_update(body.weight_version, body.transaction_id)
     except Exception as e:
         raise _transfer_error(e, "update_info") from e  # a part that failed
     return {**answer, "weight_version": str(answer["weight_version"])}
@@ -192,29 +202,33 @@ async def abort_requests(request: Request, body: AbortRequestsRequest | None = B
 async def update_weight_version(body: UpdateWeightVersionRequest, request: Request) -> dict:
     """Name the weights now served (the next tokens carry it); the weights do not change."""
     await _engine(request).update_weight_version(body.new_version)
-    return {"success": True, "new_version": body.new_version}
+    return {"success": True, "new_version": body.new_version}  # as given (vLLM's answer), checked
 
 
 @router.get("/weight_info")
 async def weight_info(request: Request) -> dict:
-    return {"weight_version": str((await _engine(request).stats()).weight_version)}
+    stats = await _engine(request).stats()
+    return {"weight_version": stats.weight_label or str(stats.weight_version)}
 
 
 @router.post("/weight_checker")
 async def weight_checker(body: WeightCheckerRequest, request: Request) -> dict:
-    """A digest of each parameter's bytes as served, over every rank: `checksum` answers
-    them, `compare` diffs them with a `baseline` (an earlier checksum's answer)."""
+    """The sha256 of each parameter's bytes as served, keyed as vLLM keys them
+    (`dp{d}:pp0:pcp0:tp{t}:{name}`, one per rank's shard): `checksum` answers them,
+    `compare` diffs them with a `baseline` (an earlier checksum's answer), `reset` puts
+    noise over every parameter (generation answers 503 until a full update lands: nothing
+    is served that no trainer sent)."""
     engine = _engine(request)
-    if body.action == "reset":
-        raise APIError(400, "action: reset (random weights over the served ones) is not offered: rlserve "
-                            "changes served weights only through an update", param="action")
     baseline = body.baseline
     if body.action == "compare" and baseline is None:
         raise APIError(400, "baseline: action 'compare' needs the checksums to compare with", param="baseline")
     stats = await engine.stats()
     if stats.paused or stats.sleeping:
         raise APIError(409, "weight_checker requires an awake, unpaused engine")
-    checksums = combine_checksums(await engine.weight_checksums())
+    if body.action == "reset":
+        await engine.reset_weights()
+        return {"status": "reset"}
+    checksums = keyed_checksums(await engine.weight_checksums(), engine.config.tensor_parallel_size)
     if body.action == "checksum":
         return {"checksums": checksums}
     assert baseline is not None  # compare: refused above without one
@@ -222,16 +236,11 @@ async def weight_checker(body: WeightCheckerRequest, request: Request) -> dict:
     return {"match": not mismatches, "mismatches": mismatches}
 
 
-def combine_checksums(per_rank: list[dict[str, str]]) -> dict[str, str]:
-    """One digest per parameter: the ranks' own where they agree (a replicated tensor),
-    else one over all of them in rank order (a tensor-parallel shard per rank)."""
-    names = sorted({n for d in per_rank for n in d})
-    out = {}
-    for name in names:
-        digests = [d.get(name, "") for d in per_rank]
-        same = all(x == digests[0] for x in digests)
-        out[name] = digests[0] if same else hashlib.sha256("|".join(digests).encode()).hexdigest()[:32]
-    return out
+def keyed_checksums(per_rank: list[dict[str, str]], tp_size: int) -> dict[str, str]:
+    """Every rank's digests (replicas after one another, `tp_size` ranks each), keyed
+    by the rank's place as vLLM keys them (no pipeline or context parallelism here)."""
+    return {f"dp{i // tp_size}:pp0:pcp0:tp{i % tp_size}:{name}": digest
+            for i, digests in enumerate(per_rank) for name, digest in digests.items()}
 
 
 @router.post("/shutdown_weight_transfer_engine")
@@ -276,17 +285,28 @@ sleep_router = APIRouter(tags=["sleep"], dependencies=[Depends(require_control_a
 
 @sleep_router.post("/sleep")
 async def sleep(request: Request,
-                level: int = Query(1, ge=1, le=2, description="1: weights to host memory; "
-                                                              "2: weights dropped (the next "
-                                                              "update must send them all)")) -> dict:
+                level: int = Query(1, ge=0, le=2, description="0: stop scheduling only (nothing is given "
+                                                              "back); 1: weights to host memory; 2: weights "
+                                                              "dropped (the requests in flight end with "
+                                                              "finish_reason abort, and only a full update "
+                                                              "brings generation back)")) -> dict:
     await _engine(request).sleep(level)
     return {"status": "sleeping", "level": level}
 
 
 @sleep_router.post("/wake_up")
-async def wake_up(request: Request) -> dict:
-    await _engine(request).wake_up()
-    return {"status": "awake"}
+async def wake_up(request: Request, tags: list[str] | None = Query(
+        None, description="weights, kv_cache (repeatable); none: everything. /is_sleeping stays true "
+                          "until everything is awake")) -> dict:
+    await _engine(request).wake_up(tags)
+    return {"status": "awake" if not (await _engine(request).stats()).sleeping else "sleeping"}
+
+
+@sleep_router.post("/release_kv_cache_memory")
+async def release_kv_cache_memory(request: Request) -> dict:
+    """Give the KV cache's memory back, the weights kept; /wake_up?tags=kv_cache restores it."""
+    await _engine(request).release_kv_cache()
+    return {"status": "ok"}
 
 
 @sleep_router.get("/is_sleeping")

@@ -83,8 +83,9 @@ def finish_choice(choice: CompletionStreamChoice | ChatChoice | ChatChunkChoice,
         choice.routed_experts = RoutesJSON(routes)
     if body.return_weight_versions:
         spans = version_spans(state.samples[delta.index].token_versions)
-        choice.weight_versions = [WeightVersionSpan(version=str(s.version), start=s.start, end=s.end)
-                                  for s in spans]
+        labels = state.weight_labels  # a version /finish_weight_update labelled reports its label
+        choice.weight_versions = [WeightVersionSpan(version=labels.get(s.version, str(s.version)), start=s.start,
+                                                    end=s.end) for s in spans]
         choice.weight_version_spans = [WeightVersionSpan(version=s.version, start=s.start, end=s.end)
                                        for s in spans]
 

@@ -85,7 +85,7 @@ class TransferGroup:
         self.timeout_s = float(timeout_s)  # may be lowered after init: later calls use it
         # Turns (handshake.py): a receiver's next turn; the trainer's next turn per rank.
         self.turn = 0
-        self.turns = {r: 0 for r in range(1, world_size)}
+        self.turns = {r: 0 for r in range(1, world_size)} if rank == 0 else {}  # a receiver uses `turn`
         self.forgotten: dict[int, int] = {}  # trainer: per rank, turns below this have no keys left
         self.posted_plans: set[str] = set()  # trainer: digests whose plan is in the store (handshake.py)
         self.broken: str | None = None

@@ -69,7 +69,11 @@ class Sleep(ControlCall):
 
 
 class WakeUp(ControlCall):
-    pass
+    tags: list[str] | None = None  # "weights", "kv_cache"; None: everything
+
+
+class ReleaseKVCache(ControlCall):
+    """Give the KV cache's memory back, weights kept (vLLM's /release_kv_cache_memory)."""
 
 
 class ResetPrefixCache(ControlCall):
@@ -114,21 +118,28 @@ class InitWeightTransfer(ControlCall):
 
 class UpdateWeights(ControlCall):
     update_info: Any
-    weight_version: Any = None  # checked by the engine: a wrong type is refused by name
+    weight_version: int | str | None = None  # parsed by rlserve.wire.weight_version
+    transaction_id: str | None = None  # the open transaction this part belongs to (checked if given)
+    # Refused already by the API server (a field out of range): the engine only passes the
+    # refusal to the trainer, which would otherwise wait its whole timeout for a plan's answer.
+    refusal: str | None = None
+    refusal_param: str | None = None
 
 
 class StartWeightUpdate(ControlCall):
     """Open a transaction: the /update_weights that follow stage, /finish_weight_update commits."""
 
     is_checkpoint_format: bool = True
+    transaction_id: str | None = None  # the owner's name for it; None: the server picks one
 
 
 class FinishWeightUpdate(ControlCall):
-    weight_version: Any = None  # checked by the engine (a string of digits, or an integer)
+    weight_version: int | str | None = None  # parsed by rlserve.wire.weight_version
+    transaction_id: str | None = None
 
 
 class SetWeightVersion(ControlCall):
-    new_version: Any
+    new_version: int | str
 
 
 class ShutdownWeightTransfer(ControlCall):
@@ -136,7 +147,10 @@ class ShutdownWeightTransfer(ControlCall):
 
 
 class WeightChecksums(ControlCall):
-    """Each rank's digest of each of its parameters (what /weight_checker compares)."""
+    """Each rank's digest of each of its parameters (what /weight_checker compares); with
+    `reset`, noise over every parameter instead (nothing is served until a full update)."""
+
+    reset: bool = False
 
 
 class WeightsLayout(ControlCall):
@@ -161,7 +175,7 @@ class CopyWeightsFromPeer(ControlCall):
 WeightCall = (InitWeightTransfer | UpdateWeights | StartWeightUpdate | FinishWeightUpdate | SetWeightVersion
               | ShutdownWeightTransfer | WeightChecksums | WeightsLayout | CopyWeightsToPeer | CopyWeightsFromPeer)
 
-AnyControlCall = (Pause | Resume | Sleep | WakeUp | ResetPrefixCache | GetStats | AbortAll | Shutdown
+AnyControlCall = (Pause | Resume | Sleep | WakeUp | ReleaseKVCache | ResetPrefixCache | GetStats | AbortAll | Shutdown
                   | ListLoRAAdapters | LoadLoRAAdapter | UnloadLoRAAdapter | WeightCall)
 
 
@@ -224,3 +238,6 @@ def error_result(call_id: int, e: BaseException) -> CallResult:
 def error_from_result(r: CallResult) -> BaseException:
     """The engine's exception, as its own type where the front end maps it to a status."""
     return from_wire(WireError(r.error_type, r.error, r.param))
+
+
+LATER = object()  # a control call's handler answers it later, through the loop's callback

@@ -117,6 +117,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     paused: bool
     sleeping: bool
     sleep_level: int = 0  # 0 awake; 1: weights offloaded; 2: weights dropped
+    weight_label: str | None = None  # the label weight_version is served under, if any
+    asleep: list[str] = []  # what sleeps: "weights", "kv_cache" (or "scheduling": level 0)
     # Of num_waiting, those held back by something other than room (vLLM's "deferred"):
     # a grammar still compiling, or no LoRA slot free.
     num_waiting_deferred: int = 0
@@ -141,6 +143,8 @@ class EngineStats(msgspec.Struct, array_like=True):
             weight_version=min(s.weight_version for s in serving),
             paused=any(s.paused for s in stats), sleeping=any(s.sleeping for s in stats),
             sleep_level=max(s.sleep_level for s in stats),
+            weight_label=min(serving, key=lambda s: s.weight_version).weight_label if serving else None,
+            asleep=sorted({t for s in stats for t in s.asleep}),
             num_waiting_deferred=total("num_waiting_deferred"),
             iteration_tokens=[sum(c) for c in zip(*(s.iteration_tokens for s in stats))],
             iteration_tokens_sum=total("iteration_tokens_sum"))
@@ -156,6 +160,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="step"):
     rejected: list[Rejected] = []
     stats: EngineStats | None = None
     timestamp: float = 0.0  # the engine's clock when the step's tokens were read back
+    label: str | None = None  # the label `version` is served under, if it has one
 
     def __bool__(self) -> bool:
         return bool(self.request_ids or self.started or self.finished or self.rejected)

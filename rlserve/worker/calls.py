@@ -52,9 +52,16 @@ class Sleep(RankCall):
         worker.sleep(self.level)
 
 
-class WakeUp(RankCall):
+class ReleaseKVCache(RankCall):
     def run(self, worker) -> None:
-        worker.wake_up()
+        worker.release_kv_cache()
+
+
+class WakeUp(RankCall):
+    tags: list[str] | None = None
+
+    def run(self, worker) -> None:
+        worker.wake_up(self.tags)
 
 
 class RemoveLoRA(RankCall):
@@ -115,9 +122,10 @@ class ApplyStaged(RankCall):
 
     lora_slot: int | None = None
     lora_name: str | None = None
+    complete: bool = False  # a transaction's parts must carry every required weight (no weights served yet)
 
     def run(self, worker) -> None:
-        worker.receiver.apply(self.lora_slot if self.lora_slot is not None else self.lora_name)
+        worker.receiver.apply(self.lora_slot if self.lora_slot is not None else self.lora_name, self.complete)
 
 
 class DropStaged(RankCall):
@@ -132,8 +140,18 @@ class CloseTransfer(RankCall):
 
 
 class Checksums(RankCall):
+    # Reads the parameters beside the steps; the engine reads again if a commit came meanwhile.
+    background: ClassVar[bool] = True
+
     def run(self, worker) -> dict[str, str]:
         return worker.receiver.checksums()
+
+
+class ResetWeights(RankCall):
+    """Overwrite every parameter with noise (/weight_checker's reset)."""
+
+    def run(self, worker) -> None:
+        worker.receiver.reset()
 
 
 class WeightsLayout(RankCall):

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from rlserve.model.base import copy_all
+from rlserve.model.base import copy_all, missing_weights
 from rlserve.model.peft import LoRAConfig, pair_tensors, peft_name
 from rlserve.weight_transfer import (
     ExpectedParam,
@@ -34,6 +34,7 @@ from rlserve.weight_transfer import (
 )
 from rlserve.weight_transfer.server.ipc_receiver import IPCReceiver
 from rlserve.weight_transfer.server.peer import copy_parameters, layout_digest
+from rlserve.weight_transfer.server.receiver import listing
 
 logger = logging.getLogger(__name__)
 
@@ -202,9 +203,19 @@ class WeightReceiver:
             logger.warning("could not pass the refusal of an update to the trainer: %s", e)
 
     # -- apply ---------------------------------------------------------------------------
-    def apply(self, lora_target: int | str | None = None) -> None:
+    def apply(self, lora_target: int | str | None = None, complete: bool = False) -> None:
         """Copy the staged update (or every staged part) into the model; an adapter update
-        goes to `lora_target` (a slot, or the name of a host copy: rlserve.model.lora)."""
+        goes to `lora_target` (a slot, or the name of a host copy: rlserve.model.lora).
+        `complete`: the parts together must carry every required weight (the model holds
+        none worth keeping: after a level-2 sleep, or a dummy start), else nothing is
+        copied and the missing names are listed."""
+        if complete and self.parts and self.staged_lora is None:
+            missing = missing_weights(self.expected, (n for part in self.parts for n, _ in part))
+            if missing:
+                self.drop()
+                raise InvalidUpdateError(f"update_info: the transaction's parts leave the model incomplete "
+                                         f"(the weights were dropped, so every one must be sent): missing "
+                                         f"required parameters: {listing(missing)}")
         staged, self.staged = self.staged, None
         lora, self.staged_lora = self.staged_lora, None
         parts, self.parts = self.parts, []
@@ -267,8 +278,15 @@ class WeightReceiver:
         out = {}
         for name, p in self.model.named_parameters():
             data = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-            out[name] = hashlib.sha256(data.tobytes()).hexdigest()[:32]
+            out[name] = hashlib.sha256(data.tobytes()).hexdigest()
         return out
+
+    def reset(self) -> None:
+        """Noise over every parameter, in place (what an update must then overwrite whole)."""
+        with torch.no_grad():
+            for _, p in self.model.named_parameters():
+                if p.is_floating_point():
+                    p.data.uniform_(-0.05, 0.05)
 
     # -- a new data-parallel replica takes a healthy one's weights (weight_transfer/server/peer.py)
     def layout(self) -> str:

@@ -65,6 +65,7 @@ class Worker:
             # Rank 0 alone: every rank routes alike (the router is replicated), one copy is returned.
             self.runner.capture_routes(max(config.max_num_batched_tokens, min(config.max_num_seqs, 512)))
         self._param_shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        self._host_weights: dict[str, torch.Tensor] = {}  # level-1 sleep: the weights in host memory
         self.receiver = WeightReceiver(self.model, self.device, self.dtype, self.lora, rank)
 
     @torch.no_grad()
@@ -110,12 +111,16 @@ class Worker:
     def sleep(self, level: int) -> None:
         """Give the device memory back: the KV cache and CUDA graphs always; the weights
         move to host memory (level 1) or are dropped (level 2: the next update must send
-        them all)."""
-        self._kv_blocks = self.runner.num_blocks
+        them all). Again while asleep, it only deepens (level 2 drops the host copy)."""
         self.receiver.forget_storage()
-        self.runner.free_kv_cache()
-        self._host_weights = {}
+        if self.runner.kv_cache is not None:
+            self._kv_blocks = self.runner.num_blocks
+            self.runner.free_kv_cache()
+        if level == 2:
+            self._host_weights = {}
         for name, p in self.model.named_parameters():  # tied weights appear once
+            if p.numel() == 0:
+                continue  # asleep already
             if level == 1:
                 host = torch.empty(p.shape, dtype=p.dtype, pin_memory=self.device.type == "cuda")
                 host.copy_(p.data)
@@ -124,18 +129,34 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def wake_up(self) -> None:
+    def release_kv_cache(self) -> None:
+        """The KV cache's memory back, the weights kept (wake_up's "kv_cache" restores it)."""
+        if self.runner.kv_cache is not None:
+            self._kv_blocks = self.runner.num_blocks
+            self.runner.free_kv_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Give back what `tags` names ("weights", "kv_cache"; None: both). CUDA graphs
+        are captured again once both are back."""
+        tags = tags or ["weights", "kv_cache"]
         self.receiver.forget_storage()
-        for name, p in self.model.named_parameters():
-            host = self._host_weights.get(name)
-            if host is not None:
-                p.data = host.to(self.device, non_blocking=True)
-            else:  # level 2: storage comes back uninitialised until the next update
-                p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=self.device)
-        self._host_weights = {}
-        self.runner.allocate_kv_cache(self._kv_blocks)
-        self.runner.allocate_states(self.config.max_num_seqs)
-        if getattr(self, "_graph_args", None) is not None:
+        if "weights" in tags:
+            for name, p in self.model.named_parameters():
+                if p.numel() or not self._param_shapes[name].numel():
+                    continue  # awake already
+                host = self._host_weights.get(name)
+                if host is not None:
+                    p.data = host.to(self.device, non_blocking=True)
+                else:  # level 2: storage comes back uninitialised until the next update
+                    p.data = torch.empty(self._param_shapes[name], dtype=p.dtype, device=self.device)
+            self._host_weights = {}
+        if "kv_cache" in tags and self.runner.kv_cache is None:
+            self.runner.allocate_kv_cache(self._kv_blocks)
+            self.runner.allocate_states(self.config.max_num_seqs)
+        weights_back = all(p.numel() or not self._param_shapes[n].numel() for n, p in self.model.named_parameters())
+        if weights_back and self.runner.kv_cache is not None and getattr(self, "_graph_args", None) is not None:
             self.runner.capture_cuda_graphs(*self._graph_args)
 
     # -- execution ---------------------------------------------------------------------

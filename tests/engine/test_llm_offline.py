@@ -100,8 +100,14 @@ def test_update_weights_from_tensors_sleep_and_wake(llm, trainer_model):
     llm.update_weights(trainer_model.named_parameters(), weight_version=42)
     assert llm.engine.weight_version == 42
     assert max(abs(a - b) for a, b in zip(_prompt_logprobs(llm, ids), ref)) < 1e-4
-    with pytest.raises(ValueError, match="tags"):
-        llm.wake_up(tags=["weights"])
+    # vLLM's RL order: wake the weights, update them, then the KV cache.
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    assert llm.is_sleeping()
+    llm.update_weights(trainer_model.named_parameters(), weight_version=43)
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.is_sleeping()
+    assert max(abs(a - b) for a, b in zip(_prompt_logprobs(llm, ids), ref)) < 1e-4
 
 
 def test_trust_remote_code_runs_the_config_code_a_model_ships(tmp_path):

@@ -155,7 +155,7 @@ def test_refused_adapters_change_nothing(llm, adapters, tmp_path):
         assert f"bad{i}" not in {a["name"] for a in llm.list_lora_adapters()}, what
     with pytest.raises(InvalidRequestError, match="not a directory"):
         llm.load_lora_adapter("nowhere", str(tmp_path / "missing"))
-    with pytest.raises(InvalidRequestError, match="already loaded"):
+    with pytest.raises(InvalidRequestError, match="has already been loaded"):
         llm.load_lora_adapter("a8", src)
     with pytest.raises(InvalidRequestError, match="not loaded"):
         _tokens(llm, PROMPTS[:1], "nope")

@@ -166,6 +166,23 @@ def test_live_update_keeps_graphs_valid(checkpoint):
     assert llm.generate([ids], params)[0].outputs[0].token_ids == _hf_greedy(hf, ids, 16)
 
 
+def test_waking_weights_then_kv_cache_recaptures_graphs_on_the_new_weights(checkpoint):
+    """vLLM's RL order after a level-2 sleep: wake the weights, update them, then wake the
+    KV cache; the graphs are captured again once both are back, and serve the update."""
+    from rlserve import SamplingParams
+    path, hf = checkpoint
+    llm = _llm(path, "float32", load_format="dummy")
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, detokenize=False)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    assert llm.is_sleeping()
+    llm.update_weights(hf.named_parameters())
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.is_sleeping() and llm.engine.executor.driver.runner.graphs is not None
+    ids = _prompts()[2]
+    assert llm.generate([ids], params)[0].outputs[0].token_ids == _hf_greedy(hf, ids, 16)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("norm", [False, True])
 def test_fused_rope_matches_the_torch_path(dtype, norm):

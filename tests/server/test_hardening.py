@@ -103,13 +103,13 @@ def test_world_size_10_to_the_20_is_a_400(server):
     _refused(r, "init_info.world_size", "64 bits")
     r = _post(server, "/init_weight_transfer_engine", {"init_info": {
         "master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2**40}})
-    _refused(r, "world_size must be an integer up to 2147483647")
+    _refused(r, "world_size must be an integer up to 1024 (weight-transfer-config max_world_size)")
     assert r.json()["error"]["param"] == "init_info"  # the field at fault, not update_info
 
 
 def test_the_integer_check_names_what_is_past_64_bits_and_passes_long_digit_runs_in_text():
     from rlserve.sampling_params import InvalidRequestError
-    from rlserve.server.limits import check_int_range
+    from rlserve.wire.limits import check_int_range
     # Edges that fit, and a 22-digit run inside a name (the fast check's false alarm: walked).
     check_int_range({"names": ["layers.1234567890123456789012.w"], "top": 2**63 - 1, "bottom": -(2**63),
                      "float": 1e300, "flag": True}, "update_info")
@@ -122,11 +122,11 @@ def test_the_integer_check_names_what_is_past_64_bits_and_passes_long_digit_runs
 def test_weight_version_2_to_the_70_is_a_400_and_the_old_weights_serve(server):
     r = _post(server, "/update_weights", {"update_info": {
         "names": ["x"], "dtype_names": ["float32"], "shapes": [[1]], "weight_version": 2**70}})
-    _refused(r, "update_info.weight_version", "64 bits")
-    for version in ("9" * 30, "9" * 5000):  # as digits, which vLLM's string versions allow
+    _refused(r, "update_info.weight_version", "64-bit")
+    for version, words in (("9" * 30, "0..9223372036854775807"), ("9" * 5000, "at most 256 characters")):
         r = _post(server, "/update_weights", {"update_info": {
             "names": ["x"], "dtype_names": ["float32"], "shapes": [[1]], "weight_version": version}})
-        _refused(r, "weight_version: rlserve numbers weight versions", "0..9223372036854775807")
+        _refused(r, "update_info.weight_version", words)
     assert httpx.get(f"{server.url}/weight_version", timeout=30).json() == {"weight_version": 0}
     _still_serving(server)
 

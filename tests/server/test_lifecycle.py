@@ -97,6 +97,24 @@ def test_engine_death_fails_requests_then_the_server_exits(tmp_path):
         stop_server(srv)
 
 
+def test_a_killed_api_server_stops_the_whole_server(tmp_path):
+    """With --api-server-count 2, a dead API server would leave its share of connections
+    unanswered while /health (answered by the other) says 200: the server exits 1 instead."""
+    srv = start_tiny_server(tmp_path / "s.log", "--api-server-count", "2")
+    try:
+        kids = _descendants(srv.process.pid)
+        api = [p for p in kids if "rlserve.server.lifecycle" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(api) == 1, kids
+        os.kill(api[0], signal.SIGKILL)
+        assert srv.process.wait(timeout=60) == 1
+        assert "API server 1 (pid" in (tmp_path / "s.log").read_text()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{srv.url}/health", timeout=5)
+        assert _wait_gone(kids, 30) == []
+    finally:
+        stop_server(srv)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_ends_streams_with_abort_after_the_grace_period(tmp_path, sig):
     """Ctrl-C reaches the whole process group, as does `kill -TERM -PGID`: workers and the

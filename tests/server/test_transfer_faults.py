@@ -191,10 +191,12 @@ def test_refusals_keep_both_sides_in_step(server, agent, checkpoint):
     assert trainer["error"] == "UpdateRefusedError" and trainer["message"] == r.json()["error"]["message"]
     assert "does not match what the trainer sends" in trainer["message"]
     assert seconds < TIMEOUT_S / 2
-    # Refused by the engine before the handshake (a bad weight_version) with a trainer
-    # sending: the next push still pairs with the next request.
-    r, trainer, _ = push(url, agent, dict(info, weight_version="x"))
-    assert r.status_code == 400
+    # Refused before the handshake (a weight_version past 64 bits; "x" is a label now, as
+    # in vLLM) with a trainer sending: it hears so, and the next push still pairs with the
+    # next request.
+    r, trainer, seconds = push(url, agent, dict(info, weight_version=2**70))
+    assert r.status_code == 400 and trainer["error"] == "UpdateRefusedError", (r.text, trainer)
+    assert seconds < TIMEOUT_S / 2
     good_push(url, agent, checkpoint, scale=0.0)
 
 

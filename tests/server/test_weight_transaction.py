@@ -203,18 +203,20 @@ def test_a_failed_second_part_commits_nothing_and_says_why(server, hf_demo, refe
     assert tokens(url) == reference
 
 
-def test_a_start_while_one_is_open_is_refused_by_name_and_abandons_it(server, hf_demo):
+def test_a_start_while_one_is_open_is_refused_by_name_and_leaves_it_to_its_owner(server, hf_demo):
     url = server.url
     old_sums = checksums(url)
     trainer = Trainer(url)
     number = post(url, "start_weight_update").json()["transaction"]
-    assert trainer.push(list(hf_demo.named_parameters())[:1]).status_code == 200
+    named = list(hf_demo.named_parameters())
+    assert trainer.push(named[:1]).status_code == 200
     r = post(url, "start_weight_update")
     assert r.status_code == 409, r.text
     assert f"transaction {number}" in r.json()["error"]["message"] and "1 part(s) staged" in r.text
-    r = post(url, "finish_weight_update")  # it was abandoned: nothing to finish, nothing served changed
-    assert r.status_code == 400 and "no weight update is open" in r.text
-    assert checksums(url) == old_sums
+    assert checksums(url) == old_sums  # nothing served changed, and the open one is still open
+    r = post(url, "finish_weight_update")
+    assert r.status_code == 200 and r.json()["parts"] == 1, r.text
+    assert checksums(url) != old_sums
     assert post(url, "start_weight_update", {"is_checkpoint_format": False}).status_code == 400
     assert post(url, "start_weight_update").status_code == 200
     assert post(url, "finish_weight_update").status_code == 200  # an empty transaction: a new version
@@ -246,8 +248,6 @@ def test_weight_checker_compare_passes_on_pushed_weights_and_fails_on_a_perturbe
     perturbed = {**baseline, name: "0" * len(baseline[name])}
     assert post(url, "weight_checker", {"action": "compare", "baseline": perturbed}).json() == \
         {"match": False, "mismatches": [name]}
-    r = post(url, "weight_checker", {"action": "reset"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "action"
     assert post(url, "pause").status_code == 200
     assert post(url, "weight_checker", {"action": "checksum"}).status_code == 409
     assert post(url, "resume").status_code == 200
@@ -260,8 +260,6 @@ def test_update_weight_version_shows_in_weight_info_and_new_responses(server):
     assert httpx.get(f"{url}/weight_info").json() == {"weight_version": "123"}
     assert greedy(url, PROMPTS[0])["weight_version"] == 123
     assert post(url, "update_weight_version", {"new_version": 124}).json()["new_version"] == 124
-    r = post(url, "update_weight_version", {"new_version": "step-7"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "new_version"
 
 
 def _stream(url: str, out: dict, key: str) -> None:

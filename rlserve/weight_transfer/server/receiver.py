@@ -25,7 +25,6 @@ import torch
 from rlserve.model.base import (  # the model says what it accepts; an update is vetted against it
     ExpectedParam,
     ExpectedWeights,
-    skipped,
 )
 
 from ..address import address_problem
@@ -68,8 +67,9 @@ class InitInfo:
     world_size: int
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any], num_workers: int = 1) -> InitInfo:
-        """Validate the trainer's init_info for a server with `num_workers` receiving ranks."""
+    def parse(cls, data: Mapping[str, Any], num_workers: int = 1, max_world_size: int = MAX_WORLD_SIZE) -> InitInfo:
+        """Validate the trainer's init_info for a server with `num_workers` receiving ranks, in
+        a group of at most `max_world_size` (the server's weight-transfer-config)."""
         if not isinstance(data, Mapping):
             raise InvalidUpdateError("init_info must be a JSON object")
         fields = ("master_address", "master_port", "rank_offset", "world_size")
@@ -87,8 +87,10 @@ class InitInfo:
             problems.append(f"master_port must be an integer in 1..65535, got {port!r}")
         if not (_is_int(offset) and offset >= 1):
             problems.append(f"rank_offset must be an integer >= 1 (rank 0 is the trainer), got {offset!r}")
-        if not (_is_int(world) and world <= MAX_WORLD_SIZE):
-            problems.append(f"world_size must be an integer up to {MAX_WORLD_SIZE}, got {world!r}")
+        if not (_is_int(world) and world <= max_world_size):
+            limit = ("" if max_world_size == MAX_WORLD_SIZE
+                     else " (weight-transfer-config max_world_size)")
+            problems.append(f"world_size must be an integer up to {max_world_size}{limit}, got {world!r:.40}")
         elif _is_int(offset) and offset + num_workers > world:
             problems.append(f"world_size {world} is too small: this server has {num_workers} worker(s) "
                             f"at ranks {offset}..{offset + num_workers - 1}")
@@ -264,6 +266,9 @@ def check_against_model(metas: Sequence[TensorMeta], expected: Mapping[str, Expe
         problems.append(f"missing required parameters: {_listing(ordered)}{_stacked_hint(ordered, expected)}")
     if problems:
         raise InvalidUpdateError("update_info refused: " + "; ".join(problems))
+
+
+listing = _listing
 
 
 _name_of, _dtype_of, _shape_of = (operator.itemgetter(i) for i in range(3))  # TensorMeta's fields
