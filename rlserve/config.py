@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from rlserve import envs
 from rlserve.flags import byte_size, flag, no_flag, positive_int
 from rlserve.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS
-from rlserve.server.reasoning_parsers import REASONING_PARSERS
 
-REASONING_PARSER_NAMES = tuple(sorted(REASONING_PARSERS))
+# The reasoning parsers the server has (rlserve/frontend/reasoning_parsers.py, whose table a test
+# checks against this list): named here, below the server, so config imports nothing above it.
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
 
 if TYPE_CHECKING:
     import torch

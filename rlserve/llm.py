@@ -177,7 +177,7 @@ class LLM:
 
     def _split_reasoning(self, outs: list[RequestOutput], sampling_params: SamplingParams | None,
                          chat_template_kwargs: dict[str, Any] | None) -> None:
-        from rlserve.server.reasoning_parsers import REASONING_PARSERS
+        from rlserve.frontend.reasoning_parsers import REASONING_PARSERS
         parser = REASONING_PARSERS[self.reasoning_parser]  # type: ignore[index]
         constrained = sampling_params is not None and sampling_params.structured_outputs is not None
         for out in outs:

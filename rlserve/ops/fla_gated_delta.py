@@ -1,6 +1,6 @@
 """The gated delta rule on CUDA through the fla-core package's Triton kernels (the
 `gpu-hybrid` extra), when it is installed; rlserve/ops/gated_delta.py is the reference
-they are tested against (tests/test_gpu_hybrid.py).
+they are tested against (tests/gpu/test_gpu_hybrid.py).
 
 A step's sequences go to the kernels as one variable-length batch (`cu_seqlens`), their
 states gathered into [N, H, Dk, Dv] and scattered back by the caller.

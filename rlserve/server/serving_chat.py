@@ -11,10 +11,10 @@ from typing import Any
 from fastapi.responses import Response
 
 from rlserve.frontend.output_processor import RequestState, SampleDelta
+from rlserve.frontend.reasoning_parsers import REASONING_PARSERS, ThinkStream, split_whole
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
 from rlserve.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest
-from rlserve.server.reasoning_parsers import REASONING_PARSERS, ThinkStream, split_whole
 from rlserve.server.responses import (
     AssistantMessage,
     ChatChoice,

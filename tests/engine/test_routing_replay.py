@@ -160,7 +160,7 @@ def test_lora_on_the_attention_routes_as_the_merged_model(tmp_path):
 def test_rows_before_a_live_update_are_the_old_weights_and_versions_say_where(tmp_path):
     """A request spanning an update: its tokens' versions split at the update; the rows of
     the tokens computed before it are the old weights' top-k, those after it are not."""
-    from rlserve.engine.output_processor import OutputProcessor, RequestState
+    from rlserve.frontend.output_processor import OutputProcessor, RequestState
     old = seeded_wide_model(moe_config("qwen3_moe")).eval()
     old.save_pretrained(tmp_path)
     torch.manual_seed(5)

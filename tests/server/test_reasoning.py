@@ -15,7 +15,7 @@ import pytest
 
 from helpers.reasoning import THINK_TEMPLATE
 from helpers.servers import RunningServer
-from rlserve.server.reasoning_parsers import REASONING_PARSERS, ThinkStream, split_whole
+from rlserve.frontend.reasoning_parsers import REASONING_PARSERS, ThinkStream, split_whole
 
 CHAT = [{"role": "user", "content": "What is two plus two?"}]
 THOUGHT = "\nTwo and two make four.\n"

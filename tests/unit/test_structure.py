@@ -194,7 +194,7 @@ def test_no_import_circle_in_the_package():
 # caller's) meet only in rlserve.wire.
 LAYERS: list[set[str]] = [
     {"rlserve.errors", "rlserve.envs", "rlserve.flags", "rlserve.json_depth", "rlserve.process",
-     "rlserve.distributed", "rlserve.version"},
+     "rlserve.distributed", "rlserve.version", "rlserve.memory"},
     {"rlserve.sampling_params"},
     {"rlserve.sequence", "rlserve.config"},
     {"rlserve.ops"},
@@ -203,7 +203,7 @@ LAYERS: list[set[str]] = [
     {"rlserve.wire"},
     {"rlserve.worker"},
     {"rlserve.engine", "rlserve.frontend"},
-    {"rlserve.llm", "rlserve.server"},
+    {"rlserve.llm", "rlserve.server", "rlserve.batch_invariant", "rlserve.moe_replay"},
     {"rlserve.cli"},
     {"rlserve.ray"},
     {"rlserve", "rlserve.__main__"},
@@ -350,3 +350,10 @@ def test_tests_import_helpers_not_conftest():
             found += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names if n == "conftest"]
     assert found == []
     assert sorted(p.name for p in (ROOT / "tests").iterdir() if p.suffix == ".py") == ["conftest.py"]
+
+
+def test_the_configs_reasoning_parsers_are_the_servers():
+    """config.py names the parsers (it sits below the server); the server's table has the same."""
+    from rlserve.config import REASONING_PARSER_NAMES
+    from rlserve.frontend.reasoning_parsers import REASONING_PARSERS
+    assert REASONING_PARSER_NAMES == tuple(sorted(REASONING_PARSERS))

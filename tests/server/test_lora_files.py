@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import start_tiny_server, stop_server
+from helpers.servers import start_tiny_server, stop_server
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from conftest import start_tiny_server, stop_server
+from helpers.servers import start_tiny_server, stop_server
 
 CASES = 10_000
 

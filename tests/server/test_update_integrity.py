@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import start_tiny_server, stop_server
+from helpers.servers import start_tiny_server, stop_server
 from rlserve.weight_transfer import GlooTrainerSendWeightsArgs, GlooWeightTransferEngine, get_open_port
 
 TIMEOUT_S = 30  # the server's transfer timeout: a trainer not told of a refusal waits this long
