@@ -237,7 +237,7 @@ def pair_tensors(named: Iterable[tuple[str, torch.Tensor]], config: LoRAConfig, 
             continue
         halves.setdefault(parsed[0], {})[parsed[1]] = tensor
     problems = []
-    refused = [m for m in halves if m.startswith(exempt)] if exempt else []
+    refused = sorted(m for m in halves if m.startswith(exempt)) if exempt else []
     if refused:
         problems.append(f"expert and router weights take no adapters (the attention projections and "
                         f"dense MLP layers do): {', '.join(refused[:10])}")

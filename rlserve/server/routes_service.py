@@ -52,7 +52,9 @@ def add_service_routes(app: FastAPI, load_tracking: bool, tokenizer_info: bool) 
         async def get_tokenizer_info(request: Request) -> JSONResponse:
             return JSONResponse(_tokenizer_info(request.app.state.engine))
 
-    @router.post("/collective_rpc")
+    # Out of the OpenAPI schema: it only says what to use instead (a deliberate 501, which the
+    # schema fuzz, where any 5xx is a bug, would flag).
+    @router.post("/collective_rpc", include_in_schema=False)
     async def collective_rpc() -> JSONResponse:
         raise APIError(501, "collective_rpc: rlserve runs no worker extensions, so there is no "
                             "method to call on the workers; use the weight-update endpoints "

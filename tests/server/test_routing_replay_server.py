@@ -129,7 +129,7 @@ def test_routes_json_text_is_the_nested_lists():
 
 def test_data_parallel_replicas_return_their_routes(trainer, tmp_path):
     """Two replicas, each with its own route store: whichever serves a request returns its rows."""
-    from dp_helpers import complete_all, routed
+    from helpers.data_parallel import complete_all, routed
     hf, path = trainer
     srv = start_server(path, tmp_path / "server.log", "--served-model-name", "m", "--max-model-len", "256",
                        "--data-parallel-size", "2", "--enable-return-routed-experts")

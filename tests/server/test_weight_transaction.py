@@ -205,6 +205,7 @@ def test_a_failed_second_part_commits_nothing_and_says_why(server, hf_demo, refe
 
 def test_a_start_while_one_is_open_is_refused_by_name_and_leaves_it_to_its_owner(server, hf_demo):
     url = server.url
+    scramble(url, hf_demo)  # the part pushed below must change what is served
     old_sums = checksums(url)
     trainer = Trainer(url)
     number = post(url, "start_weight_update").json()["transaction"]
