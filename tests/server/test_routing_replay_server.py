@@ -119,8 +119,10 @@ def test_routes_json_text_is_the_nested_lists():
     from rlserve.server.responses import CompletionChoice
     from rlserve.server.routes_json import RoutesJSON, splice
     g = np.random.default_rng(0)
-    for shape in [(0, 3, 2), (1, 1, 1), (5, 3, 2), (40, 4, 8)]:
-        routes = g.integers(-1, 300, shape).astype(np.int32)
+    cases = [(shape, -1, 300) for shape in [(0, 3, 2), (1, 1, 1), (5, 3, 2), (40, 4, 8)]]
+    cases += [((7, 3, 4), 990, 1200), ((7, 3, 4), -5, 9_000_000), ((3, 2, 2), 0, 2**31 - 1)]  # wider words
+    for shape, lo, hi in cases:
+        routes = g.integers(lo, hi, shape).astype(np.int32)
         choice = CompletionChoice(index=0, text="\x00 a text with a NUL")
         choice.routed_experts = RoutesJSON(routes)
         body = json.loads(splice(choice.model_dump_json()))
