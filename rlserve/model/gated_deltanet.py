@@ -248,3 +248,17 @@ def bind_states(model: nn.Module, num_slots: int, device: torch.device, dtype: t
         layer.conv_state = torch.zeros(num_slots, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device)
         layer.recurrent_state = torch.zeros(num_slots, s.num_v_heads, s.head_k_dim, s.head_v_dim,
                                             dtype=torch.float32, device=device)
+
+
+def copy_states(layers: list[GatedDeltaNet], pairs: list[tuple[int, int]]) -> None:
+    """Copy every layer's conv and recurrent state from slot `src` to slot `dst`, for each
+    (src, dst) of `pairs` (the prefix cache's loads and saves; no slot is both)."""
+    if not pairs or not layers:
+        return
+    device = layers[0].A_log.device
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=device)
+    for layer in layers:
+        assert layer.conv_state is not None and layer.recurrent_state is not None, "bind_states first"
+        layer.conv_state[dst] = layer.conv_state[src]
+        layer.recurrent_state[dst] = layer.recurrent_state[src]
