@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlserve.distributed import current_tp_group
+from rlserve.distributed import current_tp_group, partition_heads
 from rlserve.model.base import CausalLM, WeightSlot
 from rlserve.model.gated_deltanet import GatedDeltaNet, LinearAttentionShape, StateBatch
 from rlserve.model.layers import AttentionMetadata, PagedAttention, RotaryEmbedding
@@ -67,22 +67,24 @@ def _rotary_dim(config, head_dim: int) -> int:
 
 
 class GatedAttention(nn.Module):
-    """Full attention with an output gate: q_proj gives each head's query and its gate."""
+    """Full attention with an output gate: q_proj gives each head's query and its gate
+    (this rank's heads, split as for every attention layer: partition_heads)."""
 
     def __init__(self, config):
         super().__init__()
         tp = current_tp_group()
-        if tp.world_size > 1:
-            raise ValueError("hybrid models: tensor_parallel_size must be 1")
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = d = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total, total_kv = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = d = getattr(config, "head_dim", None) or config.hidden_size // total
+        heads = partition_heads(total, total_kv, tp.world_size, tp.rank)
+        self.num_heads, self.num_kv_heads = heads.num_q, heads.num_kv
         q_size, kv_size = 2 * self.num_heads * d, self.num_kv_heads * d
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [Shard(0, 0, q_size, q_size),
-                                                                  Shard(0, 0, kv_size, kv_size),
-                                                                  Shard(0, 0, kv_size, kv_size)], bias=bias)
-        self.o_proj = RowParallelLinear(Shard(0, 0, q_size // 2, q_size // 2), config.hidden_size, bias=bias)
+        # q_proj holds each head's query then its gate: a run of heads is a run of rows.
+        q = Shard(0, heads.q_start * 2 * d, q_size, total * 2 * d)
+        kv = Shard(0, heads.kv_start * d, kv_size, total_kv * d)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q, kv, kv], bias=bias)
+        self.o_proj = RowParallelLinear(Shard(0, heads.q_start * d, q_size // 2, total * d), config.hidden_size,
+                                        bias=bias)
         self.sizes = [q_size, kv_size, kv_size]
         self.q_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
