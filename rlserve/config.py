@@ -347,6 +347,12 @@ class EngineConfig:
         """How large a grammar, and how long its compile."""
         return GrammarLimits(self.max_grammar_size, self.grammar_compile_timeout_s)
 
+    @property
+    def state_cache_slots(self) -> int:
+        """A hybrid model's prefix cache: the linear-attention states it keeps at block
+        boundaries, as many as running sequences (0: prefix caching off)."""
+        return self.max_num_seqs if self.enable_prefix_caching else 0
+
     def replica(self, index: int) -> EngineConfig:
         """The configuration of data-parallel replica `index`: one replica, on its devices."""
         device = self.device

@@ -185,6 +185,10 @@ class SchedulerOutput:
     # Requests that finished since the last step that ran (vLLM's finished_req_ids):
     # workers of other ranks drop their mirrors of them.
     finished_ids: list[str] = field(default_factory=list)
+    # A hybrid model's prefix cache: (from, to) state slots copied before the forward pass
+    # (a cached state into a request's slot) and after it (a request's into the cache)
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:

@@ -13,22 +13,26 @@ collision of keys never serves another prompt's KV cache.
 
 The block lists are mirrored in one 2-D array (BlockTables), kept up to date as blocks
 are added and freed, which is what each step hands to the model runner.
+
+A hybrid model's linear-attention layers keep a state per sequence, not per token: a hit
+must also give back the state at its end. A prompt's chunks end at its save point (the end
+of the last full block a request with the same prompt can hit), where the step copies the
+state into the StateCache, tied to that block; a hit ends at the last block with a state,
+which the request's first step copies into its own slot (docs/hybrid.md).
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import struct
 from collections import OrderedDict
 
 import numpy as np
 
 from rlserve.config import EngineConfig
+from rlserve.engine.block_tables import BlockTables
 from rlserve.engine.request import Request
-from rlserve.engine.state_pool import StatePool
-
-logger = logging.getLogger(__name__)
+from rlserve.engine.state_pool import StateCache, StatePool
 
 # What a cached block was computed after: the id of its parent block's contents (an int,
 # see BlockPool.content_id), or for a request's first block its salt (None: no salt).
@@ -127,49 +131,6 @@ class BlockPool:
         self.cached.clear()
 
 
-class BlockTables:
-    """Every request's block ids as one row of a 2-D array, written as blocks are added,
-    so a step's block table is one gather rather than a copy of every request's list.
-
-    Rows are padded with 0 (a released row is zeroed), as a table built from lists is.
-    """
-
-    def __init__(self, rows: int = 64, cols: int = 64):
-        self.array = np.zeros((rows, cols), dtype=np.int32)
-        self.lengths = np.zeros(rows, dtype=np.int64)
-        self.free_rows = list(range(rows - 1, -1, -1))  # pop() takes the lowest
-
-    def new_row(self) -> int:
-        if not self.free_rows:
-            rows, cols = self.array.shape
-            self.array = np.concatenate([self.array, np.zeros((rows, cols), dtype=np.int32)])
-            self.lengths = np.concatenate([self.lengths, np.zeros(rows, dtype=np.int64)])
-            self.free_rows = list(range(2 * rows - 1, rows - 1, -1))
-        return self.free_rows.pop()
-
-    def append(self, row: int, blocks: list[int]) -> None:
-        start = int(self.lengths[row])
-        end = start + len(blocks)
-        rows, cols = self.array.shape
-        if end > cols:
-            wider = np.zeros((rows, max(end, 2 * cols)), dtype=np.int32)
-            wider[:, :cols] = self.array
-            self.array = wider
-        self.array[row, start:end] = blocks
-        self.lengths[row] = end
-
-    def release(self, row: int) -> None:
-        self.array[row, :self.lengths[row]] = 0
-        self.lengths[row] = 0
-        self.free_rows.append(row)
-
-    def gather(self, rows: list[int]) -> np.ndarray:
-        """The tables of `rows`, as wide as the longest of them."""
-        idx = np.asarray(rows, dtype=np.int64)
-        width = int(self.lengths[idx].max()) if len(rows) else 0
-        return self.array[idx, :width]
-
-
 class RouteStore:
     """Routing replay: each KV slot's routes (its token's experts at every layer), kept
     beside the KV cache as vLLM keeps them per slot, so a prefix-cache hit returns the rows
@@ -204,10 +165,15 @@ class _Chain:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 states: StatePool | None = None):
-        """`states`: a hybrid model's state slots, taken and given back with a request's blocks."""
+                 states: StatePool | None = None, state_cache: StateCache | None = None):
+        """`states`: a hybrid model's state slots, taken and given back with a request's
+        blocks; `state_cache`: its prefix cache's states (with prefix caching)."""
         self.block_size = block_size
         self.states = states
+        self.state_cache = state_cache
+        # The copies of cached states the next step makes (SchedulerOutput.state_loads, _saves)
+        self.state_loads: list[tuple[int, int]] = []
+        self.state_saves: list[tuple[int, int]] = []
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.blocks: dict[str, list[int]] = {}
@@ -249,6 +215,9 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = pool.content_id[block]
+        if self.state_cache is not None:  # a hybrid model's hit ends where a state was kept
+            while hits and hits[-1] not in self.state_cache:
+                hits.pop()
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * bs
         return hits
@@ -269,6 +238,10 @@ class KVCacheManager:
                 if slot is None:
                     return False
                 req.state_slot = slot
+                if cached and self.state_cache is not None:
+                    cached_slot = self.state_cache.slot(cached[-1])
+                    assert cached_slot is not None  # find_cached_prefix ends hits at a kept state
+                    self.state_loads.append((cached_slot, slot))
             for b in cached:
                 self.pool.touch(b)
             blocks = self.blocks[req.request_id] = list(cached)
@@ -291,7 +264,10 @@ class KVCacheManager:
             row = self.rows[req.request_id]
             start = len(blocks)
         for _ in range(need):
-            blocks.append(self.pool.allocate())
+            block = self.pool.allocate()
+            if self.state_cache is not None:
+                self.state_cache.drop(block)  # an evicted block's state goes with it
+            blocks.append(block)
         self.tables.append(row, blocks[start:])
         req.kv_capacity = len(blocks) * self.block_size
         return True
@@ -310,12 +286,51 @@ class KVCacheManager:
             known -= 1
         num_full = min(min(req.num_computed_tokens, known) // bs, len(blocks))
         key, parent, pack, register = chain.key, chain.parent, self._pack, self.pool.register
+        states = self.state_cache
         for i in range(chain.num_blocks, num_full):
             token_bytes = pack(*tokens[i * bs:(i + 1) * bs])
             key = block_key(key, token_bytes)
             parent = register(blocks[i], key, token_bytes, parent)
+            if states is not None and blocks[i] in states:
+                self._settle_state(blocks[i], key, parent)
         if num_full > chain.num_blocks:
             chain.num_blocks, chain.key, chain.parent = num_full, key, parent
+
+    def _settle_state(self, block: int, key: bytes, content_id: int) -> None:
+        """A state was saved at the end of `block`, just registered: it stays there if the
+        cache serves this block; moves to the block it serves for the same contents if that
+        has none; else it is not needed."""
+        assert self.state_cache is not None
+        served = self.pool.cached.get(key)
+        if served == block:
+            return
+        if served is not None and self.pool.content_id[served] == content_id and served not in self.state_cache:
+            self.state_cache.move(block, served)
+        else:
+            self.state_cache.drop(block)
+
+    def state_chunk(self, req: Request, start: int, n: int) -> int:
+        """A hybrid model's prompt chunk from `start` ends at the request's save point if it
+        would pass it (the step then saves the state there)."""
+        point = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+        return point - start if start < point < start + n else n
+
+    def save_state(self, req: Request, start: int, n: int) -> None:
+        """Have the step save the request's state if its chunk ends at the save point."""
+        assert self.state_cache is not None
+        bs = self.block_size
+        point = (req.num_prompt_tokens - 1) // bs * bs
+        if start + n != point or point == 0 or req.request_id in self.uncacheable:
+            return
+        block = self.blocks[req.request_id][point // bs - 1]
+        if block not in self.state_cache:
+            self.state_saves.append((req.state_slot, self.state_cache.attach(block)))
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The state copies the step being scheduled makes: (loads, saves)."""
+        copies = self.state_loads, self.state_saves
+        self.state_loads, self.state_saves = [], []
+        return copies
 
     def free(self, req: Request) -> None:
         blocks = self.blocks.pop(req.request_id, None)
@@ -331,11 +346,15 @@ class KVCacheManager:
         # Freed last block first, so the prompt's head stays cached longest.
         for b in reversed(blocks or []):
             self.pool.free(b)
+            if self.state_cache is not None and self.pool.block_hash[b] is None:
+                self.state_cache.drop(b)  # never registered (uncacheable): nothing can hit it
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (after a weight update: old KV must not be reused)."""
         self.pool.reset_hashes()
         self.uncacheable.update(self.blocks)
+        if self.state_cache is not None:
+            self.state_cache.clear()
 
     def block_table(self, req: Request) -> list[int]:
         return self.blocks[req.request_id]
@@ -368,12 +387,10 @@ class KVCacheManager:
 
 
 def kv_manager(model, num_blocks: int, config: EngineConfig) -> KVCacheManager:
-    """The block pool, and a hybrid model's state slots beside it. A hybrid model's prefix
-    cache is off: a cached block would give back its keys and values, but not the
-    linear-attention state at its end (docs/hybrid.md)."""
+    """The block pool, and a hybrid model's state slots beside it: a slot per running
+    sequence, then the prefix cache's (EngineConfig.state_cache_slots)."""
     if not getattr(model, "hybrid", False):
         return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-    if config.enable_prefix_caching:
-        logger.info("prefix caching is off for %s: its linear-attention state is not cached "
-                    "(docs/hybrid.md)", type(model).__name__)
-    return KVCacheManager(num_blocks, config.block_size, False, StatePool(config.max_num_seqs))
+    cache = StateCache(config.max_num_seqs, config.state_cache_slots) if config.state_cache_slots else None
+    return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                          StatePool(config.max_num_seqs), cache)

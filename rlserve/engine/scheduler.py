@@ -162,6 +162,8 @@ class Scheduler:
         if not out.preempted:  # admitting new work right after a preemption would only thrash
             budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if self.kv.state_cache is not None:
+            out.state_loads, out.state_saves = self.kv.take_state_copies()
         if out.scheduled and self.finished_ids:  # told with the next step that runs
             out.finished_ids, self.finished_ids = self.finished_ids, []
         return out
@@ -171,6 +173,7 @@ class Scheduler:
         chunk. Returns the budget left."""
         # This loop runs for every running request every step: kept lean.
         running, scheduled = self.running, out.scheduled
+        states = self.kv.state_cache is not None  # a hybrid model's prompt chunks end at its save point
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -181,9 +184,14 @@ class Scheduler:
             n = num_tokens - req.num_computed_tokens
             if n > budget:
                 n = budget
+            prompt = states and req.num_computed_tokens < req.num_prompt_tokens
+            if prompt:
+                n = self.kv.state_chunk(req, req.num_computed_tokens, n)
             # Most steps a request's blocks still have room: no call into the KV manager.
             if req.num_computed_tokens + n > req.kv_capacity and not self._allocate_or_preempt(req, n, out):
                 continue  # `req` itself was preempted
+            if prompt:
+                self.kv.save_state(req, req.num_computed_tokens, n)
             scheduled.append(ScheduledRequest(req, n))
             budget -= n
             i += 1
@@ -209,8 +217,12 @@ class Scheduler:
                 self.prefix_cache_queries += req.num_tokens
             num_computed = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_computed, budget)
+            if self.kv.state_cache is not None:
+                n = self.kv.state_chunk(req, num_computed, n)
             if not self.kv.allocate(req, n, cached):
                 break
+            if self.kv.state_cache is not None:
+                self.kv.save_state(req, num_computed, n)
             self.waiting.popleft()
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens == 0:

@@ -8,20 +8,28 @@ sequence (`bind_states`); the scheduler gives a request its slot for as long as 
 (`StateBatch`). A sequence whose chunk starts at position 0 starts from zero state, so a
 preempted request that comes back is simply recomputed.
 
+Tensor parallelism splits the layer by key head, as attention is split: each rank takes a
+run of key heads and their value heads, their rows of every input projection and their
+conv channels (of q, of k and of v), their decay parameters and states, and its columns of
+the out projection (row-parallel: one all-reduce a layer).
+
 The recurrences themselves are in rlserve/ops/gated_delta.py (torch, the reference) and
 rlserve/ops/fla_gated_delta.py (the fla-core Triton kernels, on CUDA when installed).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlserve.distributed import current_tp_group
-from rlserve.model.parallel import ColumnParallelLinear, RowParallelLinear, Shard
+from rlserve.distributed import current_tp_group, split_evenly
+from rlserve.model.base import Piece, WeightSlot
+from rlserve.model.parallel import ColumnParallelLinear, RowParallelLinear, Shard, ShardedModule
 from rlserve.ops import fla_gated_delta as fla
 from rlserve.ops import gated_delta as ref
 from rlserve.ops.kernels import TORCH, Kernels
@@ -91,8 +99,22 @@ class LinearAttentionShape:
                 + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4)
 
 
-def _whole(size: int) -> Shard:
-    return Shard(0, 0, size, size)
+def _rows(shards: list[Shard]) -> tuple[Piece, ...]:
+    """Runs of one HF tensor's rows (starts in the whole tensor), stacked in order."""
+    pieces, offset = [], 0
+    for shard in shards:
+        pieces.append(Piece(0, shard.start, shard.size, offset))
+        offset += shard.size
+    return tuple(pieces)
+
+
+class HeadRowsLinear(ColumnParallelLinear):
+    """A projection whose one HF tensor is [q; k; v] of every head: this rank holds its
+    heads' rows of each part (`outputs`: starts in the whole tensor, `full` its rows)."""
+
+    def weight_slots(self, module_name: str) -> Iterator[tuple[str, list[tuple[str, WeightSlot]]]]:
+        shape = (self.outputs[0].full, self.weight.shape[1])
+        yield "weight", [(f"{module_name}.weight", WeightSlot("", shape, _rows(self.outputs)))]
 
 
 class GatedRMSNorm(nn.Module):
@@ -112,16 +134,23 @@ class GatedRMSNorm(nn.Module):
 
 class DepthwiseConv(nn.Module):
     """The causal convolution's weight, as transformers' nn.Conv1d holds it: [channels, 1, K],
-    no bias (the ops read it as [channels, K])."""
+    no bias (the ops read it as [channels, K]); this rank's channels, `channels` (starts in
+    the whole weight)."""
 
-    def __init__(self, channels: int, width: int):
+    def __init__(self, channels: list[Shard], width: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+        self.channels = channels
+        self.weight = nn.Parameter(torch.empty(sum(c.size for c in channels), 1, width))
+
+    def weight_slots(self, module_name: str) -> Iterator[tuple[str, list[tuple[str, WeightSlot]]]]:
+        shape = (self.channels[0].full, 1, self.weight.shape[2])
+        yield "weight", [(f"{module_name}.weight", WeightSlot("", shape, _rows(self.channels)))]
 
 
-class GatedDeltaNet(nn.Module):
-    """One linear-attention layer. `fused_input`: Qwen3-Next's in_proj_qkvz / in_proj_ba,
-    grouped by key head; otherwise Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
+class GatedDeltaNet(ShardedModule):
+    """One linear-attention layer (this rank's heads). `fused_input`: Qwen3-Next's
+    in_proj_qkvz / in_proj_ba, grouped by key head; otherwise Qwen3.5's in_proj_qkv,
+    in_proj_z, in_proj_b, in_proj_a."""
 
     kernels: Kernels = TORCH  # the worker binds its set; the Triton set runs fla-core's kernels
     # Adapters on its projections are refused (model/lora.py reads this): not yet checked
@@ -130,31 +159,49 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, config, fused_input: bool):
         super().__init__()
-        if current_tp_group().world_size > 1:
-            raise ValueError(f"{config.architectures[0] if getattr(config, 'architectures', None) else 'this model'}:"
-                             " tensor_parallel_size must be 1 (linear-attention heads are not split yet)")
-        self.shape = s = LinearAttentionShape.read(config)
+        whole = LinearAttentionShape.read(config)
+        tp = current_tp_group()
+        if tp.world_size > whole.num_k_heads:
+            raise ValueError(f"tensor_parallel_size {tp.world_size}: the linear-attention layers split by key "
+                             f"head, at most linear_num_key_heads ({whole.num_k_heads}) ranks")
+        k_start, num_k = split_evenly(whole.num_k_heads, tp.world_size, tp.rank)
+        r = whole.num_v_heads // whole.num_k_heads  # value heads per key head
+        self.shape = s = dataclasses.replace(whole, num_k_heads=num_k, num_v_heads=num_k * r)
+        dk, dv, v_start = s.head_k_dim, s.head_v_dim, k_start * r
+        # This rank's conv channels: its heads' q, k and v, out of [q | k | v] of every head.
+        channels = [Shard(0, k_start * dk, s.key_dim, whole.conv_dim),
+                    Shard(0, whole.key_dim + k_start * dk, s.key_dim, whole.conv_dim),
+                    Shard(0, 2 * whole.key_dim + v_start * dv, s.value_dim, whole.conv_dim)]
+        values = Shard(0, v_start * dv, s.value_dim, whole.value_dim)
+        per_head = Shard(0, v_start, s.num_v_heads, whole.num_v_heads)
+        self.head_shard = per_head  # dt_bias, A_log
         hidden = config.hidden_size
         self.fused_input = fused_input
-        if fused_input:
-            self.in_proj_qkvz = ColumnParallelLinear(hidden, [_whole(s.conv_dim + s.value_dim)], bias=False)
-            self.in_proj_ba = ColumnParallelLinear(hidden, [_whole(2 * s.num_v_heads)], bias=False)
+        if fused_input:  # grouped by key head: a run of key heads is a run of rows
+            group = 2 * dk + 2 * r * dv
+            self.in_proj_qkvz = ColumnParallelLinear(
+                hidden, [Shard(0, k_start * group, num_k * group, whole.num_k_heads * group)], bias=False)
+            self.in_proj_ba = ColumnParallelLinear(
+                hidden, [Shard(0, k_start * 2 * r, num_k * 2 * r, whole.num_k_heads * 2 * r)], bias=False)
         else:
-            self.in_proj_qkv = ColumnParallelLinear(hidden, [_whole(s.conv_dim)], bias=False)
-            self.in_proj_z = ColumnParallelLinear(hidden, [_whole(s.value_dim)], bias=False)
-            self.in_proj_b = ColumnParallelLinear(hidden, [_whole(s.num_v_heads)], bias=False)
-            self.in_proj_a = ColumnParallelLinear(hidden, [_whole(s.num_v_heads)], bias=False)
-        self.conv1d = DepthwiseConv(s.conv_dim, s.conv_kernel)
+            self.in_proj_qkv = HeadRowsLinear(hidden, channels, bias=False)
+            self.in_proj_z = ColumnParallelLinear(hidden, [values], bias=False)
+            self.in_proj_b = ColumnParallelLinear(hidden, [per_head], bias=False)
+            self.in_proj_a = ColumnParallelLinear(hidden, [per_head], bias=False)
+        self.conv1d = DepthwiseConv(channels, s.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
         self.norm = GatedRMSNorm(s.head_v_dim, config.rms_norm_eps)
-        self.out_proj = RowParallelLinear(_whole(s.value_dim), hidden, bias=False)
+        self.out_proj = RowParallelLinear(values, hidden, bias=False)
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act: Gated DeltaNet layers support silu, got {act!r}")
         # Bound by bind_states: [slots, conv_dim, K-1] and [slots, Hv, Dk, Dv] (float32).
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
+
+    def weight_shards(self, leaf: str) -> list[Shard | None]:
+        return [self.head_shard]  # dt_bias, A_log: a value per value head
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the conv's input [T, q|k|v], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
@@ -248,3 +295,17 @@ def bind_states(model: nn.Module, num_slots: int, device: torch.device, dtype: t
         layer.conv_state = torch.zeros(num_slots, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device)
         layer.recurrent_state = torch.zeros(num_slots, s.num_v_heads, s.head_k_dim, s.head_v_dim,
                                             dtype=torch.float32, device=device)
+
+
+def copy_states(layers: list[GatedDeltaNet], pairs: list[tuple[int, int]]) -> None:
+    """Copy every layer's conv and recurrent state from slot `src` to slot `dst`, for each
+    (src, dst) of `pairs` (the prefix cache's loads and saves; no slot is both)."""
+    if not pairs or not layers:
+        return
+    device = layers[0].A_log.device
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=device)
+    for layer in layers:
+        assert layer.conv_state is not None and layer.recurrent_state is not None, "bind_states first"
+        layer.conv_state[dst] = layer.conv_state[src]
+        layer.recurrent_state[dst] = layer.recurrent_state[src]

@@ -167,12 +167,12 @@ def fuse_rope_and_store(q: torch.Tensor, attn: PagedAttention) -> bool:
     return attn.k_cache is not None and attn.kernels.fuses_rope(q)
 
 
-def linear_add_norm(linear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+def linear_add_norm(linear, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """norm(linear(x), residual): (the normed sum, the sum). `linear` a RowParallelLinear;
     the kernel set's fused op takes it where nothing else touches the product between
-    (no bias, no adapter, no all-reduce)."""
-    fused = norm.kernels.linear_add_rms_norm
+    (no bias, no adapter, no all-reduce) and `norm` is an RMSNorm (a kernel set's)."""
+    fused = norm.kernels.linear_add_rms_norm if isinstance(norm, RMSNorm) else None
     if fused is not None and linear.bias is None and linear.lora is None and linear.tp.world_size == 1:
         return fused(x, linear.weight, residual, norm.weight, norm.eps)
     return norm(linear(x), residual)

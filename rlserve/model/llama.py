@@ -99,7 +99,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x):
         return self.down_proj(self.activate(x))
 
-    def forward_add_norm(self, x, residual, norm: RMSNorm):
+    def forward_add_norm(self, x, residual, norm: nn.Module):
         """norm(mlp(x) + residual), with down_proj's product handed to the norm where the
         kernel set fuses them (see linear_add_norm)."""
         return linear_add_norm(self.down_proj, self.activate(x), residual, norm)
@@ -132,12 +132,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, make_layer):
-        """`make_layer(i)`: decoder layer i."""
+    def __init__(self, config, make_layer, norm: type[nn.Module] = RMSNorm):
+        """`make_layer(i)`: decoder layer i, which takes its input through its own
+        input_layernorm and ends in the next norm (as LlamaDecoderLayer); `norm`: the
+        residual stream's norms (a hybrid model's are zero-centred)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
         residual = self.embed_tokens(input_ids)

@@ -21,19 +21,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlserve.distributed import current_tp_group
+from rlserve.distributed import current_tp_group, partition_heads
 from rlserve.model.base import CausalLM, WeightSlot
 from rlserve.model.gated_deltanet import GatedDeltaNet, LinearAttentionShape, StateBatch
 from rlserve.model.layers import AttentionMetadata, PagedAttention, RotaryEmbedding
-from rlserve.model.llama import LlamaMLP, _rope
+from rlserve.model.llama import LlamaMLP, LlamaModel, _rope
 from rlserve.model.moe import MoEConfig, SparseMoeBlock
-from rlserve.model.parallel import (
-    ColumnParallelLinear,
-    ParallelLMHead,
-    RowParallelLinear,
-    Shard,
-    VocabParallelEmbedding,
-)
+from rlserve.model.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard
 
 TEXT = "model."
 MULTIMODAL = "model.language_model."
@@ -67,22 +61,24 @@ def _rotary_dim(config, head_dim: int) -> int:
 
 
 class GatedAttention(nn.Module):
-    """Full attention with an output gate: q_proj gives each head's query and its gate."""
+    """Full attention with an output gate: q_proj gives each head's query and its gate
+    (this rank's heads, split as for every attention layer: partition_heads)."""
 
     def __init__(self, config):
         super().__init__()
         tp = current_tp_group()
-        if tp.world_size > 1:
-            raise ValueError("hybrid models: tensor_parallel_size must be 1")
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = d = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total, total_kv = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = d = getattr(config, "head_dim", None) or config.hidden_size // total
+        heads = partition_heads(total, total_kv, tp.world_size, tp.rank)
+        self.num_heads, self.num_kv_heads = heads.num_q, heads.num_kv
         q_size, kv_size = 2 * self.num_heads * d, self.num_kv_heads * d
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [Shard(0, 0, q_size, q_size),
-                                                                  Shard(0, 0, kv_size, kv_size),
-                                                                  Shard(0, 0, kv_size, kv_size)], bias=bias)
-        self.o_proj = RowParallelLinear(Shard(0, 0, q_size // 2, q_size // 2), config.hidden_size, bias=bias)
+        # q_proj holds each head's query then its gate: a run of heads is a run of rows.
+        q = Shard(0, heads.q_start * 2 * d, q_size, total * 2 * d)
+        kv = Shard(0, heads.kv_start * d, kv_size, total_kv * d)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q, kv, kv], bias=bias)
+        self.o_proj = RowParallelLinear(Shard(0, heads.q_start * d, q_size // 2, total * d), config.hidden_size,
+                                        bias=bias)
         self.sizes = [q_size, kv_size, kv_size]
         self.q_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, config.rms_norm_eps)
@@ -115,7 +111,7 @@ class GatedAttention(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, mixer: GatedDeltaNet | GatedAttention, mlp: nn.Module):
+    def __init__(self, config, layer: int, mixer: GatedDeltaNet | GatedAttention, mlp: LlamaMLP | SparseMoeBlock):
         super().__init__()
         if isinstance(mixer, GatedDeltaNet):
             self.linear_attn = mixer
@@ -125,12 +121,9 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta: AttentionMetadata):
-        """(hidden, residual) of the stream in, the same out: the next norm adds them."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+    def forward(self, positions, hidden, residual, meta: AttentionMetadata, next_norm: ZeroCentredRMSNorm):
+        """As LlamaDecoderLayer's (LlamaModel runs both): `hidden` is already through
+        input_layernorm; returns the next norm's output and the residual stream."""
         if hasattr(self, "linear_attn"):
             states = meta.states
             assert isinstance(states, StateBatch), "a hybrid model's step carries its state slots"
@@ -138,21 +131,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-
-class HybridModel(nn.Module):
-    def __init__(self, config, make_layer):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
-        self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids, positions, meta):
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
-        return self.norm(hidden, residual)[0]
+        return self.mlp.forward_add_norm(hidden, residual, next_norm)
 
 
 def layer_types(config) -> list[str]:
@@ -186,9 +165,9 @@ class HybridForCausalLM(CausalLM):
         self.config = config
         self.linear_shape = LinearAttentionShape.read(config)
         types = layer_types(config)
-        self.model = HybridModel(config, lambda i: HybridDecoderLayer(
+        self.model = LlamaModel(config, lambda i: HybridDecoderLayer(
             config, i, GatedDeltaNet(config, self.fused_input) if types[i] == "linear_attention"
-            else GatedAttention(config), self.mlp(config, i)))
+            else GatedAttention(config), self.mlp(config, i)), ZeroCentredRMSNorm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
@@ -199,7 +178,7 @@ class HybridForCausalLM(CausalLM):
     def moe_config(self) -> MoEConfig | None:
         return None
 
-    def mlp(self, config, layer: int) -> nn.Module:
+    def mlp(self, config, layer: int) -> LlamaMLP | SparseMoeBlock:
         moe = self.moe_config()
         if moe is not None and moe.is_sparse(layer):
             return SparseMoeBlock(config, moe)

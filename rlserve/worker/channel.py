@@ -3,7 +3,7 @@ socket, never pickle.
 
 Executor -> worker:
     {"op": "init", ...}                     first message: config, model path, rank, TP port
-    {"op": "step", "new", "items", "finished"}   one engine step, no reply
+    {"op": "step", "new", "items", "finished", "state_copies"}   one engine step, no reply
     {"op": "call", "call": bytes}           a typed call (calls.py), answered by one reply
     {"op": "load", "tensors": [[name, dtype, shape], ...], "call": bytes}   the tensors follow
                                             over the TP group (rank 0 broadcasts), then the worker
@@ -135,9 +135,10 @@ class StepEncoder:
             else:
                 sent = entry[1]
             items.append([req.request_id, req.num_computed_tokens, item.num_new_tokens,
-                          req.token_ids[sent:], list(table)])
+                          req.token_ids[sent:], list(table), req.state_slot])
             self.known[req.request_id] = (req, req.num_tokens, req.lora_slot)
-        return {"op": "step", "new": new, "items": items, "finished": finished}
+        return {"op": "step", "new": new, "items": items, "finished": finished,
+                "state_copies": [sched.state_loads, sched.state_saves]}
 
 
 class StepDecoder:
@@ -153,11 +154,14 @@ class StepDecoder:
             req = _request_from_wire(w)
             self.requests[req.request_id] = req
         out, tables = SchedulerOutput(), []
-        for rid, num_computed, num_new, tokens, table in msg["items"]:
+        for rid, num_computed, num_new, tokens, table, state_slot in msg["items"]:
             req = self.requests[rid]
             req.token_ids.extend(tokens)
             req.num_computed_tokens = num_computed
+            req.state_slot = state_slot  # a hybrid model's: it may change when preempted
             out.scheduled.append(ScheduledRequest(req, num_new))
             out.num_batched_tokens += num_new
             tables.append(table)
+        loads, saves = msg["state_copies"]
+        out.state_loads, out.state_saves = [tuple(c) for c in loads], [tuple(c) for c in saves]
         return out, tables

@@ -18,7 +18,13 @@ import numpy as np
 import torch
 
 from rlserve.model.base import CausalLM
-from rlserve.model.gated_deltanet import StateBatch, bind_states, linear_attention_layers, state_bytes_per_sequence
+from rlserve.model.gated_deltanet import (
+    StateBatch,
+    bind_states,
+    copy_states,
+    linear_attention_layers,
+    state_bytes_per_sequence,
+)
 from rlserve.model.layers import PagedAttention
 from rlserve.model.routed_experts import RoutedExpertsCapturer
 from rlserve.ops import kernels
@@ -121,7 +127,8 @@ class ModelRunner:
         return state_bytes_per_sequence(self.model, self.dtype)
 
     def allocate_states(self, num_slots: int) -> None:
-        """A hybrid model's state pool: `num_slots` sequences (max_num_seqs)."""
+        """A hybrid model's state pool: `num_slots` sequences (max_num_seqs, and the prefix
+        cache's: EngineConfig.state_cache_slots)."""
         bind_states(self.model, num_slots, self.device, self.dtype)
 
     def free_kv_cache(self) -> None:
@@ -178,7 +185,10 @@ class ModelRunner:
         batch = self.prepare(sched, block_tables, prev)
         if self.state_layers:
             batch.meta.states = self._state_batch(sched, batch)
+            copy_states(self.state_layers, sched.state_loads)  # prefix-cache hits start from these
         hidden = self.forward(batch, decode_only=batch.meta.max_query_len == 1)
+        if self.state_layers:
+            copy_states(self.state_layers, sched.state_saves)
         routes = self._copy_routes(batch.input_ids.shape[0]) if self.routes is not None else None
         n, padded = batch.num_logits, batch.logits_indices.shape[0]
         if not n:

@@ -87,8 +87,9 @@ class Worker:
         if cfg.num_kv_blocks is not None:
             return KVSizing(cfg.num_kv_blocks)
         per_block = self.runner.kv_bytes_per_block()
-        # A hybrid model's state pool (a slot per sequence) comes out of the same budget.
-        states = cfg.max_num_seqs * self.runner.state_bytes_per_sequence()
+        # A hybrid model's state pool (a slot per sequence, and the prefix cache's) comes
+        # out of the same budget.
+        states = (cfg.max_num_seqs + cfg.state_cache_slots) * self.runner.state_bytes_per_sequence()
         if cfg.kv_cache_memory_bytes is not None:
             return KVSizing(kv_cache_blocks(cfg.kv_cache_memory_bytes - states, per_block))
         if self.device.type != "cuda":
@@ -101,7 +102,7 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
-        self.runner.allocate_states(self.config.max_num_seqs)
+        self.runner.allocate_states(self.config.max_num_seqs + self.config.state_cache_slots)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
@@ -154,7 +155,7 @@ class Worker:
             self._host_weights = {}
         if "kv_cache" in tags and self.runner.kv_cache is None:
             self.runner.allocate_kv_cache(self._kv_blocks)
-            self.runner.allocate_states(self.config.max_num_seqs)
+            self.runner.allocate_states(self.config.max_num_seqs + self.config.state_cache_slots)
         weights_back = all(p.numel() or not self._param_shapes[n].numel() for n, p in self.model.named_parameters())
         if weights_back and self.runner.kv_cache is not None and getattr(self, "_graph_args", None) is not None:
             self.runner.capture_cuda_graphs(*self._graph_args)

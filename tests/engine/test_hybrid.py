@@ -1,8 +1,9 @@
 """Hybrid models on CPU: Qwen3.5 (its text model, and the multimodal checkpoint), Qwen3.5-MoE
 and Qwen3-Next against transformers in float32 on small random checkpoints written by
 save_pretrained: greedy tokens and logprobs batched and alone, a prompt over several
-prefill chunks, forced preemption, a repeated prompt (prefix caching is off for these
-models), and both weight-name spellings loading the same bits."""
+prefill chunks, forced preemption, prefix-cache hits (a repeated prompt, an extended one,
+the samples of one prompt, under preemption), and both weight-name spellings loading the
+same bits."""
 
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ def engine(path: str, **kw) -> LLM:
     return LLM(path, **kw)
 
 
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+
+
 def greedy(llm: LLM, ids: list[list[int]]):
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [x.logprob for x in o.outputs[0].logprobs]) for o in outs]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], PARAMS, use_tqdm=False)
+    return [_tokens(o) for o in outs]
 
 
 def assert_transformers(hf, ids: list[list[int]], got, label: str) -> None:
@@ -69,17 +72,47 @@ def test_preempted_requests_are_recomputed_to_transformers_tokens(checkpoint):
     assert_transformers(hf, ids, got, arch)
 
 
-def test_a_repeated_prompt_gives_the_same_tokens_with_prefix_caching_off(checkpoint):
-    """The prefix cache is off for hybrid models (docs/hybrid.md): a prompt seen before is
-    computed again, to the same tokens."""
-    arch, path, _ = checkpoint
-    ids = prompts()[-1:]
-    with engine(path, enable_prefix_caching=True) as llm:
-        assert not llm.engine.kv.enable_prefix_caching
-        first, again = greedy(llm, ids), greedy(llm, ids)
-        out = llm.generate([{"prompt_token_ids": ids[0]}], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert first == again, arch
-    assert out[0].num_cached_tokens == 0
+def test_a_prefix_cache_hit_gives_the_tokens_and_logprobs_of_a_miss_and_of_transformers(checkpoint):
+    """A prompt seen before, and one that extends it, start their linear-attention layers
+    from the state kept at the end of the shared full blocks and their full-attention
+    layers from the cached KV: the prefix is not computed again, and the tokens and
+    logprobs are those of the miss and of transformers."""
+    arch, path, hf = checkpoint
+    prompt = prompts()[-1]  # 150 tokens: the state at 144 is kept
+    extended = prompt + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    with engine(path) as llm:
+        (miss,), (hit,), (longer,) = (llm.generate([{"prompt_token_ids": p}], PARAMS, use_tqdm=False)
+                                      for p in (prompt, prompt, extended))
+        stats = llm.engine.stats()
+    assert (miss.num_cached_tokens, hit.num_cached_tokens, longer.num_cached_tokens) == (0, 144, 144), arch
+    assert stats.prefix_cache_hit_tokens == 288
+    assert hit.outputs[0].token_ids == miss.outputs[0].token_ids, arch
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(hit.outputs[0].logprobs, miss.outputs[0].logprobs)) < 1e-5
+    assert_transformers(hf, [prompt, extended], [_tokens(hit), _tokens(longer)], arch)
+
+
+def test_samples_of_one_prompt_share_its_state_under_preemption(checkpoint):
+    """n = 3 samples and prompts sharing 32 tokens, in 14 blocks of 16: samples after the
+    first and the later prompts start from a cached state, requests are preempted and
+    recomputed, and every one gives transformers' tokens."""
+    arch, path, hf = checkpoint
+    shared = prompts()[-1][:40]
+    ids = [shared + tail for tail in ([], [7, 9, 11], list(range(20, 40)))]
+    with engine(path, num_kv_blocks=14, block_size=16) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(
+            n=3, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False)
+        stats = llm.engine.stats()
+        assert llm.engine.kv.states is not None and llm.engine.kv.states.num_free == llm.engine.config.max_num_seqs
+    assert stats.preemptions_total > 0 and stats.prefix_cache_hit_tokens > 0, arch
+    assert all(o.num_cached_tokens >= 32 for o in outs), arch
+    for prompt, out in zip(ids, outs):
+        assert len(out.outputs) == 3 and all(s.token_ids == out.outputs[0].token_ids for s in out.outputs), arch
+        assert_transformers(hf, [prompt], [(out.outputs[0].token_ids, [x.logprob for x in out.outputs[0].logprobs])],
+                            arch)
+
+
+def _tokens(out) -> tuple[list[int], list[float]]:
+    return out.outputs[0].token_ids, [x.logprob for x in out.outputs[0].logprobs]
 
 
 def multimodal_names(named: list) -> list:
