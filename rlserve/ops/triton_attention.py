@@ -490,9 +490,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     be a strided view. num_kv_splits: force the split-KV decode path (1 disables it).
     seq_order: optional int32 permutation of the sequences, the order their programs start
     in; longest first keeps the GPU busy to the end when lengths vary. k_scale / v_scale:
-    an fp8 cache's per-row scales (see ops/attention.py). batch_invariant: one tile shape
-    for every call and no KV split (`invariant_config`): a query's bits follow its sequence
-    and position alone, never the batch, its chunk or the hints.
+    an fp8 cache's per-row scales (see ops/attention.py). batch_invariant: one tile shape,
+    no KV split (`invariant_config`): a query's bits follow its sequence and position alone.
     """
     num_tokens, num_heads, head_dim = query.shape
     _check_inputs(query, k_cache, v_cache)
@@ -510,8 +509,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     max_query_len = max(1, min(int(max_query_len), num_tokens))
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * k_cache.shape[1]
-    t = _tiling(query, k_cache, num_seqs, max_query_len, int(max_seq_len), num_kv_splits, _config,
-                batch_invariant)
+    t = _tiling(query, k_cache, num_seqs, max_query_len, int(max_seq_len), num_kv_splits, _config, batch_invariant)
     if t.splits > 1:
         part_out = torch.empty((num_tokens, num_heads, t.splits, t.block_d),
                                dtype=torch.float32, device=query.device)
