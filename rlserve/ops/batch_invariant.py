@@ -19,6 +19,11 @@ a fused attention kernel picks its KV split from the query length. Here:
   the row length (torch's on CPU; on CUDA, where torch's reduction picks its split from the
   number of rows, the Triton kernel of ops/triton_batch_invariant.py).
 - log_softmax: torch's, one row at a time.
+- fused_moe: the router's GEMM is `linear`; the experts' GEMMs go through `linear` (CPU) or
+  the Triton MoE kernel with one block shape (CUDA, triton_moe.INVARIANT_CONFIG); each
+  token's expert outputs are added in a fixed order.
+- lora: the shrink and expand GEMMs through `linear` (CPU); on CUDA the Triton LoRA kernels,
+  whose tiles and K split follow the adapter's shapes alone (ops/triton_lora.py).
 
 On CUDA, linear, row_mean and attention run ops/triton_batch_invariant.py's kernels. The serving side calls the
 functions; rlserve.batch_invariant registers the same functions as torch.library ops with
@@ -192,3 +197,23 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v.reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
         out[q_start:q_end] = attention(query[q_start:q_end], k, v, seq_len - (q_end - q_start), scale)
     return out
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts (ops/moe.py's contract)."""
+    if x.is_cuda:
+        from rlserve.ops import triton_moe
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, config=triton_moe.INVARIANT_CONFIG)
+    from rlserve.ops import moe
+    return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, linear=linear)
+
+
+def lora(y, x, a, b, slices, slice_table, batch) -> None:
+    """y += each token's adapter delta (the kernel set's `lora`, ops/lora.py's layout)."""
+    if x.is_cuda:
+        from rlserve.ops import triton_lora
+        triton_lora.lora_shrink_expand(y, x, a, b, slices, slice_table, batch.sorted_tokens, batch.slot_starts)
+        return
+    from rlserve.ops.lora import lora_reference
+    lora_reference(y, x, a, b, slices, batch, linear=linear)

@@ -95,7 +95,7 @@ def _batch_invariant(device: torch.device) -> Kernels:
     from rlserve.ops import batch_invariant as bi
     kernels = dataclasses.replace(
         TORCH, name="batch-invariant", paged_attention=bi.paged_attention, rms_norm=bi.rms_norm,
-        fused_add_rms_norm=bi.fused_add_rms_norm, linear=bi.linear)
+        fused_add_rms_norm=bi.fused_add_rms_norm, linear=bi.linear, fused_moe=bi.fused_moe, lora=bi.lora)
     if device.type != "cuda":
         return kernels
     from rlserve.ops import triton_attention

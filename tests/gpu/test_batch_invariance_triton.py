@@ -177,3 +177,35 @@ def test_a_trainers_dense_attention_gives_the_servers_paged_bits(dtype):
     q = seqs.queries[0]
     assert torch.equal(tbi.attention(q, k, v, 0, HEAD_DIM ** -0.5), seqs.step([(0, 0, 130)])[0])
     assert torch.equal(tbi.attention(q[90:], k, v, 90, HEAD_DIM ** -0.5), seqs.step([(0, 90, 40)])[0])
+
+
+# -- routed experts: the Triton MoE kernel with the mode's one block shape ---------------
+
+
+def test_moe_with_the_invariant_blocks_gives_a_token_the_same_bits_in_any_batch():
+    """triton_moe.INVARIANT_CONFIG: close to the torch reference, and (on the GPU) a token's
+    output the same alone, in a few tokens and in many, whose routing fills the experts'
+    blocks differently."""
+    from rlserve.ops import moe as moe_ref
+    from rlserve.ops import triton_moe
+    torch.manual_seed(0)
+    tokens, hidden, inter, experts, top_k = (40, 64, 32, 8, 2) if INTERPRET else (300, 1024, 768, 32, 4)
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device=DEVICE) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, device=DEVICE) / inter ** 0.5).to(dtype)
+    routing = moe_ref.route(torch.randn(tokens, experts, device=DEVICE), top_k, True)
+
+    def moe(rows):
+        return triton_moe.fused_moe(x[rows], w13, w2, routing.weights[rows], routing.ids[rows],
+                                    config=triton_moe.INVARIANT_CONFIG)
+
+    together = moe(slice(None))
+    want = moe_ref.fused_moe(x.float(), w13.float(), w2.float(), routing.weights, routing.ids)
+    tol = 1e-4 if INTERPRET else 3e-2
+    torch.testing.assert_close(together.float(), want, rtol=tol, atol=tol)
+    if INTERPRET:  # numpy's dot: a row's bits follow its place in the block
+        return
+    for i in (0, 7, tokens - 1):
+        assert torch.equal(moe(slice(i, i + 1))[0], together[i]), i
+    assert torch.equal(moe(slice(3, 40)), together[3:40])
