@@ -97,7 +97,8 @@ def run_rlserve(args, path, wl: Workload, profiler=None, loras: list[str] | None
               skip_tokenizer_init=True, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-              kv_cache_dtype=args.kv_cache_dtype, enable_return_routed_experts=args.return_routed_experts,
+              batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype,
+              enable_return_routed_experts=args.return_routed_experts,
               **({"block_size": args.block_size} if args.block_size else {}), **lora_kw)
     print_memory(llm.engine)
     names = [f"lora{i % len(loras)}" for i in range(len(wl.prompts))] if loras else None
@@ -242,6 +243,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: the engine's)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8: the engine's option")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the engine's batch-invariant mode (docs/on-policy.md)")
     p.add_argument("--return-routed-experts", action="store_true",
                    help="MoE models: capture and return every token's experts (routing replay), to time "
                         "capture on against off")

@@ -174,6 +174,7 @@ class SparseMoeBlock(nn.Module):
 
     # Adapters on expert or router weights are refused (model/lora.py reads this).
     lora_exempt = True
+    kernels: Kernels = TORCH  # the router's and the shared expert gate's GEMMs (`linear`)
 
     def __init__(self, config, moe: MoEConfig, names: ExpertNames = ExpertNames()):
         super().__init__()
@@ -192,14 +193,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = route(self.gate(x), self.top_k, self.renormalize)
+        routing = route(self.kernels.linear(x, self.gate.weight), self.top_k, self.renormalize)
         if self.capture is not None:
             self.capture[:x.shape[0]].copy_(routing.ids)
         out = self.experts(x, routing.weights, routing.ids)
         shared, gate = self.shared_expert, self.shared_expert_gate
         if shared is not None and gate is not None:
             # Scaling each rank's partial by the same per-token gate commutes with the sum.
-            out = out + torch.sigmoid(gate(x)) * shared(x)
+            out = out + torch.sigmoid(self.kernels.linear(x, gate.weight)) * shared(x)
         return self.tp.all_reduce(out)
 
     def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,13 +12,20 @@ a fused attention kernel picks its KV split from the query length. Here:
 - attention: per sequence, queries in tiles of Q_TILE, keys in blocks of KV_BLOCK at fixed
   absolute positions, an online softmax over the blocks in order. A block a query cannot see
   leaves its state exactly as it was (scale 1.0, adds 0.0), so how many blocks a chunk walks
-  does not change the bits of a query.
+  does not change the bits of a query. On CUDA the paged Triton kernel walks the keys so
+  (ops/triton_attention.py, batch_invariant=True: one tile shape, no KV split), for the
+  server's paged cache and for a trainer's dense keys alike.
 - rms_norm: transformers' arithmetic around `row_mean`, a mean per row in an order fixed by
   the row length (torch's on CPU; on CUDA, where torch's reduction picks its split from the
   number of rows, the Triton kernel of ops/triton_batch_invariant.py).
 - log_softmax: torch's, one row at a time.
+- fused_moe: the router's GEMM is `linear`; the experts' GEMMs go through `linear` (CPU) or
+  the Triton MoE kernel with one block shape (CUDA, triton_moe.INVARIANT_CONFIG); each
+  token's expert outputs are added in a fixed order.
+- lora: the shrink and expand GEMMs through `linear` (CPU); on CUDA the Triton LoRA kernels,
+  whose tiles and K split follow the adapter's shapes alone (ops/triton_lora.py).
 
-On CUDA, linear and row_mean run ops/triton_batch_invariant.py's kernels. The serving side calls the
+On CUDA, linear, row_mean and attention run ops/triton_batch_invariant.py's kernels. The serving side calls the
 functions; rlserve.batch_invariant registers the same functions as torch.library ops with
 autograd for a trainer's forward, so both compute the same bits per row.
 """
@@ -100,6 +107,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, s
     causally to keys/values k, v [L, Hkv, D] at positions 0 .. L - 1. `visible`: [M, L]
     bool, which keys each query sees instead of the causal rule (a trainer's padding mask).
     Returns [M, H, D] in q's dtype."""
+    if not q.is_cuda:
+        return _attention_blocks(q, k, v, q_start, scale, visible)
+    from rlserve.ops import triton_batch_invariant
+    m = q.shape[0]
+    out = triton_batch_invariant.attention(q, k, v, q_start, scale)
+    if visible is not None:
+        # Rows the mask treats as the causal rule does (every row of a right-padded
+        # sequence's real tokens) keep the kernel's bits; the others (padding) take the
+        # torch walk over their own mask.
+        keys = torch.arange(visible.shape[1], device=q.device)
+        causal = keys[None, :] <= (torch.arange(m, device=q.device) + q_start)[:, None]
+        other = (visible != causal).any(-1).nonzero().flatten()
+        if other.numel():
+            out[other] = _attention_blocks(q[other], k, v, q_start, scale, visible[other])
+    return out
+
+
+def _attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float,
+                      visible: torch.Tensor | None) -> torch.Tensor:
+    """`attention` in torch ops: the CPU's (and on CUDA, rows with a mask of their own)."""
     m, heads, dim = q.shape
     length = k.shape[0]
     kb, vb = _blocks(k, heads), _blocks(v, heads)
@@ -146,7 +173,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, s
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                     scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
     """The kernel set's paged attention (ops/attention.py's layout): `attention` per sequence
-    over the keys gathered from its blocks."""
+    over the keys gathered from its blocks; on CUDA the Triton kernel over the whole batch
+    (nothing read on the host: it replays in a CUDA graph)."""
+    if query.is_cuda:
+        from rlserve.ops import triton_attention
+        return triton_attention.paged_attention(
+            query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, seq_order=meta.seq_order,
+            k_scale=k_scale, v_scale=v_scale, batch_invariant=True)
     from rlserve.ops.attention import dequantize
     num_kv_heads, head_dim = k_cache.shape[2:]
     block_size = k_cache.shape[1]
@@ -163,3 +197,23 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v.reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
         out[q_start:q_end] = attention(query[q_start:q_end], k, v, seq_len - (q_end - q_start), scale)
     return out
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts (ops/moe.py's contract)."""
+    if x.is_cuda:
+        from rlserve.ops import triton_moe
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, config=triton_moe.INVARIANT_CONFIG)
+    from rlserve.ops import moe
+    return moe.fused_moe(x, w13, w2, topk_weights, topk_ids, linear=linear)
+
+
+def lora(y, x, a, b, slices, slice_table, batch) -> None:
+    """y += each token's adapter delta (the kernel set's `lora`, ops/lora.py's layout)."""
+    if x.is_cuda:
+        from rlserve.ops import triton_lora
+        triton_lora.lora_shrink_expand(y, x, a, b, slices, slice_table, batch.sorted_tokens, batch.slot_starts)
+        return
+    from rlserve.ops.lora import lora_reference
+    lora_reference(y, x, a, b, slices, batch, linear=linear)

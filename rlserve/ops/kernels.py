@@ -87,11 +87,19 @@ TORCH = Kernels(
 )
 
 
-def _batch_invariant() -> Kernels:
+def _batch_invariant(device: torch.device) -> Kernels:
+    """The ops of ops/batch_invariant.py. On CUDA they read only device tensors and a padded
+    row changes no other row's bits (GEMM tiles from N and K, attention tiles from the
+    model's shapes), so decode steps replay from CUDA graphs with the eager steps' bits;
+    the KV store is the Triton one (a copy, no reduction)."""
     from rlserve.ops import batch_invariant as bi
-    return dataclasses.replace(
+    kernels = dataclasses.replace(
         TORCH, name="batch-invariant", paged_attention=bi.paged_attention, rms_norm=bi.rms_norm,
-        fused_add_rms_norm=bi.fused_add_rms_norm, linear=bi.linear)
+        fused_add_rms_norm=bi.fused_add_rms_norm, linear=bi.linear, fused_moe=bi.fused_moe, lora=bi.lora)
+    if device.type != "cuda":
+        return kernels
+    from rlserve.ops import triton_attention
+    return dataclasses.replace(kernels, store_kv_cache=triton_attention.store_kv_cache, graphs=True)
 
 
 def _triton() -> Kernels:
@@ -179,7 +187,7 @@ def select(device: torch.device, choice: str | None = None, batch_invariant: boo
     Triton on CUDA (when it imports) and torch elsewhere. `batch_invariant`: the ops of
     ops/batch_invariant.py, whatever the device (they take precedence over `choice`)."""
     if batch_invariant:
-        kernels = _batch_invariant()
+        kernels = _batch_invariant(device)
         logger.info("kernels: %s on %s", kernels.name, device)
         return kernels
     choice = (choice or envs.RLSERVE_KERNELS.get() or "").strip().lower() or None

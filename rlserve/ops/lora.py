@@ -15,10 +15,12 @@ same for every adapter at once, inside CUDA graphs (triton_lora.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 
 class LoRABatch(NamedTuple):
@@ -43,9 +45,11 @@ def group_tokens(token_slots: np.ndarray, max_loras: int) -> tuple[np.ndarray, n
 
 
 def lora_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   slices: list[tuple[int, int]], batch: LoRABatch) -> None:
+                   slices: list[tuple[int, int]], batch: LoRABatch,
+                   linear: Callable[..., torch.Tensor] = F.linear) -> None:
     """Adds each token's adapter delta to y [T, out] in place; x [T, in]. Computed in
-    float32 and rounded once, as a merged weight's product would be."""
+    float32 and rounded once, as a merged weight's product would be. `linear`: the shrink
+    and expand GEMMs (the batch-invariant mode passes its own)."""
     segments = batch.segments
     if segments is None:
         starts = batch.slot_starts.tolist()
@@ -57,6 +61,6 @@ def lora_reference(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.T
         xs = x.index_select(0, rows).to(acc)
         delta = torch.empty((end - start, y.shape[1]), dtype=acc, device=y.device)
         for s, (offset, size) in enumerate(slices):
-            u = xs @ a[slot, s].to(acc).t()  # shrink: [n, rank]
-            delta[:, offset:offset + size] = u @ b[slot, offset:offset + size].to(acc).t()  # expand
+            u = linear(xs, a[slot, s].to(acc))  # shrink: [n, rank]
+            delta[:, offset:offset + size] = linear(u, b[slot, offset:offset + size].to(acc))  # expand
         y.index_add_(0, rows, delta.to(y.dtype))

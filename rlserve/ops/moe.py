@@ -8,6 +8,7 @@ this rank's slice of every expert, and the output is a partial sum the layer all
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -34,10 +35,11 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
     """sum_j topk_weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]) with e = topk_ids[t, j]:
     [T, H] in x's dtype. One pass per expert over the tokens routed to it, as transformers
-    loops; each expert's output is weighted, then summed in float32."""
+    loops; each expert's output is weighted, then summed in float32, experts in id order.
+    `linear`: the expert GEMMs (the batch-invariant mode passes its own)."""
     num_tokens, k = topk_ids.shape
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
     flat = topk_ids.reshape(-1).long()
@@ -51,7 +53,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         pairs = order[start:start + n]
         start += n
         tokens = pairs // k
-        h = silu_and_mul(F.linear(x[tokens], w13[expert]))
-        y = F.linear(h, w2[expert])
+        h = silu_and_mul(linear(x[tokens], w13[expert]))
+        y = linear(h, w2[expert])
         out.index_add_(0, tokens, y.float() * weights[pairs, None])
     return out.to(x.dtype)

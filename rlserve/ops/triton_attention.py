@@ -254,6 +254,7 @@ def _paged_attn_kernel(
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr, KV_FP8: tl.constexpr, Q_F16: tl.constexpr, HEADS_FIRST: tl.constexpr,
     ORDERED: tl.constexpr, DECODE: tl.constexpr, PDL: tl.constexpr, V_ASM: tl.constexpr,
+    INVARIANT: tl.constexpr,
 ):
     release_next(PDL)  # o_proj's decode GEMM launches early and waits (triton_pdl)
     if HEADS_FIRST:
@@ -326,7 +327,17 @@ def _paged_attn_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
-    if DECODE:
+    if INVARIANT:
+        # Batch-invariant mode (NUM_SPLITS 1): every key tile from position 0 in order, all
+        # through the one masked loop, in decode, prefill and chunks alike, so a row's
+        # arithmetic follows its position alone. A tile past a row's position leaves its
+        # state exactly as it was (alpha 1.0, p 0.0).
+        acc, l_i, m_i = _attn_tiles(
+            acc, l_i, m_i, q, q_pos, 0, kv_end, kv_end,
+            k_cache_ptr, v_cache_ptr, bt_row_ptr, kvh, ks_ptr, vs_ptr, stride_sb, stride_ss,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+            1, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, PRECISION, DOT_F32, KV_FP8, V_ASM)
+    elif DECODE:
         # One query token: every key below kv_end is visible, so one loop whose only mask
         # is the end. The two loops below keep both pipelines' values live at once (152
         # registers a thread against 118 compiled for sm_90; ncu read 168 on an H200,
@@ -439,6 +450,18 @@ def _pick_config(max_query_len: int, group_pad: int, head_dim: int, num_seqs: in
     return dict(BLOCK_M=max(16, group_pad), BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
+def invariant_config(group_pad: int, head_dim: int, itemsize: int) -> dict:
+    """The batch-invariant mode's one tile shape, from the model's shapes alone: the same
+    for decode, prefill and chunks, whatever the batch (so the same dot instructions and
+    the same key tiles for every row). 64 keys a tile; wider heads narrower tiles, as
+    _pick_config fits its stages."""
+    block_n, stages = 64, 2
+    block_d = triton.next_power_of_2(head_dim)
+    while block_n > 16 and 2 * block_n * block_d * itemsize * stages > _STAGES_BYTES:
+        block_n //= 2
+    return dict(BLOCK_M=max(64, group_pad), BLOCK_N=block_n, num_warps=4, num_stages=stages)
+
+
 def _pick_splits(num_seqs: int, num_kv_heads: int, q_tiles: int, max_ctx: int,
                  device: torch.device) -> int:
     """Flash-decoding: split the keys when too few programs would fill the GPU."""
@@ -459,7 +482,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     out: torch.Tensor | None = None, num_kv_splits: int | None = None,
                     seq_order: torch.Tensor | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    _config: dict | None = None) -> torch.Tensor:
+                    batch_invariant: bool = False, _config: dict | None = None) -> torch.Tensor:
     """Causal attention of query [num_tokens, num_heads, head_dim] against the paged cache.
 
     max_query_len / max_seq_len: host-side upper bounds for the batch (defaults: the number
@@ -467,7 +490,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     be a strided view. num_kv_splits: force the split-KV decode path (1 disables it).
     seq_order: optional int32 permutation of the sequences, the order their programs start
     in; longest first keeps the GPU busy to the end when lengths vary. k_scale / v_scale:
-    an fp8 cache's per-row scales (see ops/attention.py).
+    an fp8 cache's per-row scales (see ops/attention.py). batch_invariant: one tile shape,
+    no KV split (`invariant_config`): a query's bits follow its sequence and position alone.
     """
     num_tokens, num_heads, head_dim = query.shape
     _check_inputs(query, k_cache, v_cache)
@@ -485,7 +509,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     max_query_len = max(1, min(int(max_query_len), num_tokens))
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * k_cache.shape[1]
-    t = _tiling(query, k_cache, num_seqs, max_query_len, int(max_seq_len), num_kv_splits, _config)
+    t = _tiling(query, k_cache, num_seqs, max_query_len, int(max_seq_len), num_kv_splits, _config, batch_invariant)
     if t.splits > 1:
         part_out = torch.empty((num_tokens, num_heads, t.splits, t.block_d),
                                dtype=torch.float32, device=query.device)
@@ -532,15 +556,21 @@ class _Tiling(NamedTuple):
 
 
 def _tiling(query: torch.Tensor, k_cache: torch.Tensor, num_seqs: int, max_query_len: int,
-            max_seq_len: int, num_kv_splits: int | None, config: dict | None) -> _Tiling:
+            max_seq_len: int, num_kv_splits: int | None, config: dict | None,
+            invariant: bool = False) -> _Tiling:
     """Tiles, KV splits and grid of a call: BLOCK_Q tokens of a query tile times the query
     heads of one kv head (padded to a power of two) make a tile's BLOCK_M rows."""
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    cfg = dict(config) if config else _pick_config(max_query_len, group_pad, head_dim, num_seqs,
-                                                   block_size, k_cache.element_size())
+    if invariant:
+        cfg = invariant_config(group_pad, head_dim, k_cache.element_size())
+        num_kv_splits = 1
+    elif config:
+        cfg = dict(config)
+    else:
+        cfg = _pick_config(max_query_len, group_pad, head_dim, num_seqs, block_size, k_cache.element_size())
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     block_q = max(1, block_m // group_pad)
     block_m = block_q * group_pad
@@ -563,7 +593,8 @@ def _tiling(query: torch.Tensor, k_cache: torch.Tensor, num_seqs: int, max_query
         PRECISION="ieee" if compute == torch.float32 else "tf32",
         # Triton's CPU interpreter mis-evaluates bf16 dots; it gets fp32 operands instead.
         DOT_F32=query.device.type == "cpu" and compute == torch.bfloat16, KV_FP8=kv_fp8,
-        Q_F16=kv_fp8 and compute == torch.float16, DECODE=max_query_len == 1,
+        Q_F16=kv_fp8 and compute == torch.float16, DECODE=max_query_len == 1 and not invariant,
+        INVARIANT=invariant,
         V_ASM=kv_fp8 and compute == torch.float16 and _fp8_cvt(query.device),
         HEADS_FIRST=heads_first, **cfg)
     return _Tiling(grid, splits, block_d, constants)

@@ -6,6 +6,9 @@
   wherever its row sits: one launch instead of the torch fallback's one GEMM per 16 rows.
 - row_mean: one program per row, the row walked in BLOCK steps in order into a lane-wise
   fp32 accumulator, reduced once at the end: its order depends on the row length alone.
+- attention: one sequence's causal attention through the paged kernel of
+  ops/triton_attention.py in its batch-invariant mode, over keys laid out as a cache of
+  BLOCK_SIZE-token blocks: the bits the server's queries get at the same positions.
 
 Importing this module imports triton; ops/batch_invariant.py imports it lazily, on CUDA.
 """
@@ -81,3 +84,31 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
         _row_mean_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0),
                                           BLOCK=min(triton.next_power_of_2(n), 1024))
     return out.view(*x.shape[:-1], 1)
+
+
+# The engine's default KV block size: the trainer's keys take the server's kernel variant.
+BLOCK_SIZE = 16
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, scale: float) -> torch.Tensor:
+    """Queries q [M, H, D] at positions q_start .. q_start + M - 1 attend causally to keys
+    and values k, v [L, Hkv, D] (L >= q_start + M; keys past the last query are unseen).
+    Returns [M, H, D] in q's dtype."""
+    from rlserve.ops import triton_attention
+    m = q.shape[0]
+    length = q_start + m
+    if k.shape[0] < length or v.shape[0] < length:
+        raise ValueError(f"attention: {k.shape[0]} keys, queries reach position {length - 1}")
+    blocks = -(-length // BLOCK_SIZE)
+
+    def paged(x: torch.Tensor) -> torch.Tensor:
+        cache = x.new_zeros((blocks * BLOCK_SIZE, *x.shape[1:]))
+        cache[:length] = x[:length]
+        return cache.view(blocks, BLOCK_SIZE, *x.shape[1:])
+
+    table = torch.arange(blocks, dtype=torch.int32, device=q.device)[None]
+    qsl = torch.tensor([0, m], dtype=torch.int32, device=q.device)
+    seq_lens = torch.tensor([length], dtype=torch.int32, device=q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return triton_attention.paged_attention(q, paged(k), paged(v), qsl, seq_lens, table, scale,
+                                            max_query_len=m, max_seq_len=length, batch_invariant=True)

@@ -221,7 +221,12 @@ def block_m_for(num_pairs: int, num_experts: int) -> int:
 
 
 # Launch shapes; `fused_moe(config=...)` overrides them (benchmarks/moe_kernels.py).
-DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=None, warps=4, stages=3)  # BLOCK_K None: by BLOCK_M
+# BLOCK_M None: block_m_for; BLOCK_K None: by BLOCK_M; in_order: each token's k outputs
+# added one after the other in slot order (torch's sum over them picks its split from T).
+DEFAULT_CONFIG = dict(BLOCK_M=None, BLOCK_N=64, BLOCK_K=None, warps=4, stages=3, in_order=False)
+# The batch-invariant mode's: one block shape whatever the batch, so every pair's products
+# walk K in the same tiles; a row's bits do not follow the rows beside it in its block.
+INVARIANT_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, warps=4, stages=3, in_order=True)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -236,11 +241,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     m = num_tokens * top_k
     if m == 0:
         return x.new_zeros(num_tokens, hidden)
-    blocks = align(topk_ids, num_experts, block_m_for(m, num_experts))
+    cfg = DEFAULT_CONFIG if config is None else {**DEFAULT_CONFIG, **config}
+    blocks = align(topk_ids, num_experts, cfg["BLOCK_M"] or block_m_for(m, num_experts))
     num_blocks = blocks.table.shape[1]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    cfg = DEFAULT_CONFIG if config is None else {**DEFAULT_CONFIG, **config}
     block_n = cfg["BLOCK_N"]
     # Longer K tiles pay off while blocks are short (decode); measured in RESULTS.md.
     block_k = cfg["BLOCK_K"] or (128 if blocks.block_m <= 32 else 64)
@@ -256,4 +261,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         blocks.table.stride(0), h.stride(0), w2.stride(0), w2.stride(1), hidden,
         BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         WIDEN=_WIDEN, num_warps=cfg["warps"], num_stages=cfg["stages"])
-    return out.sum(dim=1).to(x.dtype)
+    if not cfg["in_order"]:
+        return out.sum(dim=1).to(x.dtype)
+    total = out[:, 0]
+    for j in range(1, top_k):
+        total = total + out[:, j]
+    return total.to(x.dtype)

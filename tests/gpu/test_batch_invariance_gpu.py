@@ -1,6 +1,7 @@
 """`--batch-invariant` on CUDA (bf16): one prompt's greedy tokens and logprobs alone, inside 64
-and inside 256 sequences, bitwise equal; SmolLM2 and a Qwen3-0.6B-shaped random model. And the
-trainer's forward under rlserve.batch_invariant on the GPU. Skipped without a GPU."""
+and inside 256 sequences, with CUDA graphs and eager, bitwise equal; SmolLM2 and a
+Qwen3-0.6B-shaped random model. And the trainer's forward under rlserve.batch_invariant on the
+GPU. Skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -40,31 +41,44 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1, min(vocab, 30000)) for _ in range(rng.randrange(20, 300))] for _ in range(n)]
 
 
+def _probe_in(llm, batch_size: int):
+    """The probe prompt's tokens, logprobs and prompt logprobs inside a batch of
+    `batch_size` prompts (at its middle), on a cold prefix cache."""
+    from rlserve import SamplingParams
+    vocab = llm.get_tokenizer().vocab_size
+    probe, others = _prompts(1, vocab, 0)[0], _prompts(255, vocab, 1)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=1)
+    llm.reset_prefix_cache()
+    batch = others[:batch_size // 2] + [probe] + others[batch_size // 2:batch_size - 1]
+    out = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)[batch_size // 2]
+    c = out.outputs[0]
+    return (list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
+            [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], probe[1:])])
+
+
 @pytest.mark.parametrize("which", ["smollm2", "qwen3-0.6b-shaped"])
-def test_one_prompt_alone_in_64_and_in_256_is_bitwise_equal(which, demo_model, request):
-    from rlserve import LLM, SamplingParams
+def test_one_prompt_alone_in_64_and_in_256_is_bitwise_equal_with_cuda_graphs(which, demo_model, request):
+    """Decode steps replay CUDA graphs (a batch of 37 the 48-row one, 11 rows padding): the
+    probe's bits alone, in 37, 64 and 256 sequences, and in eager steps, all equal."""
+    from rlserve import LLM
     path = demo_model if which == "smollm2" else request.getfixturevalue("qwen3_shaped")
-    llm = LLM(path, device="cuda", dtype="bfloat16", batch_invariant=True, max_model_len=1024,
-              gpu_memory_utilization=0.5)
+    args = dict(device="cuda", dtype="bfloat16", batch_invariant=True, max_model_len=1024,
+                gpu_memory_utilization=0.5)
+    llm = LLM(path, **args)
     try:
-        vocab = llm.get_tokenizer().vocab_size
-        probe = _prompts(1, vocab, 0)[0]
-        others = _prompts(255, vocab, 1)
-        sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=1)
-
-        def probe_in(batch_size: int):
-            llm.reset_prefix_cache()
-            batch = others[:batch_size // 2] + [probe] + others[batch_size // 2:batch_size - 1]
-            out = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)[batch_size // 2]
-            c = out.outputs[0]
-            return (list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
-                    [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], probe[1:])])
-
-        alone = probe_in(1)
-        assert probe_in(64) == alone
-        assert probe_in(256) == alone
+        assert llm.engine.executor.driver.runner.graphs is not None
+        alone = _probe_in(llm, 1)
+        for size in (37, 64, 256):
+            assert _probe_in(llm, size) == alone, size
     finally:
         llm.shutdown()
+    eager = LLM(path, enforce_eager=True, **args)
+    try:
+        assert eager.engine.executor.driver.runner.graphs is None
+        assert _probe_in(eager, 1) == alone
+        assert _probe_in(eager, 64) == alone
+    finally:
+        eager.shutdown()
 
 
 def test_trainer_forward_on_the_gpu_gives_the_servers_logprobs(demo_model):
