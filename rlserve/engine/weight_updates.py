@@ -402,13 +402,13 @@ class WeightUpdates:
         return {"success": True, "new_version": self.core.weight_label, "number": number}
 
     def _shutdown_transfer(self, call: Call, body: ShutdownWeightTransfer) -> dict:
-        self.abandon("/shutdown_weight_transfer_engine")
+        self.abandon(body.reason)
         if self.transfer is not None and self.core.world_size == 1:
-            self.core.executor.driver.receiver.abort("the weight-transfer engine was shut down")
+            self.core.executor.driver.receiver.abort(body.reason)
         if self.transfer is not None:
             raise ConflictError("shutdown_weight_transfer_engine: a transfer is under way; it failed "
                                 "now, call again once it has answered")
-        self.core.executor.collective_rpc(rank.CloseTransfer())
+        self.core.executor.collective_rpc(rank.CloseTransfer(body.reason))
         return {"message": "Weight transfer engine shut down"}
 
     # A data-parallel replica that (re)joins copies a healthy replica's weights (and then

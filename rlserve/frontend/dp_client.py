@@ -241,6 +241,10 @@ class DPEngineClient:
             if self.on_request_failed is not None:
                 self.on_request_failed(t.request_id, error)
         self.router.forget(r.index)  # after the lost requests were paid off
+        if self.weights.in_group(r):  # a trainer's push would wait for its ranks' answers
+            self.spawn(self.weights.break_group(
+                f"data-parallel replica {r.index} died ({reason}), and its ranks with it: call "
+                "/init_weight_transfer_engine again once /health reports every replica up"))
         if lost:
             logger.warning("replica %d: %d requests in flight, %d retried elsewhere, %d failed",
                            r.index, len(lost), retried, len(lost) - retried)

@@ -29,6 +29,7 @@ from rlserve.wire.messages import (
     CopyWeightsToPeer,
     InitWeightTransfer,
     Pause,
+    ShutdownWeightTransfer,
     UpdateWeights,
     WeightsLayout,
 )
@@ -91,12 +92,12 @@ class ReplicaWeights:
         front = self.front
         async with self.lock:
             if self.group is not None:
-                gone = [r for r in front.replicas if not self.in_group(r)]
+                gone = [r for r in front.replicas if not (self.in_group(r) and r.alive)]
                 if gone:
-                    raise ConflictError(
-                        "update_info: " + ", ".join(f"replica {r.index}" for r in gone)
-                        + " restarted since /init_weight_transfer_engine, so its ranks are not "
-                        "in the trainer's group: call /init_weight_transfer_engine again")
+                    refusal = "update_info: " + "; ".join(map(_out_of_group, gone)) + (
+                        ": call /init_weight_transfer_engine again (once /health reports every replica up)")
+                    await self.break_group(refusal)
+                    raise ConflictError(refusal)
             targets = [r for r in front.replicas if r.alive]
             if not targets:
                 raise EngineUnavailableError("no data-parallel replica is up")
@@ -126,6 +127,17 @@ class ReplicaWeights:
                 "staged": bool(first.get("staged")),  # inside a transaction (every replica's is open)
                 "skipped": first.get("skipped", 0),
                 "replicas": [{"replica": i, **v} for i, v in sorted(ok.items())]}
+
+    async def break_group(self, reason: str) -> None:
+        """The trainer's group lost ranks: the replicas still in it leave it, saying why,
+        so a trainer that is pushing raises `reason` at once rather than at its timeout
+        (it waits for every rank's answer, and the lost ones never give one)."""
+        members = [r for r in self.front.replicas if self.in_group(r) and r.alive]
+        got = await asyncio.gather(*(r.client.call(ShutdownWeightTransfer(reason)) for r in members),
+                                   return_exceptions=True)
+        for r, e in zip(members, got):
+            if isinstance(e, BaseException):
+                logger.warning("replica %d: leaving the trainer's group failed: %s", r.index, e)
 
     async def catch_up(self, r: Replica) -> None:
         """Give replica r the weights and version the serving replicas have now."""
@@ -174,3 +186,10 @@ class ReplicaWeights:
         target.weight_version = version
         logger.info("replica %d: copied %.1f MB of weights (version %d) from replica %d",
                     target.index, got["num_bytes"] / 1e6, version, source.index)
+
+
+def _out_of_group(r: Replica) -> str:
+    if r.alive:
+        return (f"replica {r.index} restarted since /init_weight_transfer_engine, so its ranks are not "
+                "in the trainer's group")
+    return f"replica {r.index} is {r.state} ({r.reason}), so its ranks cannot receive"
