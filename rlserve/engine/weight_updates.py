@@ -418,14 +418,16 @@ class WeightUpdates:
         return self.core.executor.collective_rpc(rank.WeightsLayout())
 
     def _copy_to_peer(self, call: Call, body: CopyWeightsToPeer) -> dict:
-        if self.core.sleeping:
-            raise ConflictError("copy_weights_to_peer: this replica is asleep")
+        if self.core.weights_asleep:  # the copy reads the weights alone: a sleeping KV cache may stay so
+            raise ConflictError("copy_weights_to_peer: this replica's weights are asleep")
         self._check_layouts(body.digests)
         version = self.core.weight_version
         sizes = self.core.executor.collective_rpc(rank.CopyPeer(True, body.address, body.ports, None, body.timeout_s))
         return {"weight_version": version, "num_bytes": sum(int(x) for x in sizes)}
 
     def _copy_from_peer(self, call: Call, body: CopyWeightsFromPeer) -> dict:
+        if self.core.weights_asleep:
+            raise ConflictError("copy_weights_from_peer: this replica's weights are asleep")
         self._check_layouts(body.digests)
         sizes = self.core.executor.collective_rpc(rank.CopyPeer(False, body.address, body.ports, None, body.timeout_s))
         self.commits += 1

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from rlserve.config import EngineConfig
 from rlserve.errors import EngineUnavailableError
 from rlserve.frontend.dp_replica import STALE, STARTING, UP, Replica, call_all, combine_errors
+from rlserve.frontend.dp_sleep import ReplicaSleep
 from rlserve.weight_transfer.address import get_open_port
 from rlserve.wire.messages import (
     ConflictError,
@@ -45,7 +46,7 @@ class Front(Protocol):
     tp: int
     replicas: list[Replica]
     paused: tuple[str, bool] | None  # the last /pause (mode, clear_cache) until /resume
-    sleeping: bool
+    sleep_state: ReplicaSleep
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
 
@@ -146,8 +147,18 @@ class ReplicaWeights:
             if not r.alive:
                 return
             source = next((x for x in front.replicas if x.state == UP and x is not r), None)
-            if source is None or front.sleeping:
-                if self.pushed or front.sleeping:
+            asleep = front.sleep_state.weights_asleep
+            if source is None or asleep:
+                try:  # it sleeps as the others do, holding none of the memory they gave back
+                    await front.sleep_state.match(r)
+                except Exception as e:
+                    logger.error("replica %d: putting it to sleep as the others failed: %s", r.index, e)
+                if asleep:
+                    r.state = STALE
+                    r.reason = "the replicas' weights are asleep: it copies them once /wake_up wakes them"
+                    logger.info("replica %d: %s", r.index, r.reason)
+                    return
+                if self.pushed:
                     r.state = STALE
                     r.reason = ("no awake replica to copy the current weights from: it serves after "
                                 "the trainer's next /init_weight_transfer_engine and /update_weights")
@@ -157,6 +168,7 @@ class ReplicaWeights:
                 return
             try:
                 await self._copy(source, r)
+                await front.sleep_state.match(r)
                 if front.paused is not None:
                     await r.client.call(Pause(*front.paused))
             except Exception as e:
