@@ -10,6 +10,12 @@ The same command against two servers gives numbers that compare side by side.
 
 ITL is measured between streamed chunks that carry text, as other serving benchmarks do;
 a chunk that carries several tokens counts as one gap.
+
+`--weight-checker-calls N` (rlserve, and vLLM with its dev endpoints) sends N concurrent
+`POST /weight_checker {"action": "checksum"}` once the load has run `--weight-checker-after`
+seconds, and reports how long they took and the longest gap between two tokens of one
+stream that overlaps them: how far reading every parameter's checksum stalls generation
+(on a large model, the number to watch).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Result:
     ttft: float = 0.0
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
+    stamps: list[float] = field(default_factory=list)  # when each text chunk came (perf_counter)
     error: str = ""
 
 
@@ -110,6 +117,7 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, model
                     else:
                         result.itls.append(now - last)
                     last = now
+                    result.stamps.append(now)
                 usage = chunk.get("usage")
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -127,7 +135,7 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, model
 
 async def run(args: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    limits = httpx.Limits(max_connections=args.concurrency + args.weight_checker_calls + 4)
     async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
                                  timeout=args.timeout, limits=limits) as client:
         model = args.model
@@ -146,9 +154,57 @@ async def run(args: argparse.Namespace) -> dict:
                 return await one_request(client, args, model, prompt)
 
         start = time.perf_counter()
+        checker = asyncio.ensure_future(weight_checker_burst(client, args))
         results = await asyncio.gather(*(bounded(p) for p in prompts))
         duration = time.perf_counter() - start
-    return summarize(args, model, results, duration)
+        burst = await checker
+    summary = summarize(args, model, results, duration)
+    if burst is not None:
+        summary.update(burst.summary(results))
+    return summary
+
+
+@dataclass
+class Burst:
+    """Concurrent /weight_checker calls made while the load ran."""
+
+    start: float
+    end: float
+    latencies: list[float]
+    errors: list[str]
+
+    def summary(self, results: list[Result]) -> dict:
+        gaps = [b - a for r in results if r.ok for a, b in zip(r.stamps, r.stamps[1:])
+                if b >= self.start and a <= self.end]  # gaps overlapping the burst
+        return {"weight_checker_calls": len(self.latencies) + len(self.errors),
+                "weight_checker_failed": len(self.errors),
+                "weight_checker_max_ms": max(self.latencies, default=float("nan")) * 1e3,
+                "weight_checker_window_ms": (self.end - self.start) * 1e3,
+                "max_itl_during_checker_ms": max(gaps, default=float("nan")) * 1e3,
+                "weight_checker_errors": self.errors[:3]}
+
+
+async def weight_checker_burst(client: httpx.AsyncClient, args: argparse.Namespace) -> Burst | None:
+    if not args.weight_checker_calls:
+        return None
+    await asyncio.sleep(args.weight_checker_after)
+    url = args.base_url.rstrip("/").removesuffix("/v1") + "/weight_checker"
+    headers = {"Authorization": f"Bearer {args.admin_key}"} if args.admin_key else None
+
+    async def one() -> float | str:
+        t0 = time.perf_counter()
+        try:
+            r = await client.post(url, json={"action": "checksum"}, headers=headers)
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}"
+        if r.status_code != 200:
+            return f"HTTP {r.status_code}: {r.text[:200]}"
+        return time.perf_counter() - t0
+
+    start = time.perf_counter()
+    got = await asyncio.gather(*(one() for _ in range(args.weight_checker_calls)))
+    return Burst(start, time.perf_counter(), [x for x in got if isinstance(x, float)],
+                 [x for x in got if isinstance(x, str)])
 
 
 def summarize(args: argparse.Namespace, model: str, results: list[Result],
@@ -192,7 +248,12 @@ def report(s: dict) -> str:
         lines.append(f"{label + ' ms mean/p50/p90/p99':<28}" + " / ".join(
             f"{s[k]:.1f}" for k in (f"mean_{name}", f"p50_{name}", f"p90_{name}",
                                     f"p99_{name}")))
-    for e in s.get("errors", []):
+    if "weight_checker_calls" in s:
+        lines.append(f"{'weight_checker calls':<28}{s['weight_checker_calls']} concurrent "
+                     f"({s['weight_checker_failed']} failed), slowest {s['weight_checker_max_ms']:.1f} ms, "
+                     f"all within {s['weight_checker_window_ms']:.1f} ms")
+        lines.append(f"{'longest ITL meanwhile':<28}{s['max_itl_during_checker_ms']:.1f} ms")
+    for e in s.get("errors", []) + s.get("weight_checker_errors", []):
         lines.append(f"error: {e}")
     return "\n".join(lines)
 
@@ -216,9 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    p.add_argument("--weight-checker-calls", type=int, default=0,
+                   help="concurrent POST /weight_checker checksum calls made during the load (0: none)")
+    p.add_argument("--weight-checker-after", type=float, default=2.0,
+                   help="seconds into the measured load when those calls start")
+    p.add_argument("--admin-key", default=None, help="the server's --admin-key, for /weight_checker")
     args = p.parse_args(argv)
     if args.num_requests < 1 or args.concurrency < 1:
         p.error("--num-requests and --concurrency must be at least 1")
+    if args.weight_checker_calls < 0 or args.weight_checker_after < 0:
+        p.error("--weight-checker-calls and --weight-checker-after must not be negative")
 
     summary = asyncio.run(run(args))
     print(report(summary))

@@ -402,13 +402,13 @@ class WeightUpdates:
         return {"success": True, "new_version": self.core.weight_label, "number": number}
 
     def _shutdown_transfer(self, call: Call, body: ShutdownWeightTransfer) -> dict:
-        self.abandon("/shutdown_weight_transfer_engine")
+        self.abandon(body.reason)
         if self.transfer is not None and self.core.world_size == 1:
-            self.core.executor.driver.receiver.abort("the weight-transfer engine was shut down")
+            self.core.executor.driver.receiver.abort(body.reason)
         if self.transfer is not None:
             raise ConflictError("shutdown_weight_transfer_engine: a transfer is under way; it failed "
                                 "now, call again once it has answered")
-        self.core.executor.collective_rpc(rank.CloseTransfer())
+        self.core.executor.collective_rpc(rank.CloseTransfer(body.reason))
         return {"message": "Weight transfer engine shut down"}
 
     # A data-parallel replica that (re)joins copies a healthy replica's weights (and then
@@ -418,14 +418,16 @@ class WeightUpdates:
         return self.core.executor.collective_rpc(rank.WeightsLayout())
 
     def _copy_to_peer(self, call: Call, body: CopyWeightsToPeer) -> dict:
-        if self.core.sleeping:
-            raise ConflictError("copy_weights_to_peer: this replica is asleep")
+        if self.core.weights_asleep:  # the copy reads the weights alone: a sleeping KV cache may stay so
+            raise ConflictError("copy_weights_to_peer: this replica's weights are asleep")
         self._check_layouts(body.digests)
         version = self.core.weight_version
         sizes = self.core.executor.collective_rpc(rank.CopyPeer(True, body.address, body.ports, None, body.timeout_s))
         return {"weight_version": version, "num_bytes": sum(int(x) for x in sizes)}
 
     def _copy_from_peer(self, call: Call, body: CopyWeightsFromPeer) -> dict:
+        if self.core.weights_asleep:
+            raise ConflictError("copy_weights_from_peer: this replica's weights are asleep")
         self._check_layouts(body.digests)
         sizes = self.core.executor.collective_rpc(rank.CopyPeer(False, body.address, body.ports, None, body.timeout_s))
         self.commits += 1

@@ -34,6 +34,7 @@ from rlserve.errors import EngineUnavailableError
 from rlserve.frontend.core_client import EngineAddresses, EngineCoreClient
 from rlserve.frontend.dp_replica import DOWN, STALE, STARTING, UP, Replica, call_all
 from rlserve.frontend.dp_router import Router
+from rlserve.frontend.dp_sleep import ReplicaSleep
 from rlserve.frontend.dp_weights import ReplicaWeights
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
 from rlserve.wire.messages import (
@@ -45,6 +46,7 @@ from rlserve.wire.messages import (
     GetStats,
     InitWeightTransfer,
     Pause,
+    ReleaseKVCache,
     Resume,
     Sleep,
     UpdateWeights,
@@ -93,7 +95,7 @@ class DPEngineClient:
         self.on_dead: Callable[[str], None] | None = None
         self.on_request_failed: Callable[[str, BaseException], None] | None = None
         self.paused: tuple[str, bool] | None = None  # the last /pause, until /resume
-        self.sleeping = False
+        self.sleep_state = ReplicaSleep(self)  # what the replicas sleep with, together (dp_sleep.py)
         self.weights = ReplicaWeights(self)  # the replicas' weights kept one version (dp_weights.py)
         self._tasks: set[asyncio.Task] = set()
         self._handlers = self._handler_table()
@@ -241,6 +243,10 @@ class DPEngineClient:
             if self.on_request_failed is not None:
                 self.on_request_failed(t.request_id, error)
         self.router.forget(r.index)  # after the lost requests were paid off
+        if self.weights.in_group(r):  # a trainer's push would wait for its ranks' answers
+            self.spawn(self.weights.break_group(
+                f"data-parallel replica {r.index} died ({reason}), and its ranks with it: call "
+                "/init_weight_transfer_engine again once /health reports every replica up"))
         if lost:
             logger.warning("replica %d: %d requests in flight, %d retried elsewhere, %d failed",
                            r.index, len(lost), retried, len(lost) - retried)
@@ -304,21 +310,22 @@ class DPEngineClient:
         handler = self._handlers.get(type(body))
         if handler is not None:
             return await handler(body)
-        values = list((await self._fan_out(body)).values())
+        values = list((await self.fan_out(body)).values())
         return values[0] if values else None
 
     def _handler_table(self) -> dict[type, Callable[[Any], Any]]:
         """The calls that are more than "every live replica, the first answer"."""
         return {InitWeightTransfer: self.weights.init_transfer, UpdateWeights: self.weights.update,
-                GetStats: self._stats_call, Pause: self._pause, Resume: self._resume, Sleep: self._sleep,
-                WakeUp: self._wake_up, AbortAll: self._abort_all, WeightChecksums: self._all_answers}
+                GetStats: self._stats_call, Pause: self._pause, Resume: self._resume,
+                Sleep: self.sleep_state.call, ReleaseKVCache: self.sleep_state.call, WakeUp: self._wake_up,
+                AbortAll: self._abort_all, WeightChecksums: self._all_answers}
 
     async def _stats_call(self, body: GetStats) -> dict:
         return msgspec.to_builtins(await self.stats())
 
     async def _pause(self, body: Pause) -> dict:
         self.paused = (body.mode, body.clear_cache)  # a replica that rejoins is paused alike
-        values = list((await self._fan_out(body)).values())
+        values = list((await self.fan_out(body)).values())
         kept = [v for v in values if isinstance(v, dict) and v.get("mode") == "keep" and "kept" in v]
         if kept:
             return {"mode": "keep", "kept": sum(v["kept"] for v in kept)}
@@ -326,27 +333,23 @@ class DPEngineClient:
 
     async def _resume(self, body: Resume) -> None:
         self.paused = None
-        await self._fan_out(body)
-
-    async def _sleep(self, body: Sleep) -> None:
-        self.sleeping = True
-        await self._fan_out(body)
+        await self.fan_out(body)
 
     async def _wake_up(self, body: WakeUp) -> None:
-        await self._fan_out(body)
-        self.sleeping = False
-        for r in self.replicas:
-            if r.state == STALE and not self.weights.in_group(r):
-                self.spawn(self.weights.catch_up(r))
+        await self.sleep_state.call(body)
+        if not self.sleep_state.weights_asleep:  # a replica that joined meanwhile copies them now
+            for r in self.replicas:
+                if r.state == STALE and not self.weights.in_group(r):
+                    self.spawn(self.weights.catch_up(r))
 
     async def _abort_all(self, body: AbortAll) -> int:
-        return sum((await self._fan_out(body)).values())
+        return sum((await self.fan_out(body)).values())
 
     async def _all_answers(self, body: AnyControlCall) -> list:
         """Each replica's answer (a list per replica: one item per rank), one after another."""
-        return [item for _, v in sorted((await self._fan_out(body)).items()) for item in v]
+        return [item for _, v in sorted((await self.fan_out(body)).items()) for item in v]
 
-    async def _fan_out(self, body: AnyControlCall) -> dict[int, Any]:
+    async def fan_out(self, body: AnyControlCall) -> dict[int, Any]:
         """The call on every live replica; all answers, or the errors, per replica."""
         targets = [r for r in self.replicas if r.alive]
         if not targets:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from rlserve.config import EngineConfig
 from rlserve.errors import EngineUnavailableError
 from rlserve.frontend.dp_replica import STALE, STARTING, UP, Replica, call_all, combine_errors
+from rlserve.frontend.dp_sleep import ReplicaSleep
 from rlserve.weight_transfer.address import get_open_port
 from rlserve.wire.messages import (
     ConflictError,
@@ -29,6 +30,7 @@ from rlserve.wire.messages import (
     CopyWeightsToPeer,
     InitWeightTransfer,
     Pause,
+    ShutdownWeightTransfer,
     UpdateWeights,
     WeightsLayout,
 )
@@ -44,7 +46,7 @@ class Front(Protocol):
     tp: int
     replicas: list[Replica]
     paused: tuple[str, bool] | None  # the last /pause (mode, clear_cache) until /resume
-    sleeping: bool
+    sleep_state: ReplicaSleep
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
 
@@ -91,12 +93,12 @@ class ReplicaWeights:
         front = self.front
         async with self.lock:
             if self.group is not None:
-                gone = [r for r in front.replicas if not self.in_group(r)]
+                gone = [r for r in front.replicas if not (self.in_group(r) and r.alive)]
                 if gone:
-                    raise ConflictError(
-                        "update_info: " + ", ".join(f"replica {r.index}" for r in gone)
-                        + " restarted since /init_weight_transfer_engine, so its ranks are not "
-                        "in the trainer's group: call /init_weight_transfer_engine again")
+                    refusal = "update_info: " + "; ".join(map(_out_of_group, gone)) + (
+                        ": call /init_weight_transfer_engine again (once /health reports every replica up)")
+                    await self.break_group(refusal)
+                    raise ConflictError(refusal)
             targets = [r for r in front.replicas if r.alive]
             if not targets:
                 raise EngineUnavailableError("no data-parallel replica is up")
@@ -127,6 +129,17 @@ class ReplicaWeights:
                 "skipped": first.get("skipped", 0),
                 "replicas": [{"replica": i, **v} for i, v in sorted(ok.items())]}
 
+    async def break_group(self, reason: str) -> None:
+        """The trainer's group lost ranks: the replicas still in it leave it, saying why,
+        so a trainer that is pushing raises `reason` at once rather than at its timeout
+        (it waits for every rank's answer, and the lost ones never give one)."""
+        members = [r for r in self.front.replicas if self.in_group(r) and r.alive]
+        got = await asyncio.gather(*(r.client.call(ShutdownWeightTransfer(reason)) for r in members),
+                                   return_exceptions=True)
+        for r, e in zip(members, got):
+            if isinstance(e, BaseException):
+                logger.warning("replica %d: leaving the trainer's group failed: %s", r.index, e)
+
     async def catch_up(self, r: Replica) -> None:
         """Give replica r the weights and version the serving replicas have now."""
         front = self.front
@@ -134,8 +147,18 @@ class ReplicaWeights:
             if not r.alive:
                 return
             source = next((x for x in front.replicas if x.state == UP and x is not r), None)
-            if source is None or front.sleeping:
-                if self.pushed or front.sleeping:
+            asleep = front.sleep_state.weights_asleep
+            if source is None or asleep:
+                try:  # it sleeps as the others do, holding none of the memory they gave back
+                    await front.sleep_state.match(r)
+                except Exception as e:
+                    logger.error("replica %d: putting it to sleep as the others failed: %s", r.index, e)
+                if asleep:
+                    r.state = STALE
+                    r.reason = "the replicas' weights are asleep: it copies them once /wake_up wakes them"
+                    logger.info("replica %d: %s", r.index, r.reason)
+                    return
+                if self.pushed:
                     r.state = STALE
                     r.reason = ("no awake replica to copy the current weights from: it serves after "
                                 "the trainer's next /init_weight_transfer_engine and /update_weights")
@@ -145,6 +168,7 @@ class ReplicaWeights:
                 return
             try:
                 await self._copy(source, r)
+                await front.sleep_state.match(r)
                 if front.paused is not None:
                     await r.client.call(Pause(*front.paused))
             except Exception as e:
@@ -174,3 +198,10 @@ class ReplicaWeights:
         target.weight_version = version
         logger.info("replica %d: copied %.1f MB of weights (version %d) from replica %d",
                     target.index, got["num_bytes"] / 1e6, version, source.index)
+
+
+def _out_of_group(r: Replica) -> str:
+    if r.alive:
+        return (f"replica {r.index} restarted since /init_weight_transfer_engine, so its ranks are not "
+                "in the trainer's group")
+    return f"replica {r.index} is {r.state} ({r.reason}), so its ranks cannot receive"

@@ -11,7 +11,9 @@ helper thread and the caller gives up at the deadline whatever the master does (
 and never answers, speaks HTTP, ...), or at once when `abort()` is called from another
 thread. After a transport failure the group is marked broken and must be initialised
 again; the failing side also writes the failure into the keys its peers wait on next,
-so they fail at once instead of at their timeout.
+so they fail at once instead of at their timeout. A receiver also writes it into one key
+the trainer watches in all its waits: the trainer may be waiting on another rank (one
+that will never answer, e.g. a data-parallel replica that restarted) when it fails.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .tcp import Frames, TcpHub, TcpLink
 
 DEFAULT_TIMEOUT_S = 120.0
 BACKENDS = ("nccl", "gloo")
-PROTOCOL = 3  # the control protocol between trainer and receivers (handshake.py)
+PROTOCOL = 4  # the control protocol between trainer and receivers (handshake.py)
 CONNECT_MARGIN_S = 1.0  # a connect gives up this long after timeout_s at the latest
 _SESSION_KEY = "rlserve/session"
 _DATA_PORT_KEY = "data_port"
@@ -52,6 +54,9 @@ def _attached(part: T | None, what: str) -> T:
     if part is None:
         raise WeightTransferError(f"the group's {what} is closed")
     return part
+
+
+RECEIVER_FAILURE_KEY = "broken/receiver"  # the first receiver's failure: the trainer watches it
 
 
 def broken_key(rank: int) -> str:
@@ -109,10 +114,6 @@ class TransferGroup:
     @property
     def timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout_s)
-
-    @property
-    def peers(self) -> list[int]:
-        return list(self.turns) if self.rank == 0 else [0]
 
     # --- forming the group ---------------------------------------------------
 
@@ -299,8 +300,11 @@ class TransferGroup:
         started = time.monotonic()
         try:
             store = _attached(self._store, "store")
-            store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
-            value = store.get(key).decode(errors="replace")
+            if self.rank == 0:
+                value = self._poll(store, key, started + timeout_s)
+            else:
+                store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
+                value = store.get(key).decode(errors="replace")
         except dist.DistStoreError:
             return None  # timed out: the caller decides what a no-show means
         except Exception as e:
@@ -310,17 +314,35 @@ class TransferGroup:
                 raise self.fail(f"waiting for {what} after {time.monotonic() - started:.1f}s: "
                                 f"{self._store_lost(e)}") from e
             raise self.fail(f"waiting for {what} failed after {time.monotonic() - started:.1f}s: {e}") from e
+        if value is None:
+            return None
         if value.startswith(BROKEN):
             raise self.fail(f"waiting for {what}: {value[len(BROKEN):]}")
         return value
 
+    @staticmethod
+    def _poll(store, key: str, deadline: float) -> str | None:
+        """Trainer: the key's value, None at the deadline, or (as a BROKEN value) the first
+        receiver's failure if it comes first: a store wait would see only the one key."""
+        pause = 0.0005  # a verdict or confirmation on its way comes within milliseconds
+        while not store.check([key]):
+            if store.check([RECEIVER_FAILURE_KEY]):
+                return BROKEN + store.get(RECEIVER_FAILURE_KEY).decode(errors="replace")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _POLL_S / 4)
+        return store.get(key).decode(errors="replace")
+
     def peer_failure(self) -> str | None:
-        """A peer's reported failure, if any (one store round trip per peer)."""
+        """A peer's reported failure, if any (one store round trip): the trainer's, for a
+        receiver; the first receiver's, for the trainer."""
+        failure = RECEIVER_FAILURE_KEY if self.rank == 0 else broken_key(0)
         try:
             store = _attached(self._store, "store")
-            for r in self.peers:
-                if store.check([broken_key(r)]):
-                    return store.get(broken_key(r)).decode(errors="replace")
+            if store.check([failure]):
+                return store.get(failure).decode(errors="replace")
         except Exception as e:
             return self._store_lost(e)
         return None
@@ -362,6 +384,8 @@ class TransferGroup:
             return
         try:
             store.set(broken_key(self.rank), message)
+            if self.rank != 0:
+                store.compare_set(RECEIVER_FAILURE_KEY, "", f"receiver rank {self.rank}: {message}")
             tell_peers(self, store, BROKEN + message)
         except Exception:
             pass  # the store is gone: the peers find out from that

@@ -143,7 +143,8 @@ class SetWeightVersion(ControlCall):
 
 
 class ShutdownWeightTransfer(ControlCall):
-    pass
+    # What a trainer that is (or will be) pushing reads as the group's failure.
+    reason: str = "the weight-transfer engine was shut down"
 
 
 class WeightChecksums(ControlCall):

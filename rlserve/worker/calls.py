@@ -134,8 +134,10 @@ class DropStaged(RankCall):
 
 
 class CloseTransfer(RankCall):
+    reason: str
+
     def run(self, worker) -> None:
-        worker.receiver.abort("the weight-transfer engine was shut down")
+        worker.receiver.abort(self.reason)
         worker.receiver.close()
 
 
