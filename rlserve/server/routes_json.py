@@ -56,12 +56,14 @@ def encode(routes: np.ndarray) -> str:
     # into a strided output several times slower).
     body = np.take(mid, index, mode="clip")
     body[..., -1] = np.take(last, index[..., -1], mode="clip")
-    words = np.empty((t, layers, k + 1), dtype)
+    flat = np.empty(t * layers * (k + 1) + 1, dtype)  # and a last word: the closing "]]"
+    words = flat[:-1].reshape(t, layers, k + 1)
     words[..., 1:] = body
     words[:, :, 0] = layer
     words[:, 0, 0] = token
     words[0, 0, 0] = first
-    return words.tobytes().decode("ascii") + "]]"
+    flat[-1] = np.frombuffer("]]".rjust(size).encode(), dtype)[0]
+    return str(flat.data, "ascii")  # decoded in place: no bytes copy
 
 
 class RoutesJSON:
