@@ -259,7 +259,7 @@ class LLM:
         weights = list(weights)
         scheduler = self.engine.scheduler
         if scheduler.no_weights:  # dropped by sleep(level=2): a partial update would leave garbage
-            missing = sorted(missing_weights(self.engine.executor.driver.receiver.expected, (n for n, _ in weights)))
+            missing = sorted(missing_weights(self.engine.executor.expected_weights, (n for n, _ in weights)))
             if missing:
                 raise ValueError(f"update_weights: the weights were dropped by sleep(level=2), so every "
                                  f"weight must be sent; missing {missing[:5]}"

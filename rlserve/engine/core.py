@@ -34,7 +34,7 @@ from rlserve.model.loader import (
     resolve_max_model_len,
     resolve_model_path,
 )
-from rlserve.model.moe import SparseMoeBlock, config_value
+from rlserve.model.moe import config_value
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
 from rlserve.wire.outputs import (
     EngineCoreOutputs,
@@ -91,13 +91,13 @@ class EngineCore:
             self.lora = LoRAManager(self.executor, config.max_loras, config.max_cpu_loras, config.max_lora_rank)
             for name, path in config.lora_modules.items():
                 self.lora.load(name, path)
-        self.kv = kv_manager(self.executor.driver.model, num_blocks, config)
+        info = self.executor.info
+        self.kv = kv_manager(info, num_blocks, config)
         # Routing replay: whether the model has MoE layers, and the capture when it runs
-        self.moe = any(isinstance(m, SparseMoeBlock) for m in self.executor.driver.model.modules())
-        capturer = self.executor.driver.runner.routes
-        if capturer is not None:
+        self.moe = info.moe
+        if info.routes_shape is not None:
             experts = int(config_value(hf_config, "num_experts", "num_local_experts", default=0))
-            self.kv.routes = RouteStore(self.kv.capacity_tokens, *capturer.shape, experts)
+            self.kv.routes = RouteStore(self.kv.capacity_tokens, *info.routes_shape, experts)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.lora)
         # Overlapped scheduling needs a device that runs ahead of the host, and one rank.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -117,8 +117,7 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks = %d tokens",
-                    config.model, type(self.executor.driver.model).__name__,
-                    self.executor.driver.dtype, self.load_seconds, num_blocks,
+                    config.model, info.model_type, info.dtype, self.load_seconds, num_blocks,
                     self.kv.capacity_tokens)
         if self.memory is not None:
             logger.info("device memory (%.2f GiB, %.0f%% this server's): %s", self.memory.total / GiB,
@@ -145,7 +144,7 @@ class EngineCore:
 
     @property
     def device(self) -> torch.device:
-        return self.executor.driver.device
+        return self.executor.info.device
 
     # -- requests ----------------------------------------------------------------------
     def make_requests(self, prompt_token_ids: list[int], params: SamplingParams,

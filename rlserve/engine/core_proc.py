@@ -176,8 +176,8 @@ class EngineCoreProc:
             max_model_len=core.max_model_len, vocab_size=core.vocab_size,
             world_size=core.world_size, eos_token_ids=sorted(core.eos_token_ids),
             weight_version=core.weight_version, kv_capacity_tokens=core.kv.capacity_tokens,
-            model_type=type(core.executor.driver.model).__name__, device=str(core.device),
-            dtype=str(core.executor.driver.dtype).removeprefix("torch."),
+            model_type=core.executor.info.model_type, device=str(core.device),
+            dtype=str(core.executor.info.dtype).removeprefix("torch."),
             load_seconds=core.load_seconds, pid=os.getpid(), host=get_ip(), memory=core.memory, moe=core.moe,
             routed_experts=core.kv.routes is not None))
 

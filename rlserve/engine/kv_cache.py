@@ -21,12 +21,16 @@ import hashlib
 import logging
 import struct
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rlserve.config import EngineConfig
 from rlserve.engine.request import Request
 from rlserve.engine.state_pool import StatePool
+
+if TYPE_CHECKING:
+    from rlserve.worker.executor import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -367,13 +371,13 @@ class KVCacheManager:
         return self.tables.gather([rows[r.request_id] for r in reqs])
 
 
-def kv_manager(model, num_blocks: int, config: EngineConfig) -> KVCacheManager:
+def kv_manager(model: ModelInfo, num_blocks: int, config: EngineConfig) -> KVCacheManager:
     """The block pool, and a hybrid model's state slots beside it. A hybrid model's prefix
     cache is off: a cached block would give back its keys and values, but not the
     linear-attention state at its end (docs/hybrid.md)."""
-    if not getattr(model, "hybrid", False):
+    if not model.hybrid:
         return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     if config.enable_prefix_caching:
         logger.info("prefix caching is off for %s: its linear-attention state is not cached "
-                    "(docs/hybrid.md)", type(model).__name__)
+                    "(docs/hybrid.md)", model.model_type)
     return KVCacheManager(num_blocks, config.block_size, False, StatePool(config.max_num_seqs))

@@ -116,8 +116,8 @@ class WeightUpdates:
     # A new init replaces whatever transfer is under way (the trainer started over: the
     # pending init or receive fails at once), and abandons an open transaction.
     def _init(self, call: Call, body: InitWeightTransfer) -> Any:
-        if self.transfer is not None and self.core.world_size == 1:
-            self.core.executor.driver.receiver.abort("replaced by a newer /init_weight_transfer_engine")
+        if self.transfer is not None:
+            self.core.executor.abort_transfer("replaced by a newer /init_weight_transfer_engine")
         self.abandon("a new /init_weight_transfer_engine")
         self.expired = None  # the trainer started over
         self.transfer = call
@@ -202,7 +202,7 @@ class WeightUpdates:
     @functools.cached_property
     def model_elements(self) -> int:
         """Elements of every tensor the model takes (stacked and per-expert names both)."""
-        return sum(math.prod(e.shape) for e in self.core.executor.driver.receiver.expected.values())
+        return sum(math.prod(e.shape) for e in self.core.executor.expected_weights.values())
 
     def _transaction_refusal(self, txn: Transaction | None) -> InvalidRequestError | None:
         """A part of a transaction that failed, or of one abandoned at its timeout (the trainer
@@ -245,7 +245,7 @@ class WeightUpdates:
         names = update_info.get("names") if isinstance(update_info, dict) and lora is None else None
         if not isinstance(names, list):
             return 0
-        return skipped([n for n in names if isinstance(n, str)], self.core.executor.driver.receiver.expected)
+        return skipped([n for n in names if isinstance(n, str)], self.core.executor.expected_weights)
 
     def apply_received(self) -> None:
         """Between two steps (the loop's thread): apply what the threads received, and
@@ -403,8 +403,8 @@ class WeightUpdates:
 
     def _shutdown_transfer(self, call: Call, body: ShutdownWeightTransfer) -> dict:
         self.abandon("/shutdown_weight_transfer_engine")
-        if self.transfer is not None and self.core.world_size == 1:
-            self.core.executor.driver.receiver.abort("the weight-transfer engine was shut down")
+        if self.transfer is not None:
+            self.core.executor.abort_transfer("the weight-transfer engine was shut down")
         if self.transfer is not None:
             raise ConflictError("shutdown_weight_transfer_engine: a transfer is under way; it failed "
                                 "now, call again once it has answered")
