@@ -271,8 +271,7 @@ class EngineCore:
             group = req.group_id or req.request_id
             if group not in told:  # the front end fails the whole prompt
                 told.add(group)
-                out.rejected.append(Rejected(group, str(error), error.param,
-                                             404 if isinstance(error, ModelNotFoundError) else 400))
+                out.rejected.append(Rejected.of(group, error))
         self.scheduler.refused.clear()
 
     def _sample_masked(self, handle) -> None:

@@ -43,10 +43,11 @@ import zmq
 from rlserve import envs
 from rlserve.engine.core import EngineCore
 from rlserve.engine.weight_updates import LATER, Handler, WeightUpdates
-from rlserve.errors import ConflictError, EngineUnavailableError, ModelNotFoundError
+from rlserve.errors import ConflictError, EngineUnavailableError
 from rlserve.process import profiled, watch_parent
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.weight_transfer.address import get_ip
+from rlserve.wire.control import Paused
 from rlserve.wire.messages import (
     AbortAll,
     AbortRequests,
@@ -242,10 +243,7 @@ class EngineCoreProc:
             for req in reqs:
                 core.add_request(req)
         except (InvalidRequestError, EngineUnavailableError) as e:
-            status = (503 if isinstance(e, EngineUnavailableError) else
-                      404 if isinstance(e, ModelNotFoundError) else 400)
-            self._send(m.client, EngineCoreOutputs(core.weight_version, rejected=[
-                Rejected(m.request_id, str(e), getattr(e, "param", None), status)]))
+            self._send(m.client, EngineCoreOutputs(core.weight_version, rejected=[Rejected.of(m.request_id, e)]))
             return
         if self.num_clients > 1:
             for req in reqs:
@@ -273,7 +271,7 @@ class EngineCoreProc:
         if body.mode == "abort" and body.clear_cache:  # keep: the core did; wait: once drained
             self.core.reset_prefix_cache()
         if body.mode != "wait":
-            return {"mode": body.mode}
+            return Paused(body.mode)
         self.waits.append(call)
         self._check_waits()
         return LATER
@@ -291,9 +289,9 @@ class EngineCoreProc:
                 assert isinstance(call.body, Pause)  # only pause(wait) calls wait
                 if call.body.clear_cache:
                     core.reset_prefix_cache()
-                self._answer(call, {"mode": "wait"})
+                self._answer(call, Paused("wait"))
             elif core.pause_mode == "keep" or core.sleeping:
-                self._answer(call, {"mode": "keep", "kept": core.scheduler.num_unfinished})
+                self._answer(call, Paused("keep", core.scheduler.num_unfinished))
             else:
                 continue
             self.waits.remove(call)

@@ -38,6 +38,14 @@ from rlserve.errors import ConflictError, PayloadTooLargeError
 from rlserve.model.base import skipped
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.weight_transfer.errors import InvalidUpdateError
+from rlserve.wire.control import (
+    PeerCopied,
+    TransferShutDown,
+    WeightsUpdated,
+    WeightUpdateFinished,
+    WeightUpdateStarted,
+    WeightVersionSet,
+)
 from rlserve.wire.messages import (
     LATER,
     Call,
@@ -278,10 +286,10 @@ class WeightUpdates:
         txn.parts += 1
         txn.num_bytes += got.num_bytes
         txn.touched = time.monotonic()
-        self.answer(got.call, {"message": "Weights updated", "staged": True, "part": txn.parts,
-                               "weight_version": self.core.weight_version, "num_bytes": got.num_bytes,
-                               "receive_seconds": got.receive_seconds, "apply_seconds": 0.0,
-                               "skipped": got.skipped})
+        self.answer(got.call, WeightsUpdated(
+            message="Weights updated", staged=True, part=txn.parts, weight_version=self.core.weight_version,
+            num_bytes=got.num_bytes, receive_seconds=got.receive_seconds, apply_seconds=0.0,
+            skipped=got.skipped))
 
     def _apply(self, got: _Received) -> None:
         t0 = time.perf_counter()
@@ -290,9 +298,9 @@ class WeightUpdates:
         except Exception as e:
             self.answer(got.call, error=e)
             return
-        self.answer(got.call, {"message": "Weights updated", "weight_version": version,
-                               "num_bytes": got.num_bytes, "receive_seconds": got.receive_seconds,
-                               "apply_seconds": time.perf_counter() - t0, "skipped": got.skipped})
+        self.answer(got.call, WeightsUpdated(
+            message="Weights updated", weight_version=version, num_bytes=got.num_bytes,
+            receive_seconds=got.receive_seconds, apply_seconds=time.perf_counter() - t0, skipped=got.skipped))
 
     def _commit(self, version: WeightVersion | None, lora: tuple[str, dict] | None = None,
                 parts: bool = False) -> int:
@@ -318,7 +326,7 @@ class WeightUpdates:
         return self.core.new_weight_version(version)
 
     # -- the transaction -----------------------------------------------------------------------
-    def _start(self, call: Call, body: StartWeightUpdate) -> dict:
+    def _start(self, call: Call, body: StartWeightUpdate) -> WeightUpdateStarted:
         if not body.is_checkpoint_format:
             raise InvalidRequestError("is_checkpoint_format: rlserve takes weights under their checkpoint "
                                       "(Hugging Face) names only; send true", "is_checkpoint_format")
@@ -338,9 +346,9 @@ class WeightUpdates:
         now = time.monotonic()
         txn_id = body.transaction_id if body.transaction_id is not None else f"txn-{self._numbers}"
         self.transaction = Transaction(self._numbers, now, now, txn_id)
-        return {"message": "Weight update started", "transaction": self._numbers, "transaction_id": txn_id}
+        return WeightUpdateStarted("Weight update started", self._numbers, txn_id)
 
-    def _finish(self, call: Call, body: FinishWeightUpdate) -> dict:
+    def _finish(self, call: Call, body: FinishWeightUpdate) -> WeightUpdateFinished:
         version, txn = body.weight_version, self.transaction
         if txn is None:
             why, self.expired = (f": {self.expired}" if self.expired else ""), None
@@ -368,9 +376,8 @@ class WeightUpdates:
             raise InvalidUpdateError(f"finish_weight_update: nothing was committed: {e}") from None
         logger.info("weight update transaction %d committed: %d part(s), %.1f MB, version %s",
                     txn.number, txn.parts, txn.num_bytes / 1e6, self.core.weight_label)
-        return {"message": "Weight update finished", "weight_version": self.core.weight_label,
-                "number": new, "parts": txn.parts, "num_bytes": txn.num_bytes,
-                "apply_seconds": time.perf_counter() - t0, "transaction_id": txn.id}
+        return WeightUpdateFinished("Weight update finished", self.core.weight_label, new, txn.parts,
+                                    txn.num_bytes, time.perf_counter() - t0, txn.id)
 
     def end(self, why: str) -> None:
         """Abandon the open transaction, and tell its owner at its next part or finish."""
@@ -396,12 +403,12 @@ class WeightUpdates:
             logger.warning("dropping the staged parts failed: %s", e)
 
     # -- the other calls ------------------------------------------------------------------------
-    def _set_version(self, call: Call, body: SetWeightVersion) -> dict:
+    def _set_version(self, call: Call, body: SetWeightVersion) -> WeightVersionSet:
         version = parse_version(body.new_version, "new_version")  # parsed already: the engine's own check
         number = self.core.new_weight_version(version, reset_prefix_cache=False)
-        return {"success": True, "new_version": self.core.weight_label, "number": number}
+        return WeightVersionSet(True, self.core.weight_label, number)
 
-    def _shutdown_transfer(self, call: Call, body: ShutdownWeightTransfer) -> dict:
+    def _shutdown_transfer(self, call: Call, body: ShutdownWeightTransfer) -> TransferShutDown:
         self.abandon("/shutdown_weight_transfer_engine")
         if self.transfer is not None:
             self.core.executor.abort_transfer("the weight-transfer engine was shut down")
@@ -409,7 +416,7 @@ class WeightUpdates:
             raise ConflictError("shutdown_weight_transfer_engine: a transfer is under way; it failed "
                                 "now, call again once it has answered")
         self.core.executor.collective_rpc(rank.CloseTransfer())
-        return {"message": "Weight transfer engine shut down"}
+        return TransferShutDown("Weight transfer engine shut down")
 
     # A data-parallel replica that (re)joins copies a healthy replica's weights (and then
     # takes its version): the source sends between two of its steps, so the copy is one
@@ -417,21 +424,21 @@ class WeightUpdates:
     def _layout(self, call: Call, body: WeightsLayout) -> list[str]:
         return self.core.executor.collective_rpc(rank.WeightsLayout())
 
-    def _copy_to_peer(self, call: Call, body: CopyWeightsToPeer) -> dict:
+    def _copy_to_peer(self, call: Call, body: CopyWeightsToPeer) -> PeerCopied:
         if self.core.sleeping:
             raise ConflictError("copy_weights_to_peer: this replica is asleep")
         self._check_layouts(body.digests)
         version = self.core.weight_version
         sizes = self.core.executor.collective_rpc(rank.CopyPeer(True, body.address, body.ports, None, body.timeout_s))
-        return {"weight_version": version, "num_bytes": sum(int(x) for x in sizes)}
+        return PeerCopied(version, sum(int(x) for x in sizes))
 
-    def _copy_from_peer(self, call: Call, body: CopyWeightsFromPeer) -> dict:
+    def _copy_from_peer(self, call: Call, body: CopyWeightsFromPeer) -> PeerCopied:
         self._check_layouts(body.digests)
         sizes = self.core.executor.collective_rpc(rank.CopyPeer(False, body.address, body.ports, None, body.timeout_s))
         self.commits += 1
         self.core.scheduler.no_weights = False
         self.core.new_weight_version(body.weight_version)
-        return {"weight_version": body.weight_version, "num_bytes": sum(int(x) for x in sizes)}
+        return PeerCopied(body.weight_version, sum(int(x) for x in sizes))
 
     def _check_layouts(self, digests: list[str]) -> None:
         # Compared rank by rank here; every rank pair then copies at once.

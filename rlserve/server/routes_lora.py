@@ -15,12 +15,11 @@ no load: the push creates them.
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlserve.server.responses import APIError, ModelCard
 from rlserve.server.security import require_control_access
-from rlserve.wire.messages import ModelNotFoundError
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -71,8 +70,3 @@ async def lora_model_cards(request: Request) -> list[ModelCard]:
 
 def add_lora_routes(app: FastAPI) -> None:
     app.include_router(router)
-
-    @app.exception_handler(ModelNotFoundError)
-    async def model_not_found(_: Request, exc: ModelNotFoundError):
-        err = APIError(404, str(exc), param=exc.param)
-        return JSONResponse(err.body.model_dump(), status_code=404)

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from rlserve import json_depth
 from rlserve.config import EngineConfig
 from rlserve.engine.structured_output import StructuredOutputCompiler
+from rlserve.errors import StatusError
 from rlserve.frontend.bad_words import convert_bad_words
 from rlserve.frontend.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
@@ -440,10 +441,8 @@ class OpenAIServing:
                 async for event in events:
                     yield event
             except Exception as e:  # the 200 is already sent: report in-band, as OpenAI does
-                if isinstance(e, InvalidRequestError):
-                    err = APIError(400, str(e), param=e.param)
-                elif type(e).__name__ in ("EngineDeadError", "EngineUnavailableError"):
-                    err = APIError(503, str(e))
+                if isinstance(e, StatusError):
+                    err = APIError.of(e)
                 else:
                     logging.getLogger(__name__).exception("stream failed")
                     err = APIError(500, f"internal error: {e}")
