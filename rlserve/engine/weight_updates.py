@@ -72,7 +72,7 @@ Handler = Callable[[Call, Any], Any]  # handler(call, call.body): the answer, or
 def asleep_refusal(core) -> InvalidRequestError | None:
     """The one rule for an asleep engine: wake the weights first (their storage is given
     back); the KV cache may stay asleep (vLLM's /wake_up?tags=weights, update, then kv_cache)."""
-    if core.weights_asleep:
+    if core.state.weights_asleep:
         return InvalidRequestError("the server's weights are asleep: POST /wake_up (or /wake_up?tags=weights) "
                                    "before updating weights", "update_info")
     return None
@@ -315,13 +315,13 @@ class WeightUpdates:
         if lora is not None:
             self.core.lora.apply_update(*lora)
         else:
-            complete = parts and self.core.scheduler.no_weights
+            complete = parts and self.core.state.no_weights
             try:
                 self.core.executor.collective_rpc(rank.ApplyStaged(complete=complete))
             except Exception:
                 self._drop_parts()  # a rank that refused must not leave another's staging behind
                 raise
-            self.core.scheduler.no_weights = False  # every required weight is in place now
+            self.core.state.no_weights = False  # every required weight is in place now
         self.commits += 1
         return self.core.new_weight_version(version)
 
@@ -365,7 +365,7 @@ class WeightUpdates:
             message = (f"finish_weight_update: nothing was committed: a part of weight update "
                        f"transaction {txn.number} failed: {txn.failure}")
             raise (failed(message, "update_info") if issubclass(failed, InvalidRequestError) else failed(message))
-        if self.core.scheduler.no_weights and not txn.parts:
+        if self.core.state.no_weights and not txn.parts:
             raise InvalidRequestError("finish_weight_update: nothing was committed: the weights were dropped "
                                       "(a level-2 sleep, or a dummy start) and this transaction sent none; "
                                       "send every weight", "update_info")
@@ -425,7 +425,7 @@ class WeightUpdates:
         return self.core.executor.collective_rpc(rank.WeightsLayout())
 
     def _copy_to_peer(self, call: Call, body: CopyWeightsToPeer) -> PeerCopied:
-        if self.core.sleeping:
+        if self.core.state.sleeping:
             raise ConflictError("copy_weights_to_peer: this replica is asleep")
         self._check_layouts(body.digests)
         version = self.core.weight_version
@@ -436,7 +436,7 @@ class WeightUpdates:
         self._check_layouts(body.digests)
         sizes = self.core.executor.collective_rpc(rank.CopyPeer(False, body.address, body.ports, None, body.timeout_s))
         self.commits += 1
-        self.core.scheduler.no_weights = False
+        self.core.state.no_weights = False
         self.core.new_weight_version(body.weight_version)
         return PeerCopied(body.weight_version, sum(int(x) for x in sizes))
 
