@@ -32,8 +32,7 @@ import msgspec
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlserve.errors import InvalidUpdateError
-from rlserve.server.responses import APIError
+from rlserve.errors import ConflictError, EngineUnavailableError, InvalidRequestError, InvalidUpdateError
 from rlserve.server.security import require_control_access
 from rlserve.wire.limits import check_int_range
 
@@ -117,7 +116,7 @@ async def _unless_stopping(request: Request, call: Awaitable, what: str):
     if task.done():
         return task.result()
     task.cancel()
-    raise APIError(503, f"{what}: the server is shutting down; nothing was changed")
+    raise EngineUnavailableError(f"{what}: the server is shutting down; nothing was changed")
 
 
 @router.get("/get_world_size")
@@ -218,10 +217,10 @@ async def weight_checker(body: WeightCheckerRequest, request: Request) -> dict:
     engine = _engine(request)
     baseline = body.baseline
     if body.action == "compare" and baseline is None:
-        raise APIError(400, "baseline: action 'compare' needs the checksums to compare with", param="baseline")
+        raise InvalidRequestError("baseline: action 'compare' needs the checksums to compare with", "baseline")
     stats = await engine.stats()
     if stats.paused or stats.sleeping:
-        raise APIError(409, "weight_checker requires an awake, unpaused engine")
+        raise ConflictError("weight_checker requires an awake, unpaused engine")
     if body.action == "reset":
         await engine.reset_weights()
         return {"status": "reset"}

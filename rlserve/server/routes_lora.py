@@ -18,7 +18,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlserve.server.responses import APIError, ModelCard
+from rlserve.errors import InvalidRequestError
+from rlserve.server.responses import ModelCard
 from rlserve.server.security import require_control_access
 
 
@@ -41,8 +42,7 @@ router = APIRouter(tags=["LoRA adapters"], dependencies=[Depends(require_control
 def _check_name(request: Request, name: str) -> None:
     base = request.app.state.completions.model_name
     if name == base:
-        raise APIError(400, f"lora_name: {name!r} is the served model's name; pick another",
-                       param="lora_name")
+        raise InvalidRequestError(f"lora_name: {name!r} is the served model's name; pick another", "lora_name")
 
 
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
