@@ -13,7 +13,7 @@ class RoutingSample:
 
     def __init__(self, llm) -> None:
         from rlserve.model.moe import SparseMoeBlock
-        blocks = [m for m in llm.engine.executor.driver.model.modules() if isinstance(m, SparseMoeBlock)]
+        blocks = [m for m in llm.engine.executor.local_runner.model.modules() if isinstance(m, SparseMoeBlock)]
         self.counts = [None] * len(blocks)
         self.tokens = 0
         self.num_experts = blocks[0].gate.out_features if blocks else 0

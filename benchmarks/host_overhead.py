@@ -85,7 +85,7 @@ class StepTimer:
         self.steps: list[tuple[float, float, float, int, int]] = []  # total, forward, sample, seqs, tokens
         self._forward = self._sample = 0.0
         self._last = None
-        runner = engine.executor.driver.runner
+        runner = engine.executor.local_runner
         schedule, step = engine.scheduler.schedule, engine.step
         model = runner.model
         forward, logits, sample = runner.forward, model.compute_logits, sampler.sample

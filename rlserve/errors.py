@@ -2,7 +2,8 @@
 
 An exception raised in the engine process or on a tensor-parallel rank reaches the API
 server as (type name, message, param) and is raised there again as the same type, so
-the HTTP status it maps to (400, 404, 409, 503) does not depend on where it was raised.
+the HTTP status it maps to does not depend on where it was raised. Each class carries
+that status (`http_status`); one handler in the server (server/app.py) answers them all.
 A type missing from the registry arrives as a RuntimeError that names it.
 
 A leaf: it imports nothing of rlserve, so every layer (the model's PEFT checks, the weight
@@ -12,11 +13,22 @@ weight_transfer.errors re-export the ones they are known by.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 
-class InvalidRequestError(ValueError):
+class StatusError(Exception):
+    """An error the HTTP layer answers with its class's status, as vLLM's error body."""
+
+    http_status: ClassVar[int] = 500
+    error_type: ClassVar[str | None] = None  # the body's `type`; None: by the status
+    message_prefix: ClassVar[str] = ""  # leads the body's message
+    param: str | None = None  # the request field at fault, where one is
+
+
+class InvalidRequestError(StatusError, ValueError):
     """A user error. `param` names the offending field; the server turns this into a 400."""
+
+    http_status = 400
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -26,12 +38,20 @@ class InvalidRequestError(ValueError):
 # The weight transfer's two families, kept apart so a handler maps them without caring about
 # `except` order: the trainer's request is wrong (400; the group stays usable and the old
 # weights keep serving), or the transport failed (the group must be initialised again).
-class InvalidUpdateError(ValueError):
-    """A trainer-supplied init_info/update_info is invalid; the message names the fields."""
+class InvalidUpdateError(StatusError, ValueError):
+    """A trainer-supplied init_info/update_info is invalid; the message names the fields.
+    The route that carried it sets `param` (init_info or update_info)."""
+
+    http_status = 400
 
 
-class WeightTransferError(RuntimeError):
+class WeightTransferError(StatusError, RuntimeError):
     """The transfer itself failed or timed out; the group is unusable until re-init."""
+
+    # The trainer side failed or vanished: not the caller's input, not a server bug.
+    http_status = 502
+    error_type = "weight_transfer_error"
+    message_prefix = "weight transfer failed, previous weights still serving: "
 
 
 class UpdateRefusedError(WeightTransferError):
@@ -43,26 +63,37 @@ class UpdateRefusedError(WeightTransferError):
 
 
 class ModelNotFoundError(InvalidRequestError):
-    """`model` (or `param`) names neither the served model nor a loaded adapter (HTTP 404)."""
+    """`model` (or `param`) names neither the served model nor a loaded adapter."""
+
+    http_status = 404
 
     def __init__(self, message: str, param: str | None = "model"):
         super().__init__(message, param)
 
 
 class PayloadTooLargeError(InvalidRequestError):
-    """More than a bound allows to be held at once (HTTP 413)."""
+    """More than a bound allows to be held at once."""
+
+    http_status = 413
 
 
-class ConflictError(RuntimeError):
-    """The call collides with one already under way (HTTP 409)."""
+class ConflictError(StatusError, RuntimeError):
+    """The call collides with one already under way."""
+
+    http_status = 409
 
 
-class EngineUnavailableError(RuntimeError):
-    """Generation cannot run now, for a reason the caller can wait out (HTTP 503)."""
+class EngineUnavailableError(StatusError, RuntimeError):
+    """Generation cannot run now, for a reason the caller can wait out."""
+
+    http_status = 503
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core stopped on an error; every request fails with this (HTTP 503)."""
+class EngineDeadError(StatusError, RuntimeError):
+    """The engine core stopped on an error; every request fails with this (not the
+    caller's fault, nor a bug in this request: the engine is gone)."""
+
+    http_status = 503
 
 
 # Subclasses before the classes they extend: a lookup by name never loses the subclass.

@@ -245,7 +245,7 @@ class LLM:
         self.engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        return self.engine.sleeping
+        return self.engine.state.sleeping
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                        weight_version: int | None = None) -> int:
@@ -253,19 +253,19 @@ class LLM:
         trainer's `model.named_parameters()`); returns the new weight version. Names and
         shapes are checked as each tensor is copied. After `sleep(level=2)` the update must
         hold every weight, and is refused (before anything is copied) otherwise."""
-        if self.engine.weights_asleep:
+        if self.engine.state.weights_asleep:
             raise RuntimeError("update_weights: the weights are asleep; call wake_up() (or "
                                "wake_up(tags=['weights'])) first")
         weights = list(weights)
-        scheduler = self.engine.scheduler
-        if scheduler.no_weights:  # dropped by sleep(level=2): a partial update would leave garbage
-            missing = sorted(missing_weights(self.engine.executor.driver.receiver.expected, (n for n, _ in weights)))
+        state = self.engine.state
+        if state.no_weights:  # dropped by sleep(level=2): a partial update would leave garbage
+            missing = sorted(missing_weights(self.engine.executor.expected_weights, (n for n, _ in weights)))
             if missing:
                 raise ValueError(f"update_weights: the weights were dropped by sleep(level=2), so every "
                                  f"weight must be sent; missing {missing[:5]}"
                                  f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
         version = self.engine.apply_weights(weights, weight_version)
-        scheduler.no_weights = False
+        state.no_weights = False
         return version
 
     def shutdown(self) -> None:

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -25,6 +25,7 @@ from rlserve.engine.grammar_wait import GrammarWait
 from rlserve.engine.kv_cache import RouteStore, kv_manager
 from rlserve.engine.request import FinishReason, Request, RequestStatus
 from rlserve.engine.scheduler import Scheduler
+from rlserve.engine.state import PAUSE_MODES, EngineState
 from rlserve.errors import ConflictError, EngineUnavailableError, ModelNotFoundError
 from rlserve.memory import GiB, MemoryProfile
 from rlserve.model.loader import (
@@ -34,8 +35,9 @@ from rlserve.model.loader import (
     resolve_max_model_len,
     resolve_model_path,
 )
-from rlserve.model.moe import SparseMoeBlock, config_value
+from rlserve.model.moe import config_value
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.wire.control import Paused
 from rlserve.wire.outputs import (
     EngineCoreOutputs,
     EngineStats,
@@ -52,8 +54,6 @@ from rlserve.worker.memory_profile import KVSizing
 from rlserve.worker.model_runner import StepHandle
 
 logger = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "wait", "keep")
 
 
 @dataclass
@@ -91,23 +91,22 @@ class EngineCore:
             self.lora = LoRAManager(self.executor, config.max_loras, config.max_cpu_loras, config.max_lora_rank)
             for name, path in config.lora_modules.items():
                 self.lora.load(name, path)
-        self.kv = kv_manager(self.executor.driver.model, num_blocks, config)
+        info = self.executor.info
+        self.kv = kv_manager(info, num_blocks, config)
         # Routing replay: whether the model has MoE layers, and the capture when it runs
-        self.moe = any(isinstance(m, SparseMoeBlock) for m in self.executor.driver.model.modules())
-        capturer = self.executor.driver.runner.routes
-        if capturer is not None:
+        self.moe = info.moe
+        if info.routes_shape is not None:
             experts = int(config_value(hf_config, "num_experts", "num_local_experts", default=0))
-            self.kv.routes = RouteStore(self.kv.capacity_tokens, *capturer.shape, experts)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.lora)
+            self.kv.routes = RouteStore(self.kv.capacity_tokens, *info.routes_shape, experts)
+        self.state = EngineState()  # paused, asleep, without weights: what stops the steps
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.state,
+                                   self.lora)
         # Overlapped scheduling needs a device that runs ahead of the host, and one rank.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.device.type == "cuda") and self.world_size == 1
         self.inflight: _InFlight | None = None
         self.weight_version = 0
         self.weight_labels: dict[int, str] = {}  # number -> the label it was served under (the latest few)
-        self.asleep: frozenset[str] = frozenset()  # what sleeps: "weights", "kv_cache" (level 0: "scheduling")
-        self.paused = False
-        self.pause_mode: str | None = None
         self.held: list[Request] = []  # arrived while paused: admitted on resume
         self.grammars = GrammarWait(self.tokenizer, self.vocab_size, self.eos_token_ids, config.grammar_limits)
         self.aborted_total = 0
@@ -117,8 +116,7 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks = %d tokens",
-                    config.model, type(self.executor.driver.model).__name__,
-                    self.executor.driver.dtype, self.load_seconds, num_blocks,
+                    config.model, info.model_type, info.dtype, self.load_seconds, num_blocks,
                     self.kv.capacity_tokens)
         if self.memory is not None:
             logger.info("device memory (%.2f GiB, %.0f%% this server's): %s", self.memory.total / GiB,
@@ -145,7 +143,7 @@ class EngineCore:
 
     @property
     def device(self) -> torch.device:
-        return self.executor.driver.device
+        return self.executor.info.device
 
     # -- requests ----------------------------------------------------------------------
     def make_requests(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -176,7 +174,7 @@ class EngineCore:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.scheduler.requests or any(r.request_id == req.request_id for r in self.held):
             raise InvalidRequestError(f"request_id: {req.request_id!r} is already running", "request_id")
-        if self.scheduler.no_weights:
+        if self.state.no_weights:
             raise EngineUnavailableError(
                 "the weights were dropped by /sleep?level=2: generation resumes after a full "
                 "weight update (POST /update_weights)")
@@ -186,7 +184,7 @@ class EngineCore:
             self._enqueue(req)
 
     def _enqueue(self, req: Request) -> None:
-        if self.paused:
+        if self.state.paused:
             self.held.append(req)
         else:
             self.scheduler.add(req)
@@ -272,8 +270,7 @@ class EngineCore:
             group = req.group_id or req.request_id
             if group not in told:  # the front end fails the whole prompt
                 told.add(group)
-                out.rejected.append(Rejected(group, str(error), error.param,
-                                             404 if isinstance(error, ModelNotFoundError) else 400))
+                out.rejected.append(Rejected.of(group, error))
         self.scheduler.refused.clear()
 
     def _sample_masked(self, handle) -> None:
@@ -310,18 +307,18 @@ class EngineCore:
         run."""
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
-        if mode == "wait" and self.pause_mode == "keep" and self.has_unfinished():
+        if mode == "wait" and self.state.pause_mode == "keep" and self.has_unfinished():
             from rlserve.wire.messages import ConflictError
             raise ConflictError(
                 f"mode: wait: generation is paused with mode keep and {len(self.unfinished_ids())} "
                 "requests are frozen, so waiting for them would never end; POST /resume first "
                 "(then /pause?mode=wait drains them), or /pause?mode=abort to end them")
-        self.paused = True
-        self.pause_mode = mode
-        self.scheduler.frozen = mode == "keep"
+        self.state.pause(mode)
         outputs: list[Finished] = []
         if mode == "abort":
             outputs = self.abort(self.unfinished_ids())
+            if clear_cache:  # keep: below; wait: once drained (settled_waits)
+                self.kv.reset_prefix_cache()
         elif mode == "keep" and clear_cache:
             for req in reversed(list(self.scheduler.running)):
                 self.scheduler.drop_kv(req)
@@ -333,23 +330,36 @@ class EngineCore:
         """Every request that was in flight when generation was paused has finished."""
         return not self.has_unfinished()
 
+    def settled_waits(self) -> list[tuple[Any, Paused | ConflictError]]:
+        """The pause(wait) calls (state.waits) whose condition holds now, each with its
+        answer; they leave `waits`. One holds once the requests in flight have finished, or
+        can no longer run (a later keep-pause, or sleep: they are kept, and the answer says
+        so), or generation was resumed meanwhile (an error)."""
+        state = self.state
+        settled: list[tuple[Any, Paused | ConflictError]] = []
+        for call in list(state.waits):
+            answer: Paused | ConflictError
+            if not state.paused:
+                answer = ConflictError("mode: generation was resumed before the requests in flight finished")
+            elif self.drained:
+                if call.body.clear_cache:
+                    self.reset_prefix_cache()
+                answer = Paused("wait")
+            elif state.pause_mode == "keep" or state.sleeping:
+                answer = Paused("keep", self.scheduler.num_unfinished)
+            else:
+                continue
+            state.waits.remove(call)
+            settled.append((call, answer))
+        return settled
+
     def resume(self) -> None:
-        self.paused = False
-        self.pause_mode = None
-        self.scheduler.frozen = False
+        self.state.resume()
         for req in self.held:
             self.scheduler.add(req)
         self.held.clear()
 
     # -- sleep / wake --------------------------------------------------------------------
-    @property
-    def sleeping(self) -> bool:
-        return self.scheduler.sleeping
-
-    @property
-    def weights_asleep(self) -> bool:
-        return "weights" in self.asleep
-
     def sleep(self, level: int = 1) -> EngineCoreOutputs | None:
         """Give the device memory back (see Worker.sleep). Running requests keep their
         tokens and recompute their KV after wake-up; requests that arrive meanwhile wait.
@@ -358,29 +368,30 @@ class EngineCore:
         scheduling: nothing is given back."""
         if level not in (0, 1, 2):
             raise InvalidRequestError(f"level: must be 0, 1 or 2, got {level!r}", "level")
-        if self.sleeping and (level == 0 or (self.weights_asleep and (level == 1 or self.scheduler.no_weights))):
+        state = self.state
+        if state.sleeping and (level == 0 or (state.weights_asleep and (level == 1 or state.no_weights))):
             return None  # as deep already
         # Deeper than now: from level 0, from weights woken alone, or level 1 to 2.
         outputs = self._process(self.inflight) if self.inflight is not None else None
         self.inflight = None
-        self.scheduler.sleeping = True
+        state.sleeping = True
         if level == 0:
-            self.asleep = frozenset({"scheduling"})
+            state.asleep = frozenset({"scheduling"})
             return outputs
         for req in reversed(list(self.scheduler.running)):  # keeps their order in the queue
             self.scheduler.drop_kv(req)
         self.kv.reset_prefix_cache()
         self.executor.collective_rpc(rank.Sleep(level))
-        self.asleep = frozenset({"weights", "kv_cache"})
+        state.asleep = frozenset({"weights", "kv_cache"})
         if level == 2:
-            self.scheduler.no_weights = True
+            state.no_weights = True
         return outputs
 
     def release_kv_cache(self) -> EngineCoreOutputs | None:
         """Give the KV cache back, the weights kept (vLLM's release_kv_cache_memory): the
         requests in flight keep their tokens and recompute after /wake_up (tags kv_cache)."""
-        if self.sleeping:
-            asleep = ", ".join(sorted(self.asleep))
+        if self.state.sleeping:
+            asleep = ", ".join(sorted(self.state.asleep))
             raise ConflictError(f"release_kv_cache_memory: the engine is asleep already ({asleep}); "
                                 "POST /wake_up first")
         outputs = self._process(self.inflight) if self.inflight is not None else None
@@ -389,8 +400,8 @@ class EngineCore:
             self.scheduler.drop_kv(req)
         self.kv.reset_prefix_cache()
         self.executor.collective_rpc(rank.ReleaseKVCache())
-        self.asleep = frozenset({"kv_cache"})
-        self.scheduler.sleeping = True
+        self.state.asleep = frozenset({"kv_cache"})
+        self.state.sleeping = True
         return outputs
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -402,11 +413,12 @@ class EngineCore:
         if unknown:
             raise InvalidRequestError(f"tags: unknown tag(s) {', '.join(map(repr, unknown))} (known: 'weights', "
                                       "'kv_cache')", "tags")
-        waking = sorted(self.asleep & wanted - {"scheduling"})
+        state = self.state
+        waking = sorted(state.asleep & wanted - {"scheduling"})
         if waking:
             self.executor.collective_rpc(rank.WakeUp(waking))
-        self.asleep = frozenset(self.asleep - wanted - {"scheduling"})  # any wake ends a level-0 sleep
-        self.scheduler.sleeping = bool(self.asleep)
+        state.asleep = frozenset(state.asleep - wanted - {"scheduling"})  # any wake ends a level-0 sleep
+        state.sleeping = bool(state.asleep)
 
     # -- weights -----------------------------------------------------------------------
     def apply_weights(self, weights: list[tuple[str, torch.Tensor]], version: int | None = None) -> int:
@@ -483,11 +495,11 @@ class EngineCore:
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hit_tokens=self.kv.prefix_hits,
             weight_version=self.weight_version,
-            paused=self.paused,
-            sleeping=self.sleeping,
+            paused=self.state.paused,
+            sleeping=self.state.sleeping,
             weight_label=self.weight_labels.get(self.weight_version),
-            asleep=sorted(self.asleep),
-            sleep_level=(2 if self.scheduler.no_weights else 1) if self.sleeping else 0,
+            asleep=sorted(self.state.asleep),
+            sleep_level=self.state.sleep_level,
             num_waiting_deferred=len(self.grammars) + self.scheduler.num_deferred,
             iteration_tokens=list(self.scheduler.iteration_tokens),
             iteration_tokens_sum=self.scheduler.iteration_tokens_sum)

@@ -12,7 +12,9 @@ them and sends one message per step to each API server.
 Control calls run between two steps, so none ever sees a half-applied change; each is one
 typed message (messages.py), answered through `_answer`. Weight updates belong to
 WeightUpdates (weight_updates.py): the parts that wait on a trainer run on its threads,
-and the loop calls its `apply_received` between two steps. This module is transport.
+and the loop calls its `apply_received` between two steps. Whether the engine is paused or
+asleep, and which pause(wait) calls still wait, is EngineCore's state (state.py). This
+module is transport.
 
 Lifecycle: the process takes its orders from the API server that started it. SIGINT and
 SIGTERM are ignored (Ctrl-C or `kill -TERM -PGID` reach the whole process group; the API
@@ -43,10 +45,11 @@ import zmq
 from rlserve import envs
 from rlserve.engine.core import EngineCore
 from rlserve.engine.weight_updates import LATER, Handler, WeightUpdates
-from rlserve.errors import ConflictError, EngineUnavailableError, ModelNotFoundError
+from rlserve.errors import EngineUnavailableError
 from rlserve.process import profiled, watch_parent
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.weight_transfer.address import get_ip
+from rlserve.wire.control import Paused
 from rlserve.wire.messages import (
     AbortAll,
     AbortRequests,
@@ -94,7 +97,6 @@ class EngineCoreProc:
         self.updates: WeightUpdates  # live weight updates (weight_updates.py)
         self._handlers: dict[type, Handler] = {}
         self.owners: dict[str, int] = {}  # sample id -> API server, with several of them
-        self.waits: list[Call] = []  # pause(wait) calls, answered once they hold
         self.stopping = False
 
     # -- output ------------------------------------------------------------------------
@@ -176,8 +178,8 @@ class EngineCoreProc:
             max_model_len=core.max_model_len, vocab_size=core.vocab_size,
             world_size=core.world_size, eos_token_ids=sorted(core.eos_token_ids),
             weight_version=core.weight_version, kv_capacity_tokens=core.kv.capacity_tokens,
-            model_type=type(core.executor.driver.model).__name__, device=str(core.device),
-            dtype=str(core.executor.driver.dtype).removeprefix("torch."),
+            model_type=core.executor.info.model_type, device=str(core.device),
+            dtype=str(core.executor.info.dtype).removeprefix("torch."),
             load_seconds=core.load_seconds, pid=os.getpid(), host=get_ip(), memory=core.memory, moe=core.moe,
             routed_experts=core.kv.routes is not None))
 
@@ -195,8 +197,8 @@ class EngineCoreProc:
                     self._emit(out)
             else:  # nothing steps, so nothing would notice a lost rank
                 core.executor.check_health()
-            if self.waits:
-                self._check_waits()
+            if core.state.waits:
+                self._answer_waits()
 
     def _read_inputs(self, block: bool, timeout_ms: int = _IDLE_POLL_MS) -> None:
         sock = self.input
@@ -230,22 +232,16 @@ class EngineCoreProc:
     def _add(self, m: AddRequest) -> None:
         core = self.core
         try:
-            if core.paused and core.pause_mode in ("abort", "wait"):
-                # A pause that ends the requests in flight is a boundary: what arrives after it
-                # is answered at once (vLLM's 503), not run later on other weights. A keep
-                # pause holds new requests with the frozen ones until /resume.
+            if core.state.refuses_new_requests:
                 raise EngineUnavailableError(
-                    f"generation is paused (mode {core.pause_mode}); send the request again "
+                    f"generation is paused (mode {core.state.pause_mode}); send the request again "
                     "after POST /resume")
             reqs = core.make_requests(m.prompt_token_ids, m.params, m.request_id, m.stream, m.cache_salt,
                                       m.lora_name)
             for req in reqs:
                 core.add_request(req)
         except (InvalidRequestError, EngineUnavailableError) as e:
-            status = (503 if isinstance(e, EngineUnavailableError) else
-                      404 if isinstance(e, ModelNotFoundError) else 400)
-            self._send(m.client, EngineCoreOutputs(core.weight_version, rejected=[
-                Rejected(m.request_id, str(e), getattr(e, "param", None), status)]))
+            self._send(m.client, EngineCoreOutputs(core.weight_version, rejected=[Rejected.of(m.request_id, e)]))
             return
         if self.num_clients > 1:
             for req in reqs:
@@ -270,38 +266,24 @@ class EngineCoreProc:
         finished = self.core.pause(body.mode, body.clear_cache)
         if finished:
             self._emit(EngineCoreOutputs(self.core.weight_version, finished=finished))
-        if body.mode == "abort" and body.clear_cache:  # keep: the core did; wait: once drained
-            self.core.reset_prefix_cache()
         if body.mode != "wait":
-            return {"mode": body.mode}
-        self.waits.append(call)
-        self._check_waits()
+            return Paused(body.mode)
+        self.core.state.waits.append(call)
+        self._answer_waits()
         return LATER
 
-    def _check_waits(self) -> None:
-        """Answer pause(wait) calls whose condition holds: the requests in flight have
-        finished, or can no longer run (a later keep-pause, or sleep: then they are kept,
-        and the answer says so), or generation was resumed meanwhile (an error)."""
-        core = self.core
-        for call in list(self.waits):
-            if not core.paused:
-                self._answer(call, error=ConflictError(
-                    "mode: generation was resumed before the requests in flight finished"))
-            elif core.drained:
-                assert isinstance(call.body, Pause)  # only pause(wait) calls wait
-                if call.body.clear_cache:
-                    core.reset_prefix_cache()
-                self._answer(call, {"mode": "wait"})
-            elif core.pause_mode == "keep" or core.sleeping:
-                self._answer(call, {"mode": "keep", "kept": core.scheduler.num_unfinished})
+    def _answer_waits(self) -> None:
+        """Answer the pause(wait) calls whose condition holds (EngineCore.settled_waits)."""
+        for call, answer in self.core.settled_waits():
+            if isinstance(answer, Exception):
+                self._answer(call, error=answer)
             else:
-                continue
-            self.waits.remove(call)
+                self._answer(call, answer)
 
     def _sleep(self, call: Call, body: Sleep) -> None:
         if body.level >= 1:  # staged parts would land on weights that moved, or are gone
             self.updates.end(f"/sleep?level={body.level} came while it was open")
-        if body.level == 2 and not self.core.scheduler.no_weights:  # also a level-1 sleep deepened
+        if body.level == 2 and not self.core.state.no_weights:  # also a level-1 sleep deepened
             # Nothing runs again until a full update: the requests in flight end now, with
             # finish_reason "abort" (vLLM's sleep aborts them too), never an answer-less wait.
             self._abort(self.core.unfinished_ids())

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from rlserve.config import EngineConfig
 from rlserve.engine.block_tables import BlockTables
 from rlserve.engine.request import Request
 from rlserve.engine.state_pool import StateCache, StatePool
+
+if TYPE_CHECKING:
+    from rlserve.worker.executor import ModelInfo
 
 # What a cached block was computed after: the id of its parent block's contents (an int,
 # see BlockPool.content_id), or for a request's first block its salt (None: no salt).
@@ -386,10 +390,10 @@ class KVCacheManager:
         return self.tables.gather([rows[r.request_id] for r in reqs])
 
 
-def kv_manager(model, num_blocks: int, config: EngineConfig) -> KVCacheManager:
+def kv_manager(model: ModelInfo, num_blocks: int, config: EngineConfig) -> KVCacheManager:
     """The block pool, and a hybrid model's state slots beside it: a slot per running
     sequence, then the prefix cache's (EngineConfig.state_cache_slots)."""
-    if not getattr(model, "hybrid", False):
+    if not model.hybrid:
         return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     cache = StateCache(config.max_num_seqs, config.state_cache_slots) if config.state_cache_slots else None
     return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,

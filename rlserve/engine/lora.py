@@ -119,7 +119,7 @@ class LoRAManager:
         self._refuse_second_load(name, load_inplace)
         config, tensors = read_adapter(path, self.max_rank)
         # Names, pairs and shapes, before anything moves (rank 0's model answers for all).
-        lora = self.executor.driver.lora
+        lora = self.executor.lora
         try:
             lora.check(pair_tensors(tensors, config, "adapter_model", lora.exempt))
         except ValueError as e:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, cast
 
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.request import FinishReason, Request, RequestStatus
+from rlserve.engine.state import EngineState
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from rlserve.wire.outputs import (
@@ -45,8 +46,10 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, lora=None):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, state: EngineState,
+                 lora=None):
         self.kv = kv
+        self.state = state  # the engine's: paused, asleep, without weights (read here, never set)
         self.lora = lora  # rlserve.engine.lora.LoRAManager: the slots adapters take
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -54,10 +57,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        # Requests held in place by a `keep` pause: they keep their KV but are not stepped.
-        self.frozen = False
-        self.sleeping = False  # the device memory is given back: nothing can run
-        self.no_weights = False  # dropped by a level-2 sleep: nothing runs until an update
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.finished_ids: list[str] = []  # finished since the last step that ran
         self.num_deferred = 0  # waiting requests the last schedule passed over for a LoRA slot
@@ -105,7 +104,7 @@ class Scheduler:
 
     @property
     def stopped(self) -> bool:
-        return self.frozen or self.sleeping or self.no_weights
+        return self.state.stopped
 
     @property
     def num_unfinished(self) -> int:

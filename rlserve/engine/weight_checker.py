@@ -36,11 +36,11 @@ class WeightChecker:
         """Digests are computed on a thread beside the steps (hashing a large model takes
         seconds); calls that arrive meanwhile share that computation, and a commit that
         lands while it reads the parameters makes it read them again."""
-        if self.updates.core.sleeping:
+        if self.updates.core.state.sleeping:
             raise ConflictError("weight_checker requires an awake, unpaused engine")
         if body.reset:
             self.updates.core.executor.collective_rpc(rank.ResetWeights())
-            self.updates.core.scheduler.no_weights = True  # noise is not served: a full update ends this
+            self.updates.core.state.no_weights = True  # noise is not served: a full update ends this
             self.updates.commits += 1
             self.updates.core.new_weight_version(None)
             return {"reset": True}

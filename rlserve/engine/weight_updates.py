@@ -38,6 +38,14 @@ from rlserve.errors import ConflictError, PayloadTooLargeError
 from rlserve.model.base import skipped
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.weight_transfer.errors import InvalidUpdateError
+from rlserve.wire.control import (
+    PeerCopied,
+    TransferShutDown,
+    WeightsUpdated,
+    WeightUpdateFinished,
+    WeightUpdateStarted,
+    WeightVersionSet,
+)
 from rlserve.wire.messages import (
     LATER,
     Call,
@@ -64,7 +72,7 @@ Handler = Callable[[Call, Any], Any]  # handler(call, call.body): the answer, or
 def asleep_refusal(core) -> InvalidRequestError | None:
     """The one rule for an asleep engine: wake the weights first (their storage is given
     back); the KV cache may stay asleep (vLLM's /wake_up?tags=weights, update, then kv_cache)."""
-    if core.weights_asleep:
+    if core.state.weights_asleep:
         return InvalidRequestError("the server's weights are asleep: POST /wake_up (or /wake_up?tags=weights) "
                                    "before updating weights", "update_info")
     return None
@@ -116,8 +124,8 @@ class WeightUpdates:
     # A new init replaces whatever transfer is under way (the trainer started over: the
     # pending init or receive fails at once), and abandons an open transaction.
     def _init(self, call: Call, body: InitWeightTransfer) -> Any:
-        if self.transfer is not None and self.core.world_size == 1:
-            self.core.executor.driver.receiver.abort("replaced by a newer /init_weight_transfer_engine")
+        if self.transfer is not None:
+            self.core.executor.abort_transfer("replaced by a newer /init_weight_transfer_engine")
         self.abandon("a new /init_weight_transfer_engine")
         self.expired = None  # the trainer started over
         self.transfer = call
@@ -202,7 +210,7 @@ class WeightUpdates:
     @functools.cached_property
     def model_elements(self) -> int:
         """Elements of every tensor the model takes (stacked and per-expert names both)."""
-        return sum(math.prod(e.shape) for e in self.core.executor.driver.receiver.expected.values())
+        return sum(math.prod(e.shape) for e in self.core.executor.expected_weights.values())
 
     def _transaction_refusal(self, txn: Transaction | None) -> InvalidRequestError | None:
         """A part of a transaction that failed, or of one abandoned at its timeout (the trainer
@@ -245,7 +253,7 @@ class WeightUpdates:
         names = update_info.get("names") if isinstance(update_info, dict) and lora is None else None
         if not isinstance(names, list):
             return 0
-        return skipped([n for n in names if isinstance(n, str)], self.core.executor.driver.receiver.expected)
+        return skipped([n for n in names if isinstance(n, str)], self.core.executor.expected_weights)
 
     def apply_received(self) -> None:
         """Between two steps (the loop's thread): apply what the threads received, and
@@ -278,10 +286,10 @@ class WeightUpdates:
         txn.parts += 1
         txn.num_bytes += got.num_bytes
         txn.touched = time.monotonic()
-        self.answer(got.call, {"message": "Weights updated", "staged": True, "part": txn.parts,
-                               "weight_version": self.core.weight_version, "num_bytes": got.num_bytes,
-                               "receive_seconds": got.receive_seconds, "apply_seconds": 0.0,
-                               "skipped": got.skipped})
+        self.answer(got.call, WeightsUpdated(
+            message="Weights updated", staged=True, part=txn.parts, weight_version=self.core.weight_version,
+            num_bytes=got.num_bytes, receive_seconds=got.receive_seconds, apply_seconds=0.0,
+            skipped=got.skipped))
 
     def _apply(self, got: _Received) -> None:
         t0 = time.perf_counter()
@@ -290,9 +298,9 @@ class WeightUpdates:
         except Exception as e:
             self.answer(got.call, error=e)
             return
-        self.answer(got.call, {"message": "Weights updated", "weight_version": version,
-                               "num_bytes": got.num_bytes, "receive_seconds": got.receive_seconds,
-                               "apply_seconds": time.perf_counter() - t0, "skipped": got.skipped})
+        self.answer(got.call, WeightsUpdated(
+            message="Weights updated", weight_version=version, num_bytes=got.num_bytes,
+            receive_seconds=got.receive_seconds, apply_seconds=time.perf_counter() - t0, skipped=got.skipped))
 
     def _commit(self, version: WeightVersion | None, lora: tuple[str, dict] | None = None,
                 parts: bool = False) -> int:
@@ -307,18 +315,18 @@ class WeightUpdates:
         if lora is not None:
             self.core.lora.apply_update(*lora)
         else:
-            complete = parts and self.core.scheduler.no_weights
+            complete = parts and self.core.state.no_weights
             try:
                 self.core.executor.collective_rpc(rank.ApplyStaged(complete=complete))
             except Exception:
                 self._drop_parts()  # a rank that refused must not leave another's staging behind
                 raise
-            self.core.scheduler.no_weights = False  # every required weight is in place now
+            self.core.state.no_weights = False  # every required weight is in place now
         self.commits += 1
         return self.core.new_weight_version(version)
 
     # -- the transaction -----------------------------------------------------------------------
-    def _start(self, call: Call, body: StartWeightUpdate) -> dict:
+    def _start(self, call: Call, body: StartWeightUpdate) -> WeightUpdateStarted:
         if not body.is_checkpoint_format:
             raise InvalidRequestError("is_checkpoint_format: rlserve takes weights under their checkpoint "
                                       "(Hugging Face) names only; send true", "is_checkpoint_format")
@@ -338,9 +346,9 @@ class WeightUpdates:
         now = time.monotonic()
         txn_id = body.transaction_id if body.transaction_id is not None else f"txn-{self._numbers}"
         self.transaction = Transaction(self._numbers, now, now, txn_id)
-        return {"message": "Weight update started", "transaction": self._numbers, "transaction_id": txn_id}
+        return WeightUpdateStarted("Weight update started", self._numbers, txn_id)
 
-    def _finish(self, call: Call, body: FinishWeightUpdate) -> dict:
+    def _finish(self, call: Call, body: FinishWeightUpdate) -> WeightUpdateFinished:
         version, txn = body.weight_version, self.transaction
         if txn is None:
             why, self.expired = (f": {self.expired}" if self.expired else ""), None
@@ -357,7 +365,7 @@ class WeightUpdates:
             message = (f"finish_weight_update: nothing was committed: a part of weight update "
                        f"transaction {txn.number} failed: {txn.failure}")
             raise (failed(message, "update_info") if issubclass(failed, InvalidRequestError) else failed(message))
-        if self.core.scheduler.no_weights and not txn.parts:
+        if self.core.state.no_weights and not txn.parts:
             raise InvalidRequestError("finish_weight_update: nothing was committed: the weights were dropped "
                                       "(a level-2 sleep, or a dummy start) and this transaction sent none; "
                                       "send every weight", "update_info")
@@ -368,9 +376,8 @@ class WeightUpdates:
             raise InvalidUpdateError(f"finish_weight_update: nothing was committed: {e}") from None
         logger.info("weight update transaction %d committed: %d part(s), %.1f MB, version %s",
                     txn.number, txn.parts, txn.num_bytes / 1e6, self.core.weight_label)
-        return {"message": "Weight update finished", "weight_version": self.core.weight_label,
-                "number": new, "parts": txn.parts, "num_bytes": txn.num_bytes,
-                "apply_seconds": time.perf_counter() - t0, "transaction_id": txn.id}
+        return WeightUpdateFinished("Weight update finished", self.core.weight_label, new, txn.parts,
+                                    txn.num_bytes, time.perf_counter() - t0, txn.id)
 
     def end(self, why: str) -> None:
         """Abandon the open transaction, and tell its owner at its next part or finish."""
@@ -396,20 +403,20 @@ class WeightUpdates:
             logger.warning("dropping the staged parts failed: %s", e)
 
     # -- the other calls ------------------------------------------------------------------------
-    def _set_version(self, call: Call, body: SetWeightVersion) -> dict:
+    def _set_version(self, call: Call, body: SetWeightVersion) -> WeightVersionSet:
         version = parse_version(body.new_version, "new_version")  # parsed already: the engine's own check
         number = self.core.new_weight_version(version, reset_prefix_cache=False)
-        return {"success": True, "new_version": self.core.weight_label, "number": number}
+        return WeightVersionSet(True, self.core.weight_label, number)
 
-    def _shutdown_transfer(self, call: Call, body: ShutdownWeightTransfer) -> dict:
+    def _shutdown_transfer(self, call: Call, body: ShutdownWeightTransfer) -> TransferShutDown:
         self.abandon(body.reason)
-        if self.transfer is not None and self.core.world_size == 1:
-            self.core.executor.driver.receiver.abort(body.reason)
+        if self.transfer is not None:
+            self.core.executor.abort_transfer(body.reason)
         if self.transfer is not None:
             raise ConflictError("shutdown_weight_transfer_engine: a transfer is under way; it failed "
                                 "now, call again once it has answered")
         self.core.executor.collective_rpc(rank.CloseTransfer(body.reason))
-        return {"message": "Weight transfer engine shut down"}
+        return TransferShutDown("Weight transfer engine shut down")
 
     # A data-parallel replica that (re)joins copies a healthy replica's weights (and then
     # takes its version): the source sends between two of its steps, so the copy is one
@@ -417,23 +424,23 @@ class WeightUpdates:
     def _layout(self, call: Call, body: WeightsLayout) -> list[str]:
         return self.core.executor.collective_rpc(rank.WeightsLayout())
 
-    def _copy_to_peer(self, call: Call, body: CopyWeightsToPeer) -> dict:
-        if self.core.weights_asleep:  # the copy reads the weights alone: a sleeping KV cache may stay so
+    def _copy_to_peer(self, call: Call, body: CopyWeightsToPeer) -> PeerCopied:
+        if self.core.state.weights_asleep:  # the copy reads the weights alone: a sleeping KV cache may stay so
             raise ConflictError("copy_weights_to_peer: this replica's weights are asleep")
         self._check_layouts(body.digests)
         version = self.core.weight_version
         sizes = self.core.executor.collective_rpc(rank.CopyPeer(True, body.address, body.ports, None, body.timeout_s))
-        return {"weight_version": version, "num_bytes": sum(int(x) for x in sizes)}
+        return PeerCopied(version, sum(int(x) for x in sizes))
 
-    def _copy_from_peer(self, call: Call, body: CopyWeightsFromPeer) -> dict:
-        if self.core.weights_asleep:
+    def _copy_from_peer(self, call: Call, body: CopyWeightsFromPeer) -> PeerCopied:
+        if self.core.state.weights_asleep:
             raise ConflictError("copy_weights_from_peer: this replica's weights are asleep")
         self._check_layouts(body.digests)
         sizes = self.core.executor.collective_rpc(rank.CopyPeer(False, body.address, body.ports, None, body.timeout_s))
         self.commits += 1
-        self.core.scheduler.no_weights = False
+        self.core.state.no_weights = False
         self.core.new_weight_version(body.weight_version)
-        return {"weight_version": body.weight_version, "num_bytes": sum(int(x) for x in sizes)}
+        return PeerCopied(body.weight_version, sum(int(x) for x in sizes))
 
     def _check_layouts(self, digests: list[str]) -> None:
         # Compared rank by rank here; every rank pair then copies at once.

@@ -11,17 +11,21 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from rlserve.config import EngineConfig
-from rlserve.errors import EngineUnavailableError
 from rlserve.frontend.core_client import EngineAddresses, EngineCoreClient
 from rlserve.frontend.output_processor import LatencyObserver, OutputProcessor, RequestState
 from rlserve.frontend.request_output import RequestOutput
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.wire.control import (
+    Paused,
+    TransferShutDown,
+    WeightsUpdated,
+    WeightUpdateFinished,
+    WeightUpdateStarted,
+    WeightVersionSet,
+)
 from rlserve.wire.limits import check_int_range
 from rlserve.wire.messages import (
     AbortAll,
@@ -34,7 +38,6 @@ from rlserve.wire.messages import (
     ListLoRAAdapters,
     LoadLoRAAdapter,
     LoRAAdapterInfo,
-    ModelNotFoundError,
     Pause,
     ReleaseKVCache,
     ResetPrefixCache,
@@ -57,18 +60,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "WeightUpdateResult"]
-
-
-@dataclass
-class WeightUpdateResult:
-    weight_version: int
-    num_bytes: int
-    receive_seconds: float
-    apply_seconds: float
-    replicas: list[dict] | None = None  # data parallel: each replica's own answer
-    staged: bool = False  # inside a transaction: kept until /finish_weight_update
-    skipped: int = 0  # names taken and dropped (a multimodal trainer's vision tower)
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 def _front_end_tokenizer(config: EngineConfig):
@@ -193,10 +185,7 @@ class AsyncEngine:
         for r in out.rejected:
             state = self.requests.get(r.request_id)
             if state is not None:
-                error = (InvalidRequestError(r.message, r.param) if r.status == 400
-                         else ModelNotFoundError(r.message, r.param) if r.status == 404
-                         else EngineUnavailableError(r.message))
-                self.processor.fail(state, error)
+                self.processor.fail(state, r.error())
 
     def _on_request_failed(self, request_id: str, error: BaseException) -> None:
         state = self.requests.get(request_id)
@@ -223,9 +212,9 @@ class AsyncEngine:
         return await self.client.call(body)
 
     async def stats(self) -> EngineStats:
-        return msgspec.convert(await self.call(GetStats()), EngineStats)
+        return await self.call(GetStats())
 
-    async def pause(self, mode: str = "abort", clear_cache: bool = False) -> dict:
+    async def pause(self, mode: str = "abort", clear_cache: bool = False) -> Paused:
         """Stop producing tokens; for `wait`, answers once the requests in flight finished."""
         return await self.call(Pause(mode, clear_cache))
 
@@ -264,13 +253,13 @@ class AsyncEngine:
 
     # -- LoRA adapters (rlserve/engine/lora.py) ------------------------------------------
     async def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> LoRAAdapterInfo:
-        return msgspec.convert(await self.call(LoadLoRAAdapter(name, path, load_inplace)), LoRAAdapterInfo)
+        return await self.call(LoadLoRAAdapter(name, path, load_inplace))
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self.call(UnloadLoRAAdapter(name))
 
     async def list_lora_adapters(self) -> list[LoRAAdapterInfo]:
-        return msgspec.convert(await self.call(ListLoRAAdapters()), list[LoRAAdapterInfo])
+        return await self.call(ListLoRAAdapters())
 
     # -- weight updates (rlserve/engine/weight_updates.py) ----------------------------------
     async def init_weight_transfer(self, init_info: dict) -> None:
@@ -287,7 +276,7 @@ class AsyncEngine:
                            max_world_size=cfg.max_world_size)  # a 400 before anything blocks
         await self.call(InitWeightTransfer(cfg.backend, init_info, cfg.timeout_s))
 
-    async def update_weights(self, update_info: dict) -> WeightUpdateResult:
+    async def update_weights(self, update_info: dict) -> WeightsUpdated:
         """Receive a whole update into staging, then swap it in between two steps (inside a
         transaction: stage it until /finish_weight_update).
 
@@ -309,26 +298,26 @@ class AsyncEngine:
             # Refused here, it still goes to the engine, so a trainer that is sending hears
             # the refusal at once instead of waiting out its timeout for the server's answer.
             version, refusal, param, sent, transaction_id = None, str(e), e.param, None, None
-        answer = await self.call(UpdateWeights(sent, version, transaction_id, refusal, param))
-        result = WeightUpdateResult(**{k: answer[k] for k in WeightUpdateResult.__dataclass_fields__ if k in answer})
-        result.staged = bool(answer.get("staged"))
+        result: WeightsUpdated = await self.call(UpdateWeights(sent, version, transaction_id, refusal, param))
         logger.info("weights %s version %d: %.1f MB received in %.3fs, applied in %.3fs",
                     "staged at" if result.staged else "updated to", result.weight_version,
                     result.num_bytes / 1e6, result.receive_seconds, result.apply_seconds)
         return result
 
-    async def start_weight_update(self, is_checkpoint_format: bool = True, transaction_id: str | None = None) -> dict:
+    async def start_weight_update(self, is_checkpoint_format: bool = True,
+                                  transaction_id: str | None = None) -> WeightUpdateStarted:
         return await self.call(StartWeightUpdate(is_checkpoint_format, transaction_id))
 
-    async def finish_weight_update(self, weight_version: Any = None, transaction_id: str | None = None) -> dict:
+    async def finish_weight_update(self, weight_version: Any = None,
+                                   transaction_id: str | None = None) -> WeightUpdateFinished:
         return await self.call(FinishWeightUpdate(parse_version(weight_version), transaction_id))
 
-    async def update_weight_version(self, new_version: Any) -> dict:
+    async def update_weight_version(self, new_version: Any) -> WeightVersionSet:
         version = parse_version(new_version, "new_version")
         if version is None:
             raise InvalidRequestError("new_version: required (an integer or a string)", "new_version")
-        answer = await self.call(SetWeightVersion(version))
-        self.weight_version = int(answer.get("number", self.weight_version))
+        answer: WeightVersionSet = await self.call(SetWeightVersion(version))
+        self.weight_version = answer.number
         return answer
 
     async def weight_checksums(self) -> list[dict[str, str]]:
@@ -339,7 +328,7 @@ class AsyncEngine:
         """Noise over every parameter (/weight_checker's reset): served only after a full update."""
         await self.call(WeightChecksums(reset=True))
 
-    async def shutdown_weight_transfer(self) -> dict:
+    async def shutdown_weight_transfer(self) -> TransferShutDown:
         return await self.call(ShutdownWeightTransfer())
 
     async def shutdown(self) -> None:

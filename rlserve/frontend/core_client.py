@@ -28,6 +28,7 @@ import zmq.asyncio
 from rlserve.config import EngineConfig
 from rlserve.process import spawn
 from rlserve.sampling_params import SamplingParams
+from rlserve.wire.control import reply_type
 from rlserve.wire.messages import (
     AbortRequests,
     AddRequest,
@@ -194,13 +195,14 @@ class EngineCoreClient:
 
     async def call(self, body: AnyControlCall) -> Any:
         """Run a control call (messages.py: one struct per call) in the engine, between two
-        steps or beside them for the calls that wait on a trainer; return its answer."""
+        steps or beside them for the calls that wait on a trainer; return its answer, as the
+        call's reply struct (wire/control.py)."""
         self._check_alive()
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         self._input.send(self._encode(Call(call_id, body, self.client_index)), copy=False)
-        return await fut
+        return msgspec.convert(await fut, reply_type(body))
 
     # -- stop --------------------------------------------------------------------------
     async def shutdown(self, timeout_s: float = 30.0) -> None:

@@ -37,6 +37,7 @@ from rlserve.frontend.dp_router import Router
 from rlserve.frontend.dp_sleep import ReplicaSleep
 from rlserve.frontend.dp_weights import ReplicaWeights
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.wire.control import Paused
 from rlserve.wire.messages import (
     AbortAll,
     AnyControlCall,
@@ -320,15 +321,15 @@ class DPEngineClient:
                 Sleep: self.sleep_state.call, ReleaseKVCache: self.sleep_state.call, WakeUp: self._wake_up,
                 AbortAll: self._abort_all, WeightChecksums: self._all_answers}
 
-    async def _stats_call(self, body: GetStats) -> dict:
-        return msgspec.to_builtins(await self.stats())
+    async def _stats_call(self, body: GetStats) -> EngineStats:
+        return await self.stats()
 
-    async def _pause(self, body: Pause) -> dict:
+    async def _pause(self, body: Pause) -> Paused:
         self.paused = (body.mode, body.clear_cache)  # a replica that rejoins is paused alike
-        values = list((await self.fan_out(body)).values())
-        kept = [v for v in values if isinstance(v, dict) and v.get("mode") == "keep" and "kept" in v]
+        values: list[Paused] = list((await self.fan_out(body)).values())
+        kept = [v.kept for v in values if v.mode == "keep" and v.kept is not None]
         if kept:
-            return {"mode": "keep", "kept": sum(v["kept"] for v in kept)}
+            return Paused("keep", sum(kept))
         return values[0]
 
     async def _resume(self, body: Resume) -> None:
@@ -357,7 +358,7 @@ class DPEngineClient:
         return await call_all(targets, lambda r: body)
 
     async def stats_of(self, r: Replica) -> EngineStats:
-        s = msgspec.convert(await r.client.call(GetStats()), EngineStats)
+        s: EngineStats = await r.client.call(GetStats())
         r.weight_version = s.weight_version
         return s
 

@@ -19,11 +19,14 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
+import msgspec
+
 from rlserve.config import EngineConfig
 from rlserve.errors import EngineUnavailableError
 from rlserve.frontend.dp_replica import STALE, STARTING, UP, Replica, call_all, combine_errors
 from rlserve.frontend.dp_sleep import ReplicaSleep
 from rlserve.weight_transfer.address import get_open_port
+from rlserve.wire.control import WeightsUpdated
 from rlserve.wire.messages import (
     ConflictError,
     CopyWeightsFromPeer,
@@ -88,7 +91,7 @@ class ReplicaWeights:
             await call_all(front.replicas, joining)
             self.group = {r.index: r.incarnation for r in front.replicas}
 
-    async def update(self, body: UpdateWeights) -> dict:
+    async def update(self, body: UpdateWeights) -> WeightsUpdated:
         """One update into every replica, each all or nothing."""
         front = self.front
         async with self.lock:
@@ -103,11 +106,12 @@ class ReplicaWeights:
             if not targets:
                 raise EngineUnavailableError("no data-parallel replica is up")
             got = await asyncio.gather(*(r.client.call(body) for r in targets), return_exceptions=True)
-            ok = {r.index: v for r, v in zip(targets, got) if not isinstance(v, BaseException)}
+            ok: dict[int, WeightsUpdated] = {r.index: v for r, v in zip(targets, got)
+                                             if not isinstance(v, BaseException)}
             failed = [(r.index, e) for r, e in zip(targets, got) if isinstance(e, BaseException)]
             for r in targets:
                 if r.index in ok:
-                    r.weight_version = ok[r.index]["weight_version"]
+                    r.weight_version = ok[r.index].weight_version
                     if r.state == STALE:  # it has the trainer's weights now
                         r.state, r.reason = UP, ""
             if ok:
@@ -119,15 +123,13 @@ class ReplicaWeights:
                         r.state, r.reason = STALE, f"its update failed ({e}): copying from a replica that succeeded"
                         front.spawn(self.catch_up(r))
             if failed:
-                done = "; ".join(f"replica {i} now serves version {v['weight_version']}" for i, v in ok.items())
+                done = "; ".join(f"replica {i} now serves version {v.weight_version}" for i, v in ok.items())
                 raise combine_errors(failed, done)
-        first = next(iter(ok.values()))
-        return {"weight_version": first["weight_version"], "num_bytes": first["num_bytes"],
-                "receive_seconds": max(v["receive_seconds"] for v in ok.values()),
-                "apply_seconds": max(v["apply_seconds"] for v in ok.values()),
-                "staged": bool(first.get("staged")),  # inside a transaction (every replica's is open)
-                "skipped": first.get("skipped", 0),
-                "replicas": [{"replica": i, **v} for i, v in sorted(ok.items())]}
+        first = next(iter(ok.values()))  # inside a transaction, every replica's is open: staged alike
+        return msgspec.structs.replace(
+            first, receive_seconds=max(v.receive_seconds for v in ok.values()),
+            apply_seconds=max(v.apply_seconds for v in ok.values()),
+            replicas=[msgspec.structs.replace(v, replica=i) for i, v in sorted(ok.items())])
 
     async def break_group(self, reason: str) -> None:
         """The trainer's group lost ranks: the replicas still in it leave it, saying why,
@@ -197,7 +199,7 @@ class ReplicaWeights:
             raise got
         target.weight_version = version
         logger.info("replica %d: copied %.1f MB of weights (version %d) from replica %d",
-                    target.index, got["num_bytes"] / 1e6, version, source.index)
+                    target.index, got.num_bytes / 1e6, version, source.index)
 
 
 def _out_of_group(r: Replica) -> str:

@@ -18,9 +18,8 @@ from starlette.exceptions import HTTPException
 
 from rlserve import envs
 from rlserve.config import EngineConfig
-from rlserve.errors import ConflictError, EngineDeadError, EngineUnavailableError, PayloadTooLargeError
+from rlserve.errors import StatusError
 from rlserve.process import profiled
-from rlserve.sampling_params import InvalidRequestError
 from rlserve.server import routes_openai
 from rlserve.server.limits import BODY_JSON_DEPTH, BodySizeLimit
 from rlserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -188,9 +187,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         return JSONResponse(exc.body.model_dump(), status_code=exc.status, headers=headers)
 
-    @app.exception_handler(InvalidRequestError)
-    async def invalid_request(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return _error(413 if isinstance(exc, PayloadTooLargeError) else 400, str(exc), param=exc.param)
+    # Every error class of rlserve/errors.py carries its status: this one handler answers them.
+    @app.exception_handler(StatusError)
+    async def status_error(_: Request, exc: StatusError) -> JSONResponse:
+        err = APIError.of(exc)
+        return JSONResponse(err.body.model_dump(), status_code=err.status)
 
     # FastAPI answers 422 by default; OpenAI clients expect 400 naming the field.
     @app.exception_handler(RequestValidationError)
@@ -203,19 +204,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         # vLLM types the errors of its HTTP layer (unknown route, method) by the status's phrase.
         return _error(exc.status_code, str(exc.detail), type=error_type(exc.status_code, phrase=True),
                       headers=exc.headers)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        # Not the caller's fault and not a bug in this request: the engine is gone.
-        return _error(503, str(exc))
-
-    @app.exception_handler(EngineUnavailableError)
-    async def engine_unavailable(_: Request, exc: EngineUnavailableError) -> JSONResponse:
-        return _error(503, str(exc))
-
-    @app.exception_handler(ConflictError)
-    async def conflict(_: Request, exc: ConflictError) -> JSONResponse:
-        return _error(409, str(exc))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from rlserve.errors import StatusError
 from rlserve.server.routes_json import RoutesField
 
 
@@ -294,3 +295,8 @@ class APIError(Exception):
     @property
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=self.info)
+
+    @classmethod
+    def of(cls, e: StatusError) -> APIError:
+        """An error of rlserve/errors.py as the answer its class names (status, type, message)."""
+        return cls(e.http_status, e.message_prefix + str(e), type=e.error_type, param=e.param)

@@ -24,13 +24,15 @@ rlserve/server/security.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import contextlib
+from collections.abc import Awaitable, Iterator
 from typing import Any, Literal
 
+import msgspec
 from fastapi import APIRouter, Body, Depends, FastAPI, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlserve.server.responses import APIError
+from rlserve.errors import ConflictError, EngineUnavailableError, InvalidRequestError, InvalidUpdateError
 from rlserve.server.security import require_control_access
 from rlserve.wire.limits import check_int_range
 
@@ -88,16 +90,17 @@ def _engine(request: Request):
     return request.app.state.engine
 
 
-def _transfer_error(e: Exception, param: str) -> APIError:
-    """A weight-transfer failure as an answer; `param`: the body field the call was about."""
-    from rlserve.weight_transfer import InvalidUpdateError, WeightTransferError
-    if isinstance(e, InvalidUpdateError):
-        return APIError(400, str(e), param=param)
-    if isinstance(e, WeightTransferError):
-        # The trainer side failed or vanished: not the caller's input, not a server bug.
-        return APIError(502, f"weight transfer failed, previous weights still serving: {e}",
-                        type="weight_transfer_error")
-    raise e
+@contextlib.contextmanager
+def _about(param: str) -> Iterator[None]:
+    """An invalid init_info or update_info names the body field this call carried it in
+    (the transfer's checks do not know which call that was); the app's one handler
+    answers it, as every error, with its class's status."""
+    try:
+        yield
+    except InvalidUpdateError as e:
+        if e.param is None:
+            e.param = param
+        raise
 
 
 async def _unless_stopping(request: Request, call: Awaitable, what: str):
@@ -113,7 +116,7 @@ async def _unless_stopping(request: Request, call: Awaitable, what: str):
     if task.done():
         return task.result()
     task.cancel()
-    raise APIError(503, f"{what}: the server is shutting down; nothing was changed")
+    raise EngineUnavailableError(f"{what}: the server is shutting down; nothing was changed")
 
 
 @router.get("/get_world_size")
@@ -126,13 +129,9 @@ async def get_world_size(request: Request, include_dp: bool = Query(
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: Request) -> dict:
     check_int_range(body.init_info, "init_info")
-    try:
+    with _about("init_info"):
         await _unless_stopping(request, _engine(request).init_weight_transfer(body.init_info),
                                "init_weight_transfer_engine")
-    except APIError:
-        raise
-    except Exception as e:
-        raise _transfer_error(e, "init_info") from e
     return {"status": "ok"}
 
 
@@ -140,14 +139,12 @@ async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: 
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
     metrics = request.app.state.metrics
     try:
-        result = await _unless_stopping(request, _engine(request).update_weights(body.update_info),
-                                        "update_weights")
-    except APIError:
+        with _about("update_info"):
+            result = await _unless_stopping(request, _engine(request).update_weights(body.update_info),
+                                            "update_weights")
+    except Exception:
         metrics.weight_update(False, 0.0)
         raise
-    except Exception as e:
-        metrics.weight_update(False, 0.0)
-        raise _transfer_error(e, "update_info") from e
     metrics.weight_update(True, result.receive_seconds + result.apply_seconds, result.num_bytes)
     gbps = result.num_bytes / max(result.receive_seconds, 1e-9) / 1e9
     answer = {"status": "ok", "message": "Weights updated", "staged": result.staged,
@@ -158,7 +155,7 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
     if result.skipped:  # a multimodal trainer's vision tower, which this server does not hold
         answer["skipped"] = result.skipped
     if result.replicas is not None:
-        answer["replicas"] = result.replicas
+        answer["replicas"] = [msgspec.to_builtins(r) for r in result.replicas]
     return answer
 
 
@@ -172,7 +169,8 @@ async def start_weight_update(request: Request, body: StartWeightUpdateRequest |
     which abandons it). The answer's `transaction_id` (the one given, or one made) may be
     carried by every part (`update_info.transaction_id`) and the finish: another id is a 409."""
     body = body or StartWeightUpdateRequest()
-    return await _engine(request).start_weight_update(body.is_checkpoint_format, body.transaction_id)
+    return msgspec.to_builtins(await _engine(request).start_weight_update(body.is_checkpoint_format,
+                                                                          body.transaction_id))
 
 
 @router.post("/finish_weight_update")
@@ -180,11 +178,9 @@ async def finish_weight_update(request: Request, body: FinishWeightUpdateRequest
     """Commit every staged part in one step, between two engine steps (new version, prefix
     cache reset); if any part failed, commit nothing and say what failed."""
     body = body or FinishWeightUpdateRequest()
-    try:
+    with _about("update_info"):  # a part that failed
         answer = await _engine(request).finish_weight_update(body.weight_version, body.transaction_id)
-    except Exception as e:
-        raise _transfer_error(e, "update_info") from e  # a part that failed
-    return {**answer, "weight_version": str(answer["weight_version"])}
+    return msgspec.to_builtins(answer)
 
 
 # -- the other calls -----------------------------------------------------------------------------
@@ -221,10 +217,10 @@ async def weight_checker(body: WeightCheckerRequest, request: Request) -> dict:
     engine = _engine(request)
     baseline = body.baseline
     if body.action == "compare" and baseline is None:
-        raise APIError(400, "baseline: action 'compare' needs the checksums to compare with", param="baseline")
+        raise InvalidRequestError("baseline: action 'compare' needs the checksums to compare with", "baseline")
     stats = await engine.stats()
     if stats.paused or stats.sleeping:
-        raise APIError(409, "weight_checker requires an awake, unpaused engine")
+        raise ConflictError("weight_checker requires an awake, unpaused engine")
     if body.action == "reset":
         await engine.reset_weights()
         return {"status": "reset"}
@@ -246,7 +242,7 @@ def keyed_checksums(per_rank: list[dict[str, str]], tp_size: int) -> dict[str, s
 @router.post("/shutdown_weight_transfer_engine")
 async def shutdown_weight_transfer_engine(request: Request) -> dict:
     """Leave the trainer's group (an open transaction is abandoned); init joins it again."""
-    return await _engine(request).shutdown_weight_transfer()
+    return msgspec.to_builtins(await _engine(request).shutdown_weight_transfer())
 
 
 @router.post("/pause")
@@ -265,7 +261,7 @@ async def pause(request: Request,
     Generation requests that arrive during an abort or wait pause are answered 503 at once
     (as in vLLM); during a keep pause they wait for /resume with the frozen ones."""
     answer = await _engine(request).pause(mode, clear_cache)
-    return {"status": "paused", **answer}
+    return {"status": "paused", **msgspec.to_builtins(answer)}
 
 
 @router.post("/resume")

@@ -15,12 +15,12 @@ no load: the push creates them.
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlserve.server.responses import APIError, ModelCard
+from rlserve.errors import InvalidRequestError
+from rlserve.server.responses import ModelCard
 from rlserve.server.security import require_control_access
-from rlserve.wire.messages import ModelNotFoundError
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -42,8 +42,7 @@ router = APIRouter(tags=["LoRA adapters"], dependencies=[Depends(require_control
 def _check_name(request: Request, name: str) -> None:
     base = request.app.state.completions.model_name
     if name == base:
-        raise APIError(400, f"lora_name: {name!r} is the served model's name; pick another",
-                       param="lora_name")
+        raise InvalidRequestError(f"lora_name: {name!r} is the served model's name; pick another", "lora_name")
 
 
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
@@ -71,8 +70,3 @@ async def lora_model_cards(request: Request) -> list[ModelCard]:
 
 def add_lora_routes(app: FastAPI) -> None:
     app.include_router(router)
-
-    @app.exception_handler(ModelNotFoundError)
-    async def model_not_found(_: Request, exc: ModelNotFoundError):
-        err = APIError(404, str(exc), param=exc.param)
-        return JSONResponse(err.body.model_dump(), status_code=404)

@@ -50,6 +50,7 @@ async def require_api_key(request: Request) -> None:
 async def require_awake(request: Request) -> None:
     """With --reject-while-asleep, generation during /sleep is a 503 instead of a wait."""
     if request.app.state.reject_while_asleep and (await request.app.state.engine.stats()).sleeping:
+        # The server's own refusal (an APIError): counted below as an admission rejection.
         raise APIError(503, "the server is asleep (POST /wake_up first); it was started with "
                             "--reject-while-asleep")
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from rlserve import json_depth
 from rlserve.config import EngineConfig
 from rlserve.engine.structured_output import StructuredOutputCompiler
+from rlserve.errors import ModelNotFoundError, StatusError
 from rlserve.frontend.bad_words import convert_bad_words
 from rlserve.frontend.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
@@ -201,8 +202,7 @@ class OpenAIServing:
             return None
         if self.config.enable_lora:
             return model
-        raise APIError(404, f"model: {model!r} does not exist; this server serves "
-                            f"{self.model_name!r}", param="model")
+        raise ModelNotFoundError(f"model: {model!r} does not exist; this server serves {self.model_name!r}")
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         for t in ids:
@@ -440,10 +440,8 @@ class OpenAIServing:
                 async for event in events:
                     yield event
             except Exception as e:  # the 200 is already sent: report in-band, as OpenAI does
-                if isinstance(e, InvalidRequestError):
-                    err = APIError(400, str(e), param=e.param)
-                elif type(e).__name__ in ("EngineDeadError", "EngineUnavailableError"):
-                    err = APIError(503, str(e))
+                if isinstance(e, StatusError):
+                    err = APIError.of(e)
                 else:
                     logging.getLogger(__name__).exception("stream failed")
                     err = APIError(500, f"internal error: {e}")

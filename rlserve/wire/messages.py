@@ -17,7 +17,7 @@ Engine -> API server (one PULL socket per API server, which binds it; the engine
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -32,7 +32,18 @@ from rlserve.errors import (  # noqa: F401 (re-exported)
 )
 from rlserve.memory import MemoryProfile
 from rlserve.sampling_params import SamplingParams
-from rlserve.wire.outputs import EngineCoreOutputs
+from rlserve.wire.control import (  # noqa: F401 (LoRAAdapterInfo re-exported)
+    Checksums,
+    LoRAAdapterInfo,
+    Paused,
+    PeerCopied,
+    TransferShutDown,
+    WeightsUpdated,
+    WeightUpdateFinished,
+    WeightUpdateStarted,
+    WeightVersionSet,
+)
+from rlserve.wire.outputs import EngineCoreOutputs, EngineStats
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
@@ -52,10 +63,14 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 # -- control calls: one struct per call, sent inside a Call ---------------------------------
 
 class ControlCall(msgspec.Struct, array_like=True, tag=True):
-    """A control call's body; the engine answers each with a CallResult."""
+    """A control call's body; the engine answers each with a CallResult, whose value is a
+    `reply` (control.py; Any: a plain value, or nothing)."""
+
+    reply: ClassVar[Any] = Any
 
 
 class Pause(ControlCall):
+    reply = Paused
     mode: str = "abort"
     clear_cache: bool = False
 
@@ -81,11 +96,11 @@ class ResetPrefixCache(ControlCall):
 
 
 class GetStats(ControlCall):
-    pass
+    reply = EngineStats
 
 
 class AbortAll(ControlCall):
-    pass
+    reply = int  # how many requests were ended
 
 
 class Shutdown(ControlCall):
@@ -93,11 +108,13 @@ class Shutdown(ControlCall):
 
 
 class ListLoRAAdapters(ControlCall):
-    pass
+    reply = list[LoRAAdapterInfo]
 
 
 class LoadLoRAAdapter(ControlCall):
     """Load a PEFT adapter directory as `lora_name` (vLLM's /v1/load_lora_adapter)."""
+
+    reply = LoRAAdapterInfo
 
     lora_name: str
     lora_path: str
@@ -117,6 +134,7 @@ class InitWeightTransfer(ControlCall):
 
 
 class UpdateWeights(ControlCall):
+    reply = WeightsUpdated
     update_info: Any
     weight_version: int | str | None = None  # parsed by rlserve.wire.weight_version
     transaction_id: str | None = None  # the open transaction this part belongs to (checked if given)
@@ -129,20 +147,25 @@ class UpdateWeights(ControlCall):
 class StartWeightUpdate(ControlCall):
     """Open a transaction: the /update_weights that follow stage, /finish_weight_update commits."""
 
+    reply = WeightUpdateStarted
+
     is_checkpoint_format: bool = True
     transaction_id: str | None = None  # the owner's name for it; None: the server picks one
 
 
 class FinishWeightUpdate(ControlCall):
+    reply = WeightUpdateFinished
     weight_version: int | str | None = None  # parsed by rlserve.wire.weight_version
     transaction_id: str | None = None
 
 
 class SetWeightVersion(ControlCall):
+    reply = WeightVersionSet
     new_version: int | str
 
 
 class ShutdownWeightTransfer(ControlCall):
+    reply = TransferShutDown
     # What a trainer that is (or will be) pushing reads as the group's failure.
     reason: str = "the weight-transfer engine was shut down"
 
@@ -151,14 +174,16 @@ class WeightChecksums(ControlCall):
     """Each rank's digest of each of its parameters (what /weight_checker compares); with
     `reset`, noise over every parameter instead (nothing is served until a full update)."""
 
+    reply = Checksums
     reset: bool = False
 
 
 class WeightsLayout(ControlCall):
-    pass
+    reply = list[str]  # each rank's digest of its parameters' names, shapes and dtypes
 
 
 class CopyWeightsToPeer(ControlCall):
+    reply = PeerCopied
     address: str
     ports: list[int]
     digests: list[str]
@@ -166,6 +191,7 @@ class CopyWeightsToPeer(ControlCall):
 
 
 class CopyWeightsFromPeer(ControlCall):
+    reply = PeerCopied
     address: str
     ports: list[int]
     digests: list[str]
@@ -184,16 +210,6 @@ class Call(msgspec.Struct, tag="call", array_like=True):
     call_id: int
     body: AnyControlCall
     client: int = 0  # the API server it came from: the answer goes back there
-
-
-class LoRAAdapterInfo(msgspec.Struct):
-    """A loaded adapter, as list_loras and load_lora answer."""
-
-    name: str
-    slot: int
-    path: str | None  # None: pushed by a trainer
-    r: int
-    lora_alpha: float
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):

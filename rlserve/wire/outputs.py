@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from rlserve.errors import WireError, from_wire, to_wire
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
 
@@ -99,7 +100,16 @@ class Rejected(msgspec.Struct, array_like=True):
     request_id: str
     message: str
     param: str | None
-    status: int = 400
+    error_type: str = "InvalidRequestError"  # its class (rlserve/errors.py): its status with it
+
+    @classmethod
+    def of(cls, request_id: str, e: BaseException) -> Rejected:
+        w = to_wire(e)
+        return cls(request_id, w.message, w.param, w.type)
+
+    def error(self) -> BaseException:
+        """The refusal, raised again in the front end as the engine's own type."""
+        return from_wire(WireError(self.error_type, self.message, self.param))
 
 
 class EngineStats(msgspec.Struct, array_like=True):

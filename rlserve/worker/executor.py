@@ -1,7 +1,8 @@
 """Runs the model on every tensor-parallel rank and calls methods on all of them.
 
-Rank 0, the driver, lives in this process: one rank means no process hop, and the engine
-reads the driver's model and device directly. Ranks 1..N-1 are worker processes
+Rank 0, the driver, lives in this process: one rank means no process hop. The engine
+reads what it needs of rank 0 through this class (`info`, `expected_weights`,
+`abort_transfer`, `lora`), never the driver itself. Ranks 1..N-1 are worker processes
 (worker_proc.py), each on a socket carrying msgpack messages (messages.py):
 
 - a step per engine step: the scheduler output as plain lists, and no reply. The step's
@@ -28,6 +29,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -37,6 +39,7 @@ import torch
 
 from rlserve.config import EngineConfig
 from rlserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, host_store, tp_device
+from rlserve.model.moe import SparseMoeBlock
 from rlserve.process import spawn
 from rlserve.worker.calls import RankCall, TensorCall
 from rlserve.worker.channel import Channel, ChannelClosed, StepEncoder, error_from_reply, reply_error_text
@@ -116,6 +119,18 @@ class WorkerProcess:
         self.chan.close()
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine reads of the model every rank runs (rank 0's answers for all)."""
+
+    model_type: str  # the model class's name
+    dtype: torch.dtype
+    device: torch.device  # rank 0's
+    hybrid: bool  # linear-attention layers beside attention (state slots, no prefix cache)
+    moe: bool  # mixture-of-experts layers
+    routes_shape: tuple[int, int] | None  # routing capture's (layers, top_k) while it runs
+
+
 class Executor:
     """Rank 0 in this process plus one worker process per further rank."""
 
@@ -135,6 +150,11 @@ class Executor:
             if self.world_size > 1:
                 self.tp = self._start_workers(config, model_path)
             self.driver = Worker(config, hf_config, model_path, rank=0, tp=self.tp)
+            model, routes = self.driver.model, self.driver.runner.routes
+            self.info = ModelInfo(type(model).__name__, self.driver.dtype, self.driver.device,
+                                  bool(getattr(model, "hybrid", False)),
+                                  any(isinstance(m, SparseMoeBlock) for m in model.modules()),
+                                  None if routes is None else routes.shape)
             for w in self.workers:  # each answers its init once its model is loaded
                 reply = self._reply(w)
                 if not reply["ok"]:
@@ -228,6 +248,30 @@ class Executor:
                 w.replies.put(None)  # stays lost for later callers
                 raise WorkerDiedError(self.failure or f"tensor-parallel worker rank {w.rank} is gone")
             return msg
+
+    # -- what the engine reads of rank 0 --------------------------------------------------
+    @property
+    def expected_weights(self) -> dict[str, Any]:
+        """Every weight name the model takes (stacked and per-expert), with its shape and dtype."""
+        return self.driver.receiver.expected
+
+    @property
+    def lora(self):
+        """Rank 0's LoRA slots (every rank's are alike): what an adapter is checked against."""
+        return self.driver.lora
+
+    def abort_transfer(self, reason: str) -> None:
+        """Fail a weight receive or group join under way, now. Only one rank in this process
+        can be reached while it runs (other ranks are behind the call in flight): with
+        worker processes the transfer ends by its own timeout instead."""
+        if not self.workers:
+            self.driver.receiver.abort(reason)
+
+    @property
+    def local_runner(self):
+        """Rank 0's model runner (and through it, its model): for tests and benchmarks that
+        look inside a step. The engine itself goes through the methods here."""
+        return self.driver.runner
 
     # -- the interface the engine uses ----------------------------------------------------
     def collective_rpc(self, call: RankCall) -> list[Any]:

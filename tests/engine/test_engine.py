@@ -243,10 +243,10 @@ def test_fp8_kv_cache_holds_more_tokens_and_stays_close(model_path, llm):
                kv_cache_memory_bytes=budget)
     fp8 = LLM(model_path, device="cpu", dtype="float32", max_model_len=512,
               kv_cache_memory_bytes=budget, kv_cache_dtype="fp8")
-    runner = fp8.engine.executor.driver.runner
+    runner = fp8.engine.executor.local_runner
     assert runner.kv_cache.dtype == torch.float8_e4m3fn
     assert runner.kv_scales.shape == (*runner.kv_cache.shape[:-1],)
-    runners = [e.engine.executor.driver.runner for e in (base, fp8)]
+    runners = [e.engine.executor.local_runner for e in (base, fp8)]
     rows = 2 * 16 * 3 * 30  # k and v, block size, kv heads, layers
     assert [r.kv_bytes_per_block() for r in runners] == [rows * 64 * 4, rows * (64 + 4)]
     assert [r.num_blocks for r in runners] == [budget // r.kv_bytes_per_block() for r in runners]
@@ -277,8 +277,8 @@ def test_unknown_load_format_is_refused(model_path):
 def test_dummy_weights_are_deterministic(model_path):
     a = LLM(model_path, device="cpu", load_format="dummy", seed=3, max_model_len=128)
     b = LLM(model_path, device="cpu", load_format="dummy", seed=3, max_model_len=128)
-    pa = dict(a.engine.executor.driver.model.named_parameters())
-    for name, p in b.engine.executor.driver.model.named_parameters():
+    pa = dict(a.engine.executor.local_runner.model.named_parameters())
+    for name, p in b.engine.executor.local_runner.model.named_parameters():
         assert torch.equal(p, pa[name]), name
 
 
@@ -368,7 +368,7 @@ def test_block_tables_through_engine_preemption(model_path, unconstrained):
                 async_scheduling=True)
     engine = small.engine
     tables_seen = []
-    launch = engine.executor.driver.runner.launch
+    launch = engine.executor.local_runner.launch
 
     def checked_launch(sched, block_tables, prev=None, **kw):
         reqs = [item.request for item in sched.scheduled]
@@ -376,7 +376,7 @@ def test_block_tables_through_engine_preemption(model_path, unconstrained):
         tables_seen.append(block_tables.shape)
         return launch(sched, block_tables, prev, **kw)
 
-    engine.executor.driver.runner.launch = checked_launch
+    engine.executor.local_runner.launch = checked_launch
     outs = small.generate(PROMPTS[:6], PREEMPTED)
     assert engine.stats().preemptions_total > 0 and tables_seen
     assert [o.outputs[0].token_ids for o in outs] == unconstrained

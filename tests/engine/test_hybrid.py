@@ -131,7 +131,7 @@ def test_both_spellings_load_the_same_bits(checkpoint):
     for way, weights in {"text": named, "multimodal": multimodal_names(named) + tower}.items():
         with engine(path, load_format="dummy") as llm:
             llm.update_weights(weights)
-            model = llm.engine.executor.driver.model
+            model = llm.engine.executor.local_runner.model
             loaded[way] = {n: p.detach().clone() for n, p in model.named_parameters()}
             tokens = greedy(llm, prompts(2))
     for name, value in loaded["text"].items():

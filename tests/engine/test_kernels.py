@@ -39,7 +39,7 @@ def test_every_layer_runs_the_bound_set(monkeypatch):
     monkeypatch.setattr(kernels, "TORCH", dataclasses.replace(kernels.TORCH, paged_attention=counted))
     llm = LLM(model_dir("tiny"), device="cpu", dtype="float32", load_format="dummy",
               skip_tokenizer_init=True, max_model_len=64)
-    runner = llm.engine.executor.driver.runner
+    runner = llm.engine.executor.local_runner
     assert runner.kernels.paged_attention is counted and not runner.fused_sampling
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, detokenize=False))
     layers = runner.model.config.num_hidden_layers

@@ -60,7 +60,7 @@ def test_worst_steps_run_on_the_real_runner(demo_model):
     from rlserve import LLM
     llm = LLM(demo_model, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
               max_num_batched_tokens=700, enable_lora=True, max_logprobs=-1)
-    runner = llm.engine.executor.driver.runner
+    runner = llm.engine.executor.local_runner
     runner.free_kv_cache()
     runner.allocate_kv_cache(1)
     mp.run_worst_steps(runner, mp.WorstSteps(700, 4, MAX_MODEL_LEN, -1, capture_graphs=False))

@@ -39,7 +39,7 @@ def greedy(llm: LLM, ids: list[list[int]]):
 
 
 def state(llm: LLM) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in llm.engine.executor.driver.model.named_parameters()}
+    return {n: p.detach().clone() for n, p in llm.engine.executor.local_runner.model.named_parameters()}
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint):

@@ -149,11 +149,11 @@ def test_sampler_on_chosen_logits(processed, in_flight, bitmask):
     row's newest token is still a placeholder on the host (overlapped scheduling), so
     bad words and penalties take it from the device; `bitmask`: some rows also have a
     structured output's grammar mask."""
-    check_sampler(processed.engine.executor.driver.runner, torch.float32, in_flight, bitmask)
+    check_sampler(processed.engine.executor.local_runner, torch.float32, in_flight, bitmask)
 
 
 def test_seeded_samples_frequencies(processed):
-    check_sample_frequencies(processed.engine.executor.driver.runner, num_samples=2048)
+    check_sample_frequencies(processed.engine.executor.local_runner, num_samples=2048)
 
 
 def test_fused_sampling_branch(processed, monkeypatch):
@@ -167,14 +167,14 @@ def test_fused_sampling_branch(processed, monkeypatch):
         u = torch.rand(logits.shape, generator=g, dtype=torch.float64).clamp_min(1e-300)
         return (logits.double() / temperature.double().unsqueeze(1) - (-u.log()).log()).argmax(-1)
 
-    runner = processed.engine.executor.driver.runner
+    runner = processed.engine.executor.local_runner
     monkeypatch.setattr(runner, "kernels", dataclasses.replace(runner.kernels, sample=gumbel_sample))
     check_sample_frequencies(runner, num_samples=2048)
 
 
 def test_no_processors_no_extra_work(raw):
     """Requests without these parameters add nothing to a step: no processors, no arrays."""
-    runner = raw.engine.executor.driver.runner
+    runner = raw.engine.executor.local_runner
     reqs = [Request(f"p{i}", [5, 6, 7], SamplingParams(temperature=t, top_k=k, seed=s, min_tokens=0))
             for i, (t, k, s) in enumerate([(0, 0, None), (0.7, 20, 3), (1.0, 0, None)])]
     assert all(r.processors is None for r in reqs)

@@ -59,7 +59,7 @@ def generate(llm, hf, compiler, spec, temperature: float = 0.8, max_steps: int =
     """`rows` seeded samples of PROMPT under the spec's grammar: transformers gives the
     logits, the runner's sampler draws under the mask, each row's matcher advances."""
     tok = llm.get_tokenizer()
-    runner = llm.engine.executor.driver.runner
+    runner = llm.engine.executor.local_runner
     prompt = tok.encode(PROMPT)
     grammar = compiler.compile(spec).result(timeout=120)
     matchers: list[GrammarMatcher | None] = [compiler.matcher(grammar) for _ in range(rows)]
@@ -154,7 +154,7 @@ def test_runner_samples_a_launched_step_under_the_mask(llm, compiler):
     """launch(sample=False) queues the forward pass; sample(handle, bitmask) the draw, with
     the mask filled after launch, in handle.sample_requests order."""
     engine = llm.engine
-    runner = engine.executor.driver.runner
+    runner = engine.executor.local_runner
     tok = llm.get_tokenizer()
     reqs = [r for i, text in enumerate([PROMPT, "The capital of Norway is", "Hello"])
             for r in engine.make_requests(tok.encode(text), SamplingParams(temperature=1.0, seed=4), f"mask{i}")]
@@ -189,7 +189,7 @@ def test_runner_executes_a_step_with_a_mask_in_schedule_order(llm, compiler):
         assert len(sampling) == 2
         grammar = compiler.compile(StructuredOutputsParams(regex="[0-9]+")).result(timeout=120)
         matchers = [compiler.matcher(grammar) for _ in sampling]
-        out = engine.executor.driver.runner.execute(
+        out = engine.executor.local_runner.execute(
             sched, engine.kv.block_table_array([it.request for it in sched.scheduled]),
             fill_bitmask(matchers, compiler.vocab_size))
         assert all(m.accept([t]) for m, t in zip(matchers, out.token_ids))

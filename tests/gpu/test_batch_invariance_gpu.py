@@ -66,7 +66,7 @@ def test_one_prompt_alone_in_64_and_in_256_is_bitwise_equal_with_cuda_graphs(whi
                 gpu_memory_utilization=0.5)
     llm = LLM(path, **args)
     try:
-        assert llm.engine.executor.driver.runner.graphs is not None
+        assert llm.engine.executor.local_runner.graphs is not None
         alone = _probe_in(llm, 1)
         for size in (37, 64, 256):
             assert _probe_in(llm, size) == alone, size
@@ -74,7 +74,7 @@ def test_one_prompt_alone_in_64_and_in_256_is_bitwise_equal_with_cuda_graphs(whi
         llm.shutdown()
     eager = LLM(path, enforce_eager=True, **args)
     try:
-        assert eager.engine.executor.driver.runner.graphs is None
+        assert eager.engine.executor.local_runner.graphs is None
         assert _probe_in(eager, 1) == alone
         assert _probe_in(eager, 64) == alone
     finally:

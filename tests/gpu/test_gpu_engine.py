@@ -86,7 +86,7 @@ def test_float32_greedy_matches_transformers_with_cuda_graphs(dense_or_moe):
     from rlserve import SamplingParams
     path, hf = dense_or_moe
     llm = _llm(path, "float32")
-    assert llm.engine.executor.driver.runner.graphs is not None
+    assert llm.engine.executor.local_runner.graphs is not None
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, detokenize=False)
     outs = llm.generate(_prompts(), params)
     for ids, out in zip(_prompts(), outs):
@@ -109,7 +109,7 @@ def test_whole_vocabulary_logprobs_on_the_gpu_paths(checkpoint):
     from rlserve import SamplingParams
     path, _ = checkpoint
     llm = _llm(path, "float32", max_logprobs=-1)
-    assert llm.engine.async_scheduling and llm.engine.executor.driver.runner.fused_sampling
+    assert llm.engine.async_scheduling and llm.engine.executor.local_runner.fused_sampling
     ids = _prompts()[:3]
     plain = dict(max_tokens=8, ignore_eos=True, detokenize=False)
     greedy = llm.generate(ids[:1], SamplingParams(temperature=0, **plain))[0].outputs[0].token_ids
@@ -145,7 +145,7 @@ def test_fp8_kv_cache_stays_close_to_transformers(checkpoint):
     from rlserve import SamplingParams
     path, hf = checkpoint
     llm = _llm(path, "bfloat16", kv_cache_dtype="fp8")
-    assert llm.engine.executor.driver.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert llm.engine.executor.local_runner.kv_cache.dtype == torch.float8_e4m3fn
     gap = _prompt_logprob_gap(llm, hf)
     assert gap.mean() < 0.1
     assert gap.max() < 1.0
@@ -178,7 +178,7 @@ def test_waking_weights_then_kv_cache_recaptures_graphs_on_the_new_weights(check
     assert llm.is_sleeping()
     llm.update_weights(hf.named_parameters())
     llm.wake_up(tags=["kv_cache"])
-    assert not llm.is_sleeping() and llm.engine.executor.driver.runner.graphs is not None
+    assert not llm.is_sleeping() and llm.engine.executor.local_runner.graphs is not None
     ids = _prompts()[2]
     assert llm.generate([ids], params)[0].outputs[0].token_ids == _hf_greedy(hf, ids, 16)
 
@@ -242,7 +242,7 @@ def test_seeded_sampling_on_gpu_is_reproducible(checkpoint):
     from rlserve import SamplingParams
     path, _ = checkpoint
     llm = _llm(path, "float32")
-    assert llm.engine.executor.driver.runner.fused_sampling
+    assert llm.engine.executor.local_runner.fused_sampling
     p = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=16, ignore_eos=True, detokenize=False)
     alone = [o.token_ids for o in llm.generate([_prompts()[0]], p)[0].outputs]
     assert alone == [o.token_ids for o in llm.generate([_prompts()[0]], p)[0].outputs]

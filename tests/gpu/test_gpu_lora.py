@@ -86,7 +86,7 @@ def test_float32_mixed_adapter_batch_matches_merged_models_in_cuda_graphs(checkp
     base = copy.deepcopy(hf).cuda().eval()
     llm = _llm(path, "float32", adapters)
     try:
-        assert llm.engine.executor.driver.runner.graphs is not None
+        assert llm.engine.executor.local_runner.graphs is not None
         prompts = _prompts()
         jobs = [(p, name) for p in prompts for name in ("r8", None, "r16")]
         outs = llm.generate([p for p, _ in jobs], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,

@@ -32,7 +32,7 @@ from rlserve.worker import memory_profile as mp
 llm = LLM(model_dir("qwen3-0.6b"), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
           max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization={UTILIZATION})
 engine = llm.engine
-runner = engine.executor.driver.runner
+runner = engine.executor.local_runner
 torch.cuda.reset_peak_memory_stats()
 random.seed(0)
 # Real traffic first: long prompts with prompt logprobs, then a full decode batch (graphs)

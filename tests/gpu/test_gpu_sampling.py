@@ -27,7 +27,7 @@ def processed(checkpoint):  # noqa: F811
 def test_sampler_matches_the_reference(processed, dtype, in_flight, bitmask):
     """Penalties, bias, allow-lists, bad words (their newest token still in flight) and
     grammar bitmasks, against the reference on the same logits."""
-    runner = processed.engine.executor.driver.runner
+    runner = processed.engine.executor.local_runner
     assert runner.fused_sampling
     check_sampler(runner, dtype, in_flight, bitmask)
 
@@ -36,13 +36,13 @@ def test_sampler_matches_the_reference(processed, dtype, in_flight, bitmask):
 def test_seeded_samples_follow_the_processed_distribution(processed, kw):
     """Temperature alone takes the fused Gumbel-max kernel on the processed logits; top-k
     takes torch's sort."""
-    check_sample_frequencies(processed.engine.executor.driver.runner, num_samples=16384, **kw)
+    check_sample_frequencies(processed.engine.executor.local_runner, num_samples=16384, **kw)
 
 
 def test_engine_matches_transformers(processed, checkpoint):  # noqa: F811
     from rlserve import SamplingParams
     path, hf = checkpoint
-    assert processed.engine.async_scheduling and processed.engine.executor.driver.runner.graphs is not None
+    assert processed.engine.async_scheduling and processed.engine.executor.local_runner.graphs is not None
     prompts = _prompts()
     g = torch.Generator().manual_seed(3)
     some = torch.randint(0, 4096, (8,), generator=g).tolist()

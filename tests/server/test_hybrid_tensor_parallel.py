@@ -22,7 +22,7 @@ def generate(path: str, tp: int, ids: list[list[int]]):
               max_num_batched_tokens=64, tensor_parallel_size=tp)
     try:
         assert llm.engine.world_size == tp
-        layer = llm.engine.executor.driver.model.model.layers[0].linear_attn
+        layer = llm.engine.executor.local_runner.model.model.layers[0].linear_attn
         held = (layer.shape.num_k_heads, layer.shape.num_v_heads, layer.conv1d.weight.shape[0],
                 tuple(layer.recurrent_state.shape[1:]))
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], PARAMS, use_tqdm=False)

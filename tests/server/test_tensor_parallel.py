@@ -92,7 +92,7 @@ def test_tp2_greedy_output_equals_tp1(demo_model, offline_llm, stepped):
     llm = LLM(demo_model, device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2)
     try:
         assert llm.engine.world_size == 2
-        attn = llm.engine.executor.driver.model.model.layers[0].self_attn
+        attn = llm.engine.executor.local_runner.model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (6, 2)  # rank 1 holds the other 3 + 1
         got = llm.generate(PROMPTS, params)
         for e, g in zip(expected, got):

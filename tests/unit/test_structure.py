@@ -352,6 +352,21 @@ def test_tests_import_helpers_not_conftest():
     assert sorted(p.name for p in (ROOT / "tests").iterdir() if p.suffix == ".py") == ["conftest.py"]
 
 
+def test_only_the_executor_reaches_its_driver():
+    """Rank 0's Worker is the executor's own: the engine, the offline LLM, tests and
+    benchmarks read it through the executor's methods (info, expected_weights, lora,
+    abort_transfer; local_runner for tests that look inside a step)."""
+    found = []
+    for folder in ("rlserve", "tests", "benchmarks", "scripts", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == PACKAGE / "worker" / "executor.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Attribute) and node.attr == "driver":
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []
+
+
 def test_the_configs_reasoning_parsers_are_the_servers():
     """config.py names the parsers (it sits below the server); the server's table has the same."""
     from rlserve.config import REASONING_PARSER_NAMES
