@@ -89,3 +89,26 @@ def start_tiny_server(log: Path, *extra: str, **kw) -> RunningServer:
 
 def stop_server(server: RunningServer) -> None:
     server.stop(timeout_s=20)
+
+
+def start_push_target(checkpoint: str, log: Path, *extra: str, timeout_s: float = 30) -> RunningServer:
+    """`checkpoint`'s architecture with dummy weights, served as "m" (512 tokens), for a gloo
+    trainer to push its weights into (`timeout_s`: the transfer group's)."""
+    return start_server(checkpoint, log, "--load-format", "dummy", "--served-model-name", "m",
+                        "--max-model-len", "512", "--weight-transfer-config",
+                        json.dumps({"backend": "gloo", "timeout_s": timeout_s}), *extra)
+
+
+def served(url: str, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Greedy token ids and their logprobs from model "m", one request per prompt: equal
+    logprobs mean equal weights."""
+    import httpx
+    out = []
+    for prompt in prompts:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json=dict(
+            model="m", prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+            logprobs=0, return_token_ids=True))
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+    return out

@@ -6,8 +6,6 @@ modes and version spans, sleep, prefix cache, structured outputs) works on an Mo
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 import torch
@@ -15,7 +13,7 @@ import torch
 from helpers.checkpoints import save_word_tokenizer, seeded_wide_model
 from helpers.moe import moe_config, per_expert
 from helpers.oracle import hf_greedy
-from helpers.servers import start_server, stop_server
+from helpers.servers import served, start_push_target, start_server, stop_server
 from helpers.streams import stream_frozen_mid_way
 from rlserve.weight_transfer import UpdateRefusedError, WeightSyncClient
 
@@ -35,9 +33,7 @@ def trainer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(trainer, tmp_path_factory):
-    srv = start_server(trainer[1], tmp_path_factory.mktemp("moe") / "server.log", "--load-format", "dummy",
-                       "--served-model-name", "m", "--max-model-len", "512",
-                       "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 30}))
+    srv = start_push_target(trainer[1], tmp_path_factory.mktemp("moe") / "server.log")
     yield srv
     stop_server(srv)
 
@@ -49,31 +45,18 @@ def sync(server):
     return client
 
 
-def served(url: str) -> list[tuple[list[int], list[float]]]:
-    """Greedy token ids and their logprobs for PROMPTS: equal logprobs mean equal weights."""
-    out = []
-    for prompt in PROMPTS:
-        r = httpx.post(f"{url}/v1/completions", timeout=120, json=dict(
-            model="m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
-            logprobs=0, return_token_ids=True))
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
-        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
-    return out
-
-
 def test_stacked_and_per_expert_pushes_serve_the_same_bits_and_transformers_tokens(server, sync, trainer):
     hf, _ = trainer
     named = [(n, p.detach()) for n, p in hf.named_parameters()]
     sync.push(named, packed=True)
-    after_stacked = served(server.url)
+    after_stacked = served(server.url, PROMPTS, MAX_TOKENS)
     ids = [[int(t[1:]) for t in p.split()] for p in PROMPTS]
     assert [t for t, _ in after_stacked] == [hf_greedy(hf, i, MAX_TOKENS)[0] for i in ids]
     gen = torch.Generator().manual_seed(3)
     sync.push([(n, torch.randn(t.shape, generator=gen)) for n, t in named])  # something else between
-    assert served(server.url) != after_stacked
+    assert served(server.url, PROMPTS, MAX_TOKENS) != after_stacked
     sync.push(list(per_expert(named, "qwen3_moe")), packed=False)
-    assert served(server.url) == after_stacked  # the same logprobs, float for float
+    assert served(server.url, PROMPTS, MAX_TOKENS) == after_stacked  # the same logprobs, float for float
 
 
 def malformed(named: list) -> dict[str, tuple[list, str]]:
@@ -97,12 +80,12 @@ def malformed(named: list) -> dict[str, tuple[list, str]]:
 def test_malformed_expert_pushes_are_refused_by_name_and_change_nothing(server, sync, trainer):
     hf, _ = trainer
     named = [(n, p.detach()) for n, p in hf.named_parameters()]
-    before = served(server.url)
+    before = served(server.url, PROMPTS, MAX_TOKENS)
     for case, (tensors, name) in malformed(named).items():
         with pytest.raises(UpdateRefusedError, match=name.replace(".", r"\.")) as refused:
             sync.push(tensors)
         assert "400" in str(refused.value), case
-        assert served(server.url) == before, case  # the old weights, bit for bit
+        assert served(server.url, PROMPTS, MAX_TOKENS) == before, case  # the old weights, bit for bit
 
 
 def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, trainer):
@@ -115,10 +98,10 @@ def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, tr
     t.join(120)
     chunks, finish, spans = results[0]
     assert finish == "length" and [s["version"] for s in spans] == [v0, v0 + 1]
-    before = served(server.url)
+    before = served(server.url, PROMPTS, MAX_TOKENS)
     assert httpx.post(f"{server.url}/sleep", params={"level": 1}, timeout=60).status_code == 200
     assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
-    assert served(server.url) == before
+    assert served(server.url, PROMPTS, MAX_TOKENS) == before
 
 
 @pytest.fixture(scope="module")
@@ -162,9 +145,7 @@ def test_one_push_with_per_expert_names_reaches_both_data_parallel_replicas(trai
     requests served by either replica give transformers' tokens."""
     from helpers.data_parallel import complete_all, routed
     hf, path = trainer
-    srv = start_server(path, tmp_path / "server.log", "--load-format", "dummy", "--served-model-name", "m",
-                       "--max-model-len", "512", "--data-parallel-size", "2",
-                       "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 60}))
+    srv = start_push_target(path, tmp_path / "server.log", "--data-parallel-size", "2", timeout_s=60)
     try:
         client = WeightSyncClient(srv.url, backend="gloo")
         client.init()
