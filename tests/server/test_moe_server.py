@@ -6,6 +6,8 @@ modes and version spans, sleep, prefix cache, structured outputs) works on an Mo
 
 from __future__ import annotations
 
+from functools import partial
+
 import httpx
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from helpers.checkpoints import save_word_tokenizer, seeded_wide_model
 from helpers.moe import moe_config, per_expert
 from helpers.oracle import hf_greedy
-from helpers.servers import served, start_push_target, start_server, stop_server
+from helpers.servers import served, start_push_target, start_server, start_side_by_side, stop_server
 from helpers.streams import stream_frozen_mid_way
 from rlserve.weight_transfer import UpdateRefusedError, WeightSyncClient
 
@@ -32,10 +34,26 @@ def trainer(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(trainer, tmp_path_factory):
-    srv = start_push_target(trainer[1], tmp_path_factory.mktemp("moe") / "server.log")
-    yield srv
-    stop_server(srv)
+def servers(trainer, tmp_path_factory):
+    """The module's servers, started side by side: "push" (the checkpoint's architecture on
+    dummy weights), "tiny" (the moe-tiny preset, dummy weights, the demo model's tokenizer)
+    and "dp" (as "push", on two data-parallel replicas)."""
+    from rlserve.model.demo_model import demo_model_path
+    from rlserve.model.presets import model_dir
+    logs = tmp_path_factory.mktemp("moe")
+    started = start_side_by_side(
+        partial(start_push_target, trainer[1], logs / "server.log"),
+        partial(start_server, model_dir("moe-tiny"), logs / "tiny.log", "--load-format", "dummy",
+                "--tokenizer", demo_model_path(), "--served-model-name", "m", "--max-model-len", "512"),
+        partial(start_push_target, trainer[1], logs / "dp.log", "--data-parallel-size", "2", timeout_s=60))
+    yield dict(zip(("push", "tiny", "dp"), started))
+    for srv in started:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["push"]
 
 
 @pytest.fixture(scope="module")
@@ -105,15 +123,8 @@ def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, tr
 
 
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
-    """The moe-tiny preset (dummy weights, the demo model's tokenizer)."""
-    from rlserve.model.demo_model import demo_model_path
-    from rlserve.model.presets import model_dir
-    srv = start_server(model_dir("moe-tiny"), tmp_path_factory.mktemp("moe-tiny") / "s.log",
-                       "--load-format", "dummy", "--tokenizer", demo_model_path(), "--served-model-name", "m",
-                       "--max-model-len", "512")
-    yield srv
-    stop_server(srv)
+def tiny_moe(servers):
+    return servers["tiny"]
 
 
 def test_prefix_cache_and_structured_outputs_on_an_moe_model(tiny_moe):
@@ -140,21 +151,18 @@ def test_fp8_kv_cache_serves_an_moe_model():
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-def test_one_push_with_per_expert_names_reaches_both_data_parallel_replicas(trainer, tmp_path):
+def test_one_push_with_per_expert_names_reaches_both_data_parallel_replicas(trainer, servers):
     """Data parallel with an MoE model: one per-expert push lands on both replicas, and
     requests served by either replica give transformers' tokens."""
     from helpers.data_parallel import complete_all, routed
-    hf, path = trainer
-    srv = start_push_target(path, tmp_path / "server.log", "--data-parallel-size", "2", timeout_s=60)
-    try:
-        client = WeightSyncClient(srv.url, backend="gloo")
-        client.init()
-        client.push(list(per_expert([(n, p.detach()) for n, p in hf.named_parameters()], "qwen3_moe")))
-        prompts = PROMPTS * 2
-        out = complete_all(srv.url, prompts, max_tokens=MAX_TOKENS)
-        assert all(n > 0 for n in routed(srv.url).values()) and len(routed(srv.url)) == 2
-        for prompt in prompts:
-            ids = [int(t[1:]) for t in prompt.split()]
-            assert out[prompt]["choices"][0]["token_ids"] == hf_greedy(hf, ids, MAX_TOKENS)[0], prompt
-    finally:
-        stop_server(srv)
+    hf, _ = trainer
+    srv = servers["dp"]
+    client = WeightSyncClient(srv.url, backend="gloo")
+    client.init()
+    client.push(list(per_expert([(n, p.detach()) for n, p in hf.named_parameters()], "qwen3_moe")))
+    prompts = PROMPTS * 2
+    out = complete_all(srv.url, prompts, max_tokens=MAX_TOKENS)
+    assert all(n > 0 for n in routed(srv.url).values()) and len(routed(srv.url)) == 2
+    for prompt in prompts:
+        ids = [int(t[1:]) for t in prompt.split()]
+        assert out[prompt]["choices"][0]["token_ids"] == hf_greedy(hf, ids, MAX_TOKENS)[0], prompt
