@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from helpers.reasoning import THINK_TEMPLATE, VLLM_FLAGS
-from helpers.servers import API_KEY, MAX_MODEL_LEN, RunningServer, start_server, stop_server
+from helpers.servers import API_KEY, MAX_MODEL_LEN, RunningServer, start_server, stop_server, wait_for_stopped
+
+
+@pytest.fixture(scope="session", autouse=True)
+def servers_exited() -> Iterator[None]:
+    """The last teardown: every server that stop_server left exiting has exited."""
+    yield
+    wait_for_stopped()
 
 
 @pytest.fixture(scope="session")

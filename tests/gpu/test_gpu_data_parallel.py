@@ -3,7 +3,8 @@ replicas give the trainer's greedy tokens, and a replica killed with SIGKILL com
 after copying replica 0's weights over NCCL (cuda:0 -> cuda:1). Three GPUs: a trainer on
 cuda:2 pushes to both replicas in one NCCL group. Skipped with fewer GPUs.
 
-Model, checkpoint and reference (float32, transformers) are test_gpu_two_server.py's.
+Model, checkpoint and reference (float32, transformers) are test_gpu_two_server.py's, from
+tests/helpers/two_gpu.py.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import signal
 import httpx
 import pytest
 import torch
-from test_gpu_two_server import PROMPTS, checkpoint, reference  # noqa: F401 (fixtures)
 
 from helpers.data_parallel import complete_all, health, routed, wait_for
 from helpers.servers import start_server, stop_server
+from helpers.two_gpu import PROMPTS, llama_checkpoint, trainer_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,12 +27,22 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return llama_checkpoint(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> dict[str, list[int]]:
+    return trainer_greedy(checkpoint)
+
+
 def _greedy_all(url: str, model: str) -> dict[str, list[int]]:
     got = complete_all(url, PROMPTS, model=model, max_tokens=32)
     return {p: got[p]["choices"][0]["token_ids"] for p in PROMPTS}
 
 
-def test_two_replicas_serve_and_a_killed_one_copies_weights_over_nccl(checkpoint, reference, tmp_path):  # noqa: F811
+def test_two_replicas_serve_and_a_killed_one_copies_weights_over_nccl(checkpoint, reference, tmp_path):
     srv = start_server(checkpoint, tmp_path / "server.log", "--device", "cuda:0", "--data-parallel-size", "2",
                        "--max-num-seqs", "16", "--weight-transfer-config", '{"backend": "nccl"}')
     try:
@@ -51,7 +62,7 @@ def test_two_replicas_serve_and_a_killed_one_copies_weights_over_nccl(checkpoint
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs three CUDA devices (NCCL: one rank per GPU)")
-def test_one_nccl_push_reaches_both_replicas(checkpoint, reference, tmp_path):  # noqa: F811
+def test_one_nccl_push_reaches_both_replicas(checkpoint, reference, tmp_path):
     """Replicas on cuda:0 and cuda:1 with dummy weights; the trainer on cuda:2."""
     from transformers import AutoModelForCausalLM
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.cuda_engine import cuda_llm, engine_prompts, qwen3_checkpoint, random_checkpoint
 from helpers.oracle import hf_greedy
 
 pytestmark = [
@@ -15,13 +16,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A small random Qwen3 checkpoint (GQA, q/k norm, untied head) and its HF model."""
-    from transformers import Qwen3Config
-    cfg = Qwen3Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                      max_position_embeddings=2048, tie_word_embeddings=False,
-                      architectures=["Qwen3ForCausalLM"])
-    return _random_checkpoint(tmp_path_factory.mktemp("qwen3"), cfg)
+    return qwen3_checkpoint(tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="module")
@@ -33,41 +28,17 @@ def moe_checkpoint(tmp_path_factory):
                          num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                          max_position_embeddings=2048, tie_word_embeddings=False,
                          architectures=["Qwen3MoeForCausalLM"])
-    return _random_checkpoint(tmp_path_factory.mktemp("qwen3-moe"), cfg)
-
-def _random_checkpoint(path, cfg):
-    """transformers' model for `cfg` (float32, seed 0, weights N(0, 0.05)) saved at `path`."""
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.05)
-    hf.save_pretrained(path)
-    return str(path), hf.cuda().eval()
-
-
-def _prompts():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (5, 17, 64, 130, 300, 33)]
+    return random_checkpoint(tmp_path_factory.mktemp("qwen3-moe"), cfg)
 
 
 def _hf_greedy(hf, ids, n):
     return hf_greedy(hf, ids, n)[0]
 
 
-def _llm(path, dtype, **kw):
-    from rlserve import LLM
-    # An explicit KV budget: several engines live in this one process.
-    return LLM(path, device="cuda", dtype=dtype, skip_tokenizer_init=True, max_model_len=1024,
-               kv_cache_memory_bytes=256 << 20, **kw)
-
-
 def _prompt_logprob_gap(llm, hf) -> torch.Tensor:
     """|our prompt logprobs - transformers' float32 ones| over the 300-token prompt."""
     from rlserve import SamplingParams
-    ids = _prompts()[4]
+    ids = engine_prompts()[4]
     out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False))[0]
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0].float(), -1)
@@ -85,17 +56,17 @@ def dense_or_moe(request):
 def test_float32_greedy_matches_transformers_with_cuda_graphs(dense_or_moe):
     from rlserve import SamplingParams
     path, hf = dense_or_moe
-    llm = _llm(path, "float32")
+    llm = cuda_llm(path, "float32")
     assert llm.engine.executor.local_runner.graphs is not None
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, detokenize=False)
-    outs = llm.generate(_prompts(), params)
-    for ids, out in zip(_prompts(), outs):
+    outs = llm.generate(engine_prompts(), params)
+    for ids, out in zip(engine_prompts(), outs):
         assert out.outputs[0].token_ids == _hf_greedy(hf, ids, 24)
 
 
 def test_bf16_logprobs_agree_with_transformers(dense_or_moe):
     path, hf = dense_or_moe
-    gap = _prompt_logprob_gap(_llm(path, "bfloat16"), hf)
+    gap = _prompt_logprob_gap(cuda_llm(path, "bfloat16"), hf)
     assert gap.mean() < 0.05
     assert gap.max() < 0.5
 
@@ -108,9 +79,9 @@ def test_whole_vocabulary_logprobs_on_the_gpu_paths(checkpoint):
 
     from rlserve import SamplingParams
     path, _ = checkpoint
-    llm = _llm(path, "float32", max_logprobs=-1)
+    llm = cuda_llm(path, "float32", max_logprobs=-1)
     assert llm.engine.async_scheduling and llm.engine.executor.local_runner.fused_sampling
-    ids = _prompts()[:3]
+    ids = engine_prompts()[:3]
     plain = dict(max_tokens=8, ignore_eos=True, detokenize=False)
     greedy = llm.generate(ids[:1], SamplingParams(temperature=0, **plain))[0].outputs[0].token_ids
     outs = llm.generate(ids, [SamplingParams(temperature=0, logprobs=-1, prompt_logprobs=-1, **plain),
@@ -132,8 +103,9 @@ def test_graphs_and_eager_give_the_same_tokens(checkpoint):
     from rlserve import SamplingParams
     path, _ = checkpoint
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, detokenize=False)
-    graphs = [o.outputs[0].token_ids for o in _llm(path, "bfloat16").generate(_prompts(), params)]
-    eager = [o.outputs[0].token_ids for o in _llm(path, "bfloat16", enforce_eager=True).generate(_prompts(), params)]
+    graphs = [o.outputs[0].token_ids for o in cuda_llm(path, "bfloat16").generate(engine_prompts(), params)]
+    eager = [o.outputs[0].token_ids
+             for o in cuda_llm(path, "bfloat16", enforce_eager=True).generate(engine_prompts(), params)]
     same = sum(a == b for a, b in zip(graphs, eager))
     assert same >= len(graphs) - 1  # bf16: batch shape may flip a near-tie, rarely
 
@@ -144,25 +116,25 @@ def test_fp8_kv_cache_stays_close_to_transformers(checkpoint):
     give eager's tokens."""
     from rlserve import SamplingParams
     path, hf = checkpoint
-    llm = _llm(path, "bfloat16", kv_cache_dtype="fp8")
+    llm = cuda_llm(path, "bfloat16", kv_cache_dtype="fp8")
     assert llm.engine.executor.local_runner.kv_cache.dtype == torch.float8_e4m3fn
     gap = _prompt_logprob_gap(llm, hf)
     assert gap.mean() < 0.1
     assert gap.max() < 1.0
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, detokenize=False)
-    graphs = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
-    eager = _llm(path, "bfloat16", kv_cache_dtype="fp8", enforce_eager=True)
-    same = sum(a == o.outputs[0].token_ids for a, o in zip(graphs, eager.generate(_prompts(), params)))
+    graphs = [o.outputs[0].token_ids for o in llm.generate(engine_prompts(), params)]
+    eager = cuda_llm(path, "bfloat16", kv_cache_dtype="fp8", enforce_eager=True)
+    same = sum(a == o.outputs[0].token_ids for a, o in zip(graphs, eager.generate(engine_prompts(), params)))
     assert same >= len(graphs) - 1
 
 
 def test_live_update_keeps_graphs_valid(checkpoint):
     from rlserve import SamplingParams
     path, hf = checkpoint
-    llm = _llm(path, "float32", load_format="dummy")
+    llm = cuda_llm(path, "float32", load_format="dummy")
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, detokenize=False)
     llm.engine.apply_weights(list(hf.named_parameters()))
-    ids = _prompts()[2]
+    ids = engine_prompts()[2]
     assert llm.generate([ids], params)[0].outputs[0].token_ids == _hf_greedy(hf, ids, 16)
 
 
@@ -171,7 +143,7 @@ def test_waking_weights_then_kv_cache_recaptures_graphs_on_the_new_weights(check
     KV cache; the graphs are captured again once both are back, and serve the update."""
     from rlserve import SamplingParams
     path, hf = checkpoint
-    llm = _llm(path, "float32", load_format="dummy")
+    llm = cuda_llm(path, "float32", load_format="dummy")
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, detokenize=False)
     llm.sleep(level=2)
     llm.wake_up(tags=["weights"])
@@ -179,7 +151,7 @@ def test_waking_weights_then_kv_cache_recaptures_graphs_on_the_new_weights(check
     llm.update_weights(hf.named_parameters())
     llm.wake_up(tags=["kv_cache"])
     assert not llm.is_sleeping() and llm.engine.executor.local_runner.graphs is not None
-    ids = _prompts()[2]
+    ids = engine_prompts()[2]
     assert llm.generate([ids], params)[0].outputs[0].token_ids == _hf_greedy(hf, ids, 16)
 
 
@@ -241,12 +213,12 @@ def test_seeded_sampling_on_gpu_is_reproducible(checkpoint):
     # move a logit by an ulp, so here the same call must simply repeat exactly.
     from rlserve import SamplingParams
     path, _ = checkpoint
-    llm = _llm(path, "float32")
+    llm = cuda_llm(path, "float32")
     assert llm.engine.executor.local_runner.fused_sampling
     p = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=16, ignore_eos=True, detokenize=False)
-    alone = [o.token_ids for o in llm.generate([_prompts()[0]], p)[0].outputs]
-    assert alone == [o.token_ids for o in llm.generate([_prompts()[0]], p)[0].outputs]
-    crowd = llm.generate(_prompts(), [p] + [SamplingParams(temperature=0.7, max_tokens=20, detokenize=False)] * 5)
+    alone = [o.token_ids for o in llm.generate([engine_prompts()[0]], p)[0].outputs]
+    assert alone == [o.token_ids for o in llm.generate([engine_prompts()[0]], p)[0].outputs]
+    crowd = llm.generate(engine_prompts(), [p] + [SamplingParams(temperature=0.7, max_tokens=20, detokenize=False)] * 5)
     assert alone == [o.token_ids for o in crowd[0].outputs]
     assert alone[0] != alone[1]
 

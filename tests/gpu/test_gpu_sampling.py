@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_gpu_engine import _llm, _prompts, checkpoint  # noqa: F401 (a fixture)
 
+from helpers.cuda_engine import cuda_llm, engine_prompts, qwen3_checkpoint
 from helpers.sampling_reference import check_outputs, check_sample_frequencies, check_sampler
 
 pytestmark = [
@@ -18,8 +18,13 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def processed(checkpoint):  # noqa: F811
-    return _llm(checkpoint[0], "float32", logprobs_mode="processed_logprobs")
+def checkpoint(tmp_path_factory):
+    return qwen3_checkpoint(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def processed(checkpoint):
+    return cuda_llm(checkpoint[0], "float32", logprobs_mode="processed_logprobs")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -39,11 +44,11 @@ def test_seeded_samples_follow_the_processed_distribution(processed, kw):
     check_sample_frequencies(processed.engine.executor.local_runner, num_samples=16384, **kw)
 
 
-def test_engine_matches_transformers(processed, checkpoint):  # noqa: F811
+def test_engine_matches_transformers(processed, checkpoint):
     from rlserve import SamplingParams
     path, hf = checkpoint
     assert processed.engine.async_scheduling and processed.engine.executor.local_runner.graphs is not None
-    prompts = _prompts()
+    prompts = engine_prompts()
     g = torch.Generator().manual_seed(3)
     some = torch.randint(0, 4096, (8,), generator=g).tolist()
     base = dict(max_tokens=24, logprobs=4, ignore_eos=True)
@@ -63,7 +68,7 @@ def test_logprob_token_ids_in_a_mixed_batch(processed):
     """Rows asking for chosen tokens' logprobs beside rows asking for the top k: each gets
     what it asked for, the chosen ids' values equal to what the top 20 say of them."""
     from rlserve import SamplingParams
-    prompts = _prompts()[:3]
+    prompts = engine_prompts()[:3]
     base = dict(temperature=0, max_tokens=12, ignore_eos=True)
     ref = processed.generate(prompts, SamplingParams(logprobs=20, **base), use_tqdm=False)
     wanted = [[t for t, _ in o.outputs[0].logprobs[0].top.head(20)][::-4] for o in ref]

@@ -4,7 +4,9 @@ streamed completion read chunk by chunk."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,6 +51,8 @@ class RunningServer(ServerProcess):
     def __init__(self, model: str, log: Path, *flags: str, api_key: str | None, timeout_s: float,
                  env: dict[str, str] | None = None):
         self.api_key = api_key
+        devices = [value for flag, value in zip(flags, flags[1:]) if flag == "--device"]
+        self.device = devices[-1] if devices else "auto"  # the last flag wins, as in argparse
         super().__init__(model, *flags, log=log, timeout_s=timeout_s, die_with_parent=True, env=env)
 
     @property
@@ -57,6 +61,9 @@ class RunningServer(ServerProcess):
 
     def stop(self, timeout_s: float = 30.0) -> None:
         super().stop(timeout_s)
+        self.assert_groups_on_loopback()
+
+    def assert_groups_on_loopback(self) -> None:
         masters = groups_joined(self.log.read_text(errors="replace")) if self.log and self.log.exists() else []
         outside = [m for m in masters if not is_loopback(m.rpartition(":")[0])]
         # Tests talk over loopback only: a trainer's group at a host interface would not.
@@ -87,5 +94,95 @@ def start_tiny_server(log: Path, *extra: str, **kw) -> RunningServer:
                         demo_model_path(), "--served-model-name", "m", *extra, **kw)
 
 
-def stop_server(server: RunningServer) -> None:
-    server.stop(timeout_s=20)
+def start_side_by_side(*starts: Callable[[], RunningServer]) -> list[RunningServer]:
+    """Each `start` (a start_server call) at once, on threads: a start is mostly one process
+    importing and loading at a time, so two take little longer than one on two cores. If one
+    fails, those that started are stopped."""
+    results: list[RunningServer | BaseException | None] = [None] * len(starts)
+    ready = [threading.Event() for _ in starts]
+    for i, start in enumerate(starts):
+        threading.Thread(target=_start_and_hold, args=(start, results, i, ready[i]), daemon=True,
+                         name=f"start-server-{i}").start()
+    for event in ready:
+        event.wait()
+    started = [r for r in results if isinstance(r, RunningServer)]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for srv in started:
+            stop_server(srv)
+        raise failed[0]
+    return started
+
+
+def _start_and_hold(start: Callable[[], RunningServer], results: list, i: int, ready: threading.Event) -> None:
+    """Start a server, then live as long as its process: the death signal a server gets
+    with its parent (PR_SET_PDEATHSIG) follows the thread that spawned it, not the process,
+    so a starting thread that ended would stop its server."""
+    try:
+        results[i] = server = start()
+    except BaseException as e:
+        results[i] = e
+        return
+    finally:
+        ready.set()
+    try:
+        os.waitid(os.P_PID, server.process.pid, os.WEXITED | os.WNOWAIT)  # leaves the reaping to Popen
+    except ChildProcessError:
+        pass  # reaped already
+
+
+# Servers that stop_server left exiting on a thread, and what their logs said once they had.
+_stopping: list[threading.Thread] = []
+_found_after_exit: list[str] = []
+
+
+def stop_server(server: RunningServer, wait: bool = False) -> None:
+    """SIGTERM to the server's process group, and its exit awaited (SIGKILL after 20 s): for
+    a CPU server on a thread unless `wait`, so that the seconds a shutdown takes (the engine's
+    exit, then the API server's) overlap the tests that come next; wait_for_stopped() joins
+    those threads. A GPU server's memory must be free before the next one sizes its cache."""
+    server.assert_groups_on_loopback()  # the groups it joined while its tests ran
+    if wait or server.device != "cpu":
+        server.stop(timeout_s=20)
+        return
+    thread = threading.Thread(target=_stop, args=(server,), name=f"stop-server-{server.port}")
+    thread.start()
+    _stopping.append(thread)
+
+
+def _stop(server: RunningServer) -> None:
+    try:
+        server.stop(timeout_s=20)
+    except AssertionError as e:
+        _found_after_exit.append(str(e))
+
+
+def wait_for_stopped() -> None:
+    """Every server stop_server left exiting has exited, and none joined a group off loopback."""
+    while _stopping:
+        _stopping.pop().join()
+    found, _found_after_exit[:] = list(_found_after_exit), []
+    assert not found, found
+
+
+def start_push_target(checkpoint: str, log: Path, *extra: str, timeout_s: float = 30) -> RunningServer:
+    """`checkpoint`'s architecture with dummy weights, served as "m" (512 tokens), for a gloo
+    trainer to push its weights into (`timeout_s`: the transfer group's)."""
+    return start_server(checkpoint, log, "--load-format", "dummy", "--served-model-name", "m",
+                        "--max-model-len", "512", "--weight-transfer-config",
+                        json.dumps({"backend": "gloo", "timeout_s": timeout_s}), *extra)
+
+
+def served(url: str, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Greedy token ids and their logprobs from model "m", one request per prompt: equal
+    logprobs mean equal weights."""
+    import httpx
+    out = []
+    for prompt in prompts:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json=dict(
+            model="m", prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+            logprobs=0, return_token_ids=True))
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+    return out

@@ -6,11 +6,12 @@ bit for bit. Without the mode the same comparison is reported, not asserted."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
 
-from helpers.servers import start_server, stop_server
+from helpers.servers import start_server, start_side_by_side, stop_server
 
 MAX_TOKENS = 4
 # Eight prompts of about 10 to 130 tokens: the longer ones span several KV blocks and 64-token chunks.
@@ -88,11 +89,21 @@ def _floats(values) -> list[float]:
 
 @pytest.fixture(scope="module")
 def invariant_runs(demo_model, tmp_path_factory) -> dict[str, list[Result]]:
-    server = start_server(demo_model, tmp_path_factory.mktemp("bi") / "server.log", "--batch-invariant")
+    """runs() on a --batch-invariant server, and "chunked": the prompts together on a server
+    that vLLM's switch (VLLM_BATCH_INVARIANT=1) puts in the mode, prefilling 64 tokens a step."""
+    logs = tmp_path_factory.mktemp("bi")
+    servers = start_side_by_side(
+        partial(start_server, demo_model, logs / "server.log", "--batch-invariant"),
+        partial(start_server, demo_model, logs / "chunked.log", "--max-num-batched-tokens", "64",
+                env={"VLLM_BATCH_INVARIANT": "1"}))
     try:
-        return runs(server)
+        from openai import OpenAI
+        found = runs(servers[0])
+        client = OpenAI(base_url=f"{servers[1].url}/v1", api_key="EMPTY", max_retries=0, timeout=600)
+        return {**found, "chunked": generate(client, PROMPTS, cache_salt="chunked")}
     finally:
-        stop_server(server)
+        for server in servers:
+            stop_server(server)
 
 
 def test_alone_together_and_cached_are_bitwise_equal(invariant_runs):
@@ -103,16 +114,8 @@ def test_alone_together_and_cached_are_bitwise_equal(invariant_runs):
         assert invariant_runs[name] == alone
 
 
-def test_chunked_prefill_is_bitwise_equal(invariant_runs, demo_model, tmp_path):
-    server = start_server(demo_model, tmp_path / "server.log", "--max-num-batched-tokens", "64",
-                          env={"VLLM_BATCH_INVARIANT": "1"})  # vLLM's switch
-    try:
-        from openai import OpenAI
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0, timeout=600)
-        chunked = generate(client, PROMPTS, cache_salt="chunked")
-    finally:
-        stop_server(server)
-    assert differences(invariant_runs["alone"], chunked) == []
+def test_chunked_prefill_is_bitwise_equal(invariant_runs):
+    assert differences(invariant_runs["alone"], invariant_runs["chunked"]) == []
 
 
 def test_trainer_forward_gives_the_servers_logprobs(invariant_runs, hf_demo):

@@ -133,7 +133,7 @@ def test_a_copied_command_line_serves_without_a_tokenizer(tmp_path):
         assert r.status_code == 400 and "--skip-tokenizer-init" in r.json()["error"]["message"]
         assert httpx.post(url, json={"model": "m", "prompt": [1], "max_tokens": 1}, timeout=60).status_code == 401
     finally:
-        stop_server(srv)
+        stop_server(srv, wait=True)
     log = srv.log.read_text()
     assert "POST /v1/completions" not in log  # --disable-uvicorn-access-log
     assert "--swap-space: accepted, nothing to do" in log

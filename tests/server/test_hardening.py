@@ -9,11 +9,12 @@ import json
 import re
 import threading
 import time
+from functools import partial
 
 import httpx
 import pytest
 
-from helpers.servers import start_tiny_server, stop_server
+from helpers.servers import start_side_by_side, start_tiny_server, stop_server
 from helpers.silent_master import SilentMaster
 from helpers.waiting import wait_until
 
@@ -23,14 +24,23 @@ GRAMMAR_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = start_tiny_server(tmp_path_factory.mktemp("hardening") / "server.log",
-                            "--weight-transfer-config", GLOO, "--enable-lora",
-                            "--grammar-compile-timeout-s", str(GRAMMAR_TIMEOUT_S),
-                            env={"VLLM_API_KEY": KEY})
-    srv.api_key = KEY
-    yield srv
-    stop_server(srv)
+def servers(tmp_path_factory):
+    """The module's two servers, started side by side: "hardened" (the key from the
+    environment, LoRA, a grammar compile bound) and "sigterm" (the one the SIGTERM test ends)."""
+    logs = tmp_path_factory.mktemp("hardening")
+    started = start_side_by_side(
+        partial(start_tiny_server, logs / "server.log", "--weight-transfer-config", GLOO, "--enable-lora",
+                "--grammar-compile-timeout-s", str(GRAMMAR_TIMEOUT_S), env={"VLLM_API_KEY": KEY}),
+        partial(start_tiny_server, logs / "sigterm.log", "--weight-transfer-config", GLOO))
+    started[0].api_key = KEY
+    yield dict(zip(("hardened", "sigterm"), started))
+    for srv in started:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["hardened"]
 
 
 def _post(server, path: str, body, timeout: float = 120) -> httpx.Response:
@@ -236,10 +246,10 @@ def test_the_server_log_has_no_traceback(server):
     assert "Traceback" not in server.log.read_text()
 
 
-def test_sigterm_during_a_pending_init_answers_it_and_exits_0_quietly(tmp_path):
+def test_sigterm_during_a_pending_init_answers_it_and_exits_0_quietly(servers):
     """No trainer ever joins: the init waits; a shutdown answers it with a 503 at once,
     and the server exits 0 with no traceback in its log."""
-    srv = start_tiny_server(tmp_path / "server.log", "--weight-transfer-config", GLOO)
+    srv = servers["sigterm"]
     answer = {}
     silent = SilentMaster()  # the trainer's address: it accepts and never answers
     body = {"init_info": {**_INIT, "master_port": silent.port}}

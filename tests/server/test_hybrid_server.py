@@ -7,7 +7,6 @@ the answer, and malformed pushes are refused by name and change nothing."""
 from __future__ import annotations
 
 import copy
-import json
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ import torch
 from helpers.checkpoints import save_word_tokenizer
 from helpers.hybrid import hybrid_model, text_names
 from helpers.oracle import hf_greedy
-from helpers.servers import start_server, stop_server
+from helpers.servers import served, start_push_target, stop_server
 from helpers.streams import stream_frozen_mid_way
 from rlserve.weight_transfer import UpdateRefusedError, WeightSyncClient
 
@@ -39,10 +38,8 @@ def trainer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(trainer, tmp_path_factory):
-    srv = start_server(trainer[1], tmp_path_factory.mktemp("hybrid") / "server.log", "--load-format", "dummy",
-                       "--tokenizer", f"{trainer[1]}/tokenizer",
-                       "--served-model-name", "m", "--max-model-len", "512",
-                       "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 30}))
+    srv = start_push_target(trainer[1], tmp_path_factory.mktemp("hybrid") / "server.log",
+                            "--tokenizer", f"{trainer[1]}/tokenizer")
     yield srv
     stop_server(srv)
 
@@ -52,18 +49,6 @@ def sync(server):
     client = WeightSyncClient(server.url, backend="gloo")
     client.init()
     return client
-
-
-def served(url: str) -> list[tuple[list[int], list[float]]]:
-    out = []
-    for prompt in PROMPTS:
-        r = httpx.post(f"{url}/v1/completions", timeout=120, json=dict(
-            model="m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
-            logprobs=0, return_token_ids=True))
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
-        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
-    return out
 
 
 def reference(hf) -> list[list[int]]:
@@ -78,7 +63,7 @@ def test_pushes_under_either_spelling_serve_transformers_tokens_and_count_the_vi
     assert tower > 0
     result = sync.push(whole, packed=True)
     assert result.answers is not None and result.answers[0]["skipped"] == tower
-    first = served(server.url)
+    first = served(server.url, PROMPTS, MAX_TOKENS)
     assert [t for t, _ in first] == reference(hf)
 
     # New random weights, pushed under the text model's names (no vision tower, none skipped)
@@ -89,12 +74,12 @@ def test_pushes_under_either_spelling_serve_transformers_tokens_and_count_the_vi
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     result = sync.push(text_names([(n, p.detach()) for n, p in changed.named_parameters()]))
     assert result.answers is not None and "skipped" not in result.answers[0]
-    second = served(server.url)
+    second = served(server.url, PROMPTS, MAX_TOKENS)
     assert second != first
     assert [t for t, _ in second] == reference(changed)
 
     sync.push(whole, packed=False)
-    assert served(server.url) == first  # the same logprobs, float for float
+    assert served(server.url, PROMPTS, MAX_TOKENS) == first  # the same logprobs, float for float
 
 
 def malformed(whole: list) -> dict[str, tuple[list, str]]:
@@ -112,12 +97,12 @@ def test_malformed_pushes_are_refused_by_name_and_change_nothing(server, sync, t
     hf, _ = trainer
     whole = [(n, p.detach()) for n, p in hf.named_parameters()]
     sync.push(whole)
-    before = served(server.url)
+    before = served(server.url, PROMPTS, MAX_TOKENS)
     for case, (tensors, name) in malformed(whole).items():
         with pytest.raises(UpdateRefusedError, match=name.replace(".", r"\.")) as refused:
             sync.push(tensors)
         assert "400" in str(refused.value), case
-        assert served(server.url) == before, case  # the old weights, bit for bit
+        assert served(server.url, PROMPTS, MAX_TOKENS) == before, case  # the old weights, bit for bit
 
 
 def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, trainer):
@@ -131,7 +116,7 @@ def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, tr
     t.join(120)
     chunks, finish, spans = results[0]
     assert finish == "length" and [s["version"] for s in spans] == [v0, v0 + 1]
-    before = served(server.url)
+    before = served(server.url, PROMPTS, MAX_TOKENS)
     assert httpx.post(f"{server.url}/sleep", params={"level": 1}, timeout=60).status_code == 200
     assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
-    assert served(server.url) == before
+    assert served(server.url, PROMPTS, MAX_TOKENS) == before

@@ -6,7 +6,7 @@ modes and version spans, sleep, prefix cache, structured outputs) works on an Mo
 
 from __future__ import annotations
 
-import json
+from functools import partial
 
 import httpx
 import pytest
@@ -15,7 +15,7 @@ import torch
 from helpers.checkpoints import save_word_tokenizer, seeded_wide_model
 from helpers.moe import moe_config, per_expert
 from helpers.oracle import hf_greedy
-from helpers.servers import start_server, stop_server
+from helpers.servers import served, start_push_target, start_server, start_side_by_side, stop_server
 from helpers.streams import stream_frozen_mid_way
 from rlserve.weight_transfer import UpdateRefusedError, WeightSyncClient
 
@@ -34,12 +34,26 @@ def trainer(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(trainer, tmp_path_factory):
-    srv = start_server(trainer[1], tmp_path_factory.mktemp("moe") / "server.log", "--load-format", "dummy",
-                       "--served-model-name", "m", "--max-model-len", "512",
-                       "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 30}))
-    yield srv
-    stop_server(srv)
+def servers(trainer, tmp_path_factory):
+    """The module's servers, started side by side: "push" (the checkpoint's architecture on
+    dummy weights), "tiny" (the moe-tiny preset, dummy weights, the demo model's tokenizer)
+    and "dp" (as "push", on two data-parallel replicas)."""
+    from rlserve.model.demo_model import demo_model_path
+    from rlserve.model.presets import model_dir
+    logs = tmp_path_factory.mktemp("moe")
+    started = start_side_by_side(
+        partial(start_push_target, trainer[1], logs / "server.log"),
+        partial(start_server, model_dir("moe-tiny"), logs / "tiny.log", "--load-format", "dummy",
+                "--tokenizer", demo_model_path(), "--served-model-name", "m", "--max-model-len", "512"),
+        partial(start_push_target, trainer[1], logs / "dp.log", "--data-parallel-size", "2", timeout_s=60))
+    yield dict(zip(("push", "tiny", "dp"), started))
+    for srv in started:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["push"]
 
 
 @pytest.fixture(scope="module")
@@ -49,31 +63,18 @@ def sync(server):
     return client
 
 
-def served(url: str) -> list[tuple[list[int], list[float]]]:
-    """Greedy token ids and their logprobs for PROMPTS: equal logprobs mean equal weights."""
-    out = []
-    for prompt in PROMPTS:
-        r = httpx.post(f"{url}/v1/completions", timeout=120, json=dict(
-            model="m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
-            logprobs=0, return_token_ids=True))
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
-        out.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
-    return out
-
-
 def test_stacked_and_per_expert_pushes_serve_the_same_bits_and_transformers_tokens(server, sync, trainer):
     hf, _ = trainer
     named = [(n, p.detach()) for n, p in hf.named_parameters()]
     sync.push(named, packed=True)
-    after_stacked = served(server.url)
+    after_stacked = served(server.url, PROMPTS, MAX_TOKENS)
     ids = [[int(t[1:]) for t in p.split()] for p in PROMPTS]
     assert [t for t, _ in after_stacked] == [hf_greedy(hf, i, MAX_TOKENS)[0] for i in ids]
     gen = torch.Generator().manual_seed(3)
     sync.push([(n, torch.randn(t.shape, generator=gen)) for n, t in named])  # something else between
-    assert served(server.url) != after_stacked
+    assert served(server.url, PROMPTS, MAX_TOKENS) != after_stacked
     sync.push(list(per_expert(named, "qwen3_moe")), packed=False)
-    assert served(server.url) == after_stacked  # the same logprobs, float for float
+    assert served(server.url, PROMPTS, MAX_TOKENS) == after_stacked  # the same logprobs, float for float
 
 
 def malformed(named: list) -> dict[str, tuple[list, str]]:
@@ -97,12 +98,12 @@ def malformed(named: list) -> dict[str, tuple[list, str]]:
 def test_malformed_expert_pushes_are_refused_by_name_and_change_nothing(server, sync, trainer):
     hf, _ = trainer
     named = [(n, p.detach()) for n, p in hf.named_parameters()]
-    before = served(server.url)
+    before = served(server.url, PROMPTS, MAX_TOKENS)
     for case, (tensors, name) in malformed(named).items():
         with pytest.raises(UpdateRefusedError, match=name.replace(".", r"\.")) as refused:
             sync.push(tensors)
         assert "400" in str(refused.value), case
-        assert served(server.url) == before, case  # the old weights, bit for bit
+        assert served(server.url, PROMPTS, MAX_TOKENS) == before, case  # the old weights, bit for bit
 
 
 def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, trainer):
@@ -115,22 +116,15 @@ def test_pause_keep_spans_an_update_and_sleep_keeps_the_weights(server, sync, tr
     t.join(120)
     chunks, finish, spans = results[0]
     assert finish == "length" and [s["version"] for s in spans] == [v0, v0 + 1]
-    before = served(server.url)
+    before = served(server.url, PROMPTS, MAX_TOKENS)
     assert httpx.post(f"{server.url}/sleep", params={"level": 1}, timeout=60).status_code == 200
     assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
-    assert served(server.url) == before
+    assert served(server.url, PROMPTS, MAX_TOKENS) == before
 
 
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
-    """The moe-tiny preset (dummy weights, the demo model's tokenizer)."""
-    from rlserve.model.demo_model import demo_model_path
-    from rlserve.model.presets import model_dir
-    srv = start_server(model_dir("moe-tiny"), tmp_path_factory.mktemp("moe-tiny") / "s.log",
-                       "--load-format", "dummy", "--tokenizer", demo_model_path(), "--served-model-name", "m",
-                       "--max-model-len", "512")
-    yield srv
-    stop_server(srv)
+def tiny_moe(servers):
+    return servers["tiny"]
 
 
 def test_prefix_cache_and_structured_outputs_on_an_moe_model(tiny_moe):
@@ -157,23 +151,18 @@ def test_fp8_kv_cache_serves_an_moe_model():
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-def test_one_push_with_per_expert_names_reaches_both_data_parallel_replicas(trainer, tmp_path):
+def test_one_push_with_per_expert_names_reaches_both_data_parallel_replicas(trainer, servers):
     """Data parallel with an MoE model: one per-expert push lands on both replicas, and
     requests served by either replica give transformers' tokens."""
     from helpers.data_parallel import complete_all, routed
-    hf, path = trainer
-    srv = start_server(path, tmp_path / "server.log", "--load-format", "dummy", "--served-model-name", "m",
-                       "--max-model-len", "512", "--data-parallel-size", "2",
-                       "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 60}))
-    try:
-        client = WeightSyncClient(srv.url, backend="gloo")
-        client.init()
-        client.push(list(per_expert([(n, p.detach()) for n, p in hf.named_parameters()], "qwen3_moe")))
-        prompts = PROMPTS * 2
-        out = complete_all(srv.url, prompts, max_tokens=MAX_TOKENS)
-        assert all(n > 0 for n in routed(srv.url).values()) and len(routed(srv.url)) == 2
-        for prompt in prompts:
-            ids = [int(t[1:]) for t in prompt.split()]
-            assert out[prompt]["choices"][0]["token_ids"] == hf_greedy(hf, ids, MAX_TOKENS)[0], prompt
-    finally:
-        stop_server(srv)
+    hf, _ = trainer
+    srv = servers["dp"]
+    client = WeightSyncClient(srv.url, backend="gloo")
+    client.init()
+    client.push(list(per_expert([(n, p.detach()) for n, p in hf.named_parameters()], "qwen3_moe")))
+    prompts = PROMPTS * 2
+    out = complete_all(srv.url, prompts, max_tokens=MAX_TOKENS)
+    assert all(n > 0 for n in routed(srv.url).values()) and len(routed(srv.url)) == 2
+    for prompt in prompts:
+        ids = [int(t[1:]) for t in prompt.split()]
+        assert out[prompt]["choices"][0]["token_ids"] == hf_greedy(hf, ids, MAX_TOKENS)[0], prompt

@@ -10,6 +10,7 @@ import json
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import httpx
 import pytest
@@ -17,7 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.sampling_reference import check_sample, model_logits
-from helpers.servers import start_server, start_tiny_server, stop_server
+from helpers.servers import start_server, start_side_by_side, start_tiny_server, stop_server
 from rlserve import SamplingParams
 from rlserve.frontend.bad_words import convert_bad_words
 from rlserve.sequence import TokenLogprob
@@ -106,16 +107,35 @@ def openai_client(server):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A two-layer dummy model with the tool template, started with flags vllm serve
-    command lines of RL scripts pass."""
-    srv = start_tiny_server(tmp_path_factory.mktemp("tiny") / "server.log", "--chat-template", TOOL_TEMPLATE,
-                            "--enable-sleep-mode", "--disable-log-requests", "--disable-log-stats",
-                            "--uvicorn-log-level", "warning", "--enable-auto-tool-choice",
-                            "--tool-call-parser", "hermes", "--disable-custom-all-reduce",
-                            "--enable-chunked-prefill")
-    yield srv
-    stop_server(srv)
+def servers(demo_model, tmp_path_factory):
+    """The module's three servers, started side by side at its first test that needs one.
+
+    "tiny": a two-layer dummy model with the tool template, started with flags vllm serve
+    command lines of RL scripts pass. "processed": the demo model with processed logprobs
+    (the logprobs of what was sampled from). "configured": a model folder's
+    generation_config.json given as --generation-config PATH, with --max-logprobs and
+    --return-tokens-as-token-ids."""
+    folder = tmp_path_factory.mktemp("genconfig")
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "top_k": 5, "max_new_tokens": 4, "do_sample": True}))
+    started = start_side_by_side(
+        partial(start_tiny_server, tmp_path_factory.mktemp("tiny") / "server.log", "--chat-template", TOOL_TEMPLATE,
+                "--enable-sleep-mode", "--disable-log-requests", "--disable-log-stats",
+                "--uvicorn-log-level", "warning", "--enable-auto-tool-choice",
+                "--tool-call-parser", "hermes", "--disable-custom-all-reduce",
+                "--enable-chunked-prefill"),
+        partial(start_server, demo_model, tmp_path_factory.mktemp("processed") / "server.log",
+                "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"),
+        partial(start_tiny_server, folder / "server.log", "--generation-config", str(folder), "--max-logprobs", "3",
+                "--return-tokens-as-token-ids"))
+    yield dict(zip(("tiny", "processed", "configured"), started))
+    for srv in started:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def tiny(servers):
+    return servers["tiny"]
 
 
 @pytest.fixture(scope="module")
@@ -259,12 +279,8 @@ def test_bad_sampling_values_name_the_field(tiny):
 
 
 @pytest.fixture(scope="module")
-def processed(demo_model, tmp_path_factory):
-    """The demo model with processed logprobs: the logprobs of what was sampled from."""
-    srv = start_server(demo_model, tmp_path_factory.mktemp("processed") / "server.log",
-                       "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm")
-    yield srv
-    stop_server(srv)
+def processed(servers):
+    return servers["processed"]
 
 
 @pytest.fixture(scope="module")
@@ -649,16 +665,8 @@ def test_metrics_under_vllms_names_with_model_name(tiny):
 
 
 @pytest.fixture(scope="module")
-def configured(tmp_path_factory):
-    """A model folder's generation_config.json given as --generation-config PATH, with
-    --max-logprobs and --return-tokens-as-token-ids."""
-    folder = tmp_path_factory.mktemp("genconfig")
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.0, "top_k": 5, "max_new_tokens": 4, "do_sample": True}))
-    srv = start_tiny_server(folder / "server.log", "--generation-config", str(folder), "--max-logprobs", "3",
-                            "--return-tokens-as-token-ids")
-    yield srv
-    stop_server(srv)
+def configured(servers):
+    return servers["configured"]
 
 
 def test_generation_config_defaults_and_limit(configured):

@@ -9,6 +9,7 @@ starts (with a warning) and refuses `return_routed_experts: true` with a 400 nam
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import httpx
 import numpy as np
@@ -17,7 +18,7 @@ from openai import BadRequestError, OpenAI
 
 from helpers.checkpoints import save_word_tokenizer, seeded_wide_model
 from helpers.routes import hf_routes, preset_config
-from helpers.servers import start_server, start_tiny_server, stop_server
+from helpers.servers import start_server, start_side_by_side, start_tiny_server, stop_server
 from rlserve.weight_transfer import WeightSyncClient
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -33,13 +34,28 @@ def trainer(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(trainer, tmp_path_factory):
-    srv = start_server(trainer[1], tmp_path_factory.mktemp("replay") / "server.log", "--load-format", "dummy",
-                       "--served-model-name", "m", "--max-model-len", "256", "--enable-return-routed-experts",
-                       "--chat-template", TEMPLATE,
-                       "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 30}))
-    yield srv
-    stop_server(srv)
+def servers(trainer, tmp_path_factory):
+    """The module's servers, started side by side, all with --enable-return-routed-experts:
+    "moe" (dummy weights, for a push), "dense" (the tiny dense preset) and "dp" (the
+    checkpoint on two data-parallel replicas)."""
+    logs = tmp_path_factory.mktemp("replay")
+    path = trainer[1]
+    started = start_side_by_side(
+        partial(start_server, path, logs / "server.log", "--load-format", "dummy",
+                "--served-model-name", "m", "--max-model-len", "256", "--enable-return-routed-experts",
+                "--chat-template", TEMPLATE,
+                "--weight-transfer-config", json.dumps({"backend": "gloo", "timeout_s": 30})),
+        partial(start_tiny_server, logs / "dense.log", "--enable-return-routed-experts"),
+        partial(start_server, path, logs / "dp.log", "--served-model-name", "m", "--max-model-len", "256",
+                "--data-parallel-size", "2", "--enable-return-routed-experts"))
+    yield dict(zip(("moe", "dense", "dp"), started))
+    for srv in started:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["moe"]
 
 
 @pytest.fixture(scope="module")
@@ -96,22 +112,19 @@ def test_chat_and_streams_carry_the_routes_with_the_final_chunk(pushed, trainer)
     check(hf, prompt_ids, [t for c in stream if c.choices for t in (c.choices[0].token_ids or [])], routes[-1])
 
 
-def test_dense_model_starts_with_the_flag_and_refuses_the_field(tmp_path):
-    srv = start_tiny_server(tmp_path / "dense.log", "--enable-return-routed-experts")
-    try:
-        assert "no mixture-of-experts layers" in (tmp_path / "dense.log").read_text()
-        client = OpenAI(base_url=f"{srv.url}/v1", api_key="EMPTY", max_retries=0)
-        r = client.completions.create(model="m", prompt="Hello", max_tokens=2)
-        assert r.choices[0].model_extra["routed_experts"] is None
-        with pytest.raises(BadRequestError) as e:
-            client.completions.create(model="m", prompt="Hello", max_tokens=2,
-                                      extra_body={"return_routed_experts": True})
-        assert e.value.body["param"] == "return_routed_experts" and "mixture-of-experts" in e.value.body["message"]
-        chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json=dict(
-            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, return_routed_experts=True))
-        assert chat.status_code == 400 and chat.json()["error"]["param"] == "return_routed_experts"
-    finally:
-        stop_server(srv)
+def test_dense_model_starts_with_the_flag_and_refuses_the_field(servers):
+    srv = servers["dense"]
+    assert "no mixture-of-experts layers" in srv.log.read_text()
+    client = OpenAI(base_url=f"{srv.url}/v1", api_key="EMPTY", max_retries=0)
+    r = client.completions.create(model="m", prompt="Hello", max_tokens=2)
+    assert r.choices[0].model_extra["routed_experts"] is None
+    with pytest.raises(BadRequestError) as e:
+        client.completions.create(model="m", prompt="Hello", max_tokens=2,
+                                  extra_body={"return_routed_experts": True})
+    assert e.value.body["param"] == "return_routed_experts" and "mixture-of-experts" in e.value.body["message"]
+    chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json=dict(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, return_routed_experts=True))
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "return_routed_experts"
 
 
 def test_routes_json_text_is_the_nested_lists():
@@ -129,18 +142,14 @@ def test_routes_json_text_is_the_nested_lists():
         assert body["routed_experts"] == routes.tolist() and body["text"] == "\x00 a text with a NUL"
 
 
-def test_data_parallel_replicas_return_their_routes(trainer, tmp_path):
+def test_data_parallel_replicas_return_their_routes(trainer, servers):
     """Two replicas, each with its own route store: whichever serves a request returns its rows."""
     from helpers.data_parallel import complete_all, routed
-    hf, path = trainer
-    srv = start_server(path, tmp_path / "server.log", "--served-model-name", "m", "--max-model-len", "256",
-                       "--data-parallel-size", "2", "--enable-return-routed-experts")
-    try:
-        prompts = [" ".join(f"t{(7 * i + j) % 250 + 2}" for j in range(5 + i)) for i in range(6)]
-        out = complete_all(srv.url, prompts, max_tokens=6)
-        assert len(routed(srv.url)) == 2 and all(n > 0 for n in routed(srv.url).values())
-        for prompt in prompts:
-            choice = out[prompt]["choices"][0]
-            check(hf, choice["prompt_token_ids"], choice["token_ids"], choice["routed_experts"])
-    finally:
-        stop_server(srv)
+    hf, _ = trainer
+    srv = servers["dp"]
+    prompts = [" ".join(f"t{(7 * i + j) % 250 + 2}" for j in range(5 + i)) for i in range(6)]
+    out = complete_all(srv.url, prompts, max_tokens=6)
+    assert len(routed(srv.url)) == 2 and all(n > 0 for n in routed(srv.url).values())
+    for prompt in prompts:
+        choice = out[prompt]["choices"][0]
+        check(hf, choice["prompt_token_ids"], choice["token_ids"], choice["routed_experts"])

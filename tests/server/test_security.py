@@ -12,11 +12,12 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 
 import httpx
 import pytest
 
-from helpers.servers import start_tiny_server, stop_server
+from helpers.servers import start_side_by_side, start_tiny_server, stop_server
 from rlserve.server.routes_control import router
 
 API_KEY = "user-key"
@@ -39,13 +40,28 @@ def _state(http: httpx.Client, base: str) -> tuple[bool, bool]:
             http.get(f"{base}/is_sleeping").json()["is_sleeping"])
 
 
+OPENED_BY = {"admin-key": ("--admin-key", ADMIN_KEY), "allow-remote-control": ("--allow-remote-control",)}
+
+
 @pytest.fixture(scope="module")
-def open_server(tmp_path_factory):
-    """Weight transfer, an API key and no admin key."""
-    log = tmp_path_factory.mktemp("sec") / "server.log"
-    srv = start_tiny_server(log, "--weight-transfer-config", GLOO, api_key=API_KEY)
-    yield srv
-    stop_server(srv)
+def servers(tmp_path_factory):
+    """The module's servers, started side by side: "open" (weight transfer, an API key and no
+    admin key), and one for each way of opening control to the network (OPENED_BY)."""
+    logs = tmp_path_factory.mktemp("sec")
+    starts = {"open": partial(start_tiny_server, logs / "server.log", "--weight-transfer-config", GLOO,
+                              api_key=API_KEY)}
+    for name, flags in OPENED_BY.items():
+        starts[name] = partial(start_tiny_server, logs / f"{name}.log", "--weight-transfer-config", GLOO,
+                               "--max-model-len", "64", *flags)
+    started = dict(zip(starts, start_side_by_side(*starts.values())))
+    yield started
+    for srv in started.values():
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def open_server(servers):
+    return servers["open"]
 
 
 def test_startup_log_says_control_is_loopback_only(open_server):
@@ -130,35 +146,28 @@ def test_responses_name_the_served_model_not_its_paths(open_server, demo_model):
             assert path not in text and os.path.basename(path.rstrip("/")) not in text
 
 
-@pytest.mark.parametrize("flags, remote_needs_key", [
-    (("--admin-key", ADMIN_KEY), True),
-    (("--allow-remote-control",), False),
-], ids=["admin-key", "allow-remote-control"])
-def test_admin_key_or_flag_opens_control_to_the_network(tmp_path, flags, remote_needs_key):
-    srv = start_tiny_server(tmp_path / "server.log", "--weight-transfer-config", GLOO,
-                            "--max-model-len", "64", *flags)
-    try:
-        base = srv.url
-        with _client() as http:
-            if remote_needs_key:
-                assert http.get(f"{base}/is_paused", headers=REMOTE).status_code == 401
-                assert http.get(f"{base}/is_paused").status_code == 401  # loopback needs it too
-                wrong = REMOTE | {"Authorization": "Bearer wrong"}
-                assert http.post(f"{base}/pause", headers=wrong).status_code == 401
-                assert "need the admin key" in srv.log.read_text()
-            else:
-                assert "open to every client" in srv.log.read_text()
-            headers = REMOTE | ({"Authorization": f"Bearer {ADMIN_KEY}"} if remote_needs_key else {})
-            assert http.post(f"{base}/pause", headers=headers).status_code == 200
-            assert http.get(f"{base}/is_paused", headers=headers).json()["is_paused"] is True
-            assert http.post(f"{base}/resume", headers=headers, json={}).status_code == 200
-            # Still no browser cross-origin request, key or not.
-            r = http.post(f"{base}/pause", content=b"", headers={
-                **headers, "Origin": "http://evil.example", "Content-Type": "text/plain"})
-            assert r.status_code == 403
-            assert http.get(f"{base}/is_paused", headers=headers).json()["is_paused"] is False
-    finally:
-        stop_server(srv)
+@pytest.mark.parametrize("opened_by, remote_needs_key", [("admin-key", True), ("allow-remote-control", False)])
+def test_admin_key_or_flag_opens_control_to_the_network(servers, opened_by, remote_needs_key):
+    srv = servers[opened_by]
+    base = srv.url
+    with _client() as http:
+        if remote_needs_key:
+            assert http.get(f"{base}/is_paused", headers=REMOTE).status_code == 401
+            assert http.get(f"{base}/is_paused").status_code == 401  # loopback needs it too
+            wrong = REMOTE | {"Authorization": "Bearer wrong"}
+            assert http.post(f"{base}/pause", headers=wrong).status_code == 401
+            assert "need the admin key" in srv.log.read_text()
+        else:
+            assert "open to every client" in srv.log.read_text()
+        headers = REMOTE | ({"Authorization": f"Bearer {ADMIN_KEY}"} if remote_needs_key else {})
+        assert http.post(f"{base}/pause", headers=headers).status_code == 200
+        assert http.get(f"{base}/is_paused", headers=headers).json()["is_paused"] is True
+        assert http.post(f"{base}/resume", headers=headers, json={}).status_code == 200
+        # Still no browser cross-origin request, key or not.
+        r = http.post(f"{base}/pause", content=b"", headers={
+            **headers, "Origin": "http://evil.example", "Content-Type": "text/plain"})
+        assert r.status_code == 403
+        assert http.get(f"{base}/is_paused", headers=headers).json()["is_paused"] is False
 
 
 @pytest.mark.parametrize("argv, env", [

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -15,7 +16,7 @@ import torch
 
 from helpers.oracle import greedy_reference
 from helpers.oracle import hf_greedy as oracle
-from helpers.servers import start_server, start_tiny_server, stop_server
+from helpers.servers import start_server, start_side_by_side, start_tiny_server, stop_server
 from rlserve.distributed import HeadShard, partition_heads, split_evenly
 from rlserve.weight_transfer import WeightSyncClient
 
@@ -115,15 +116,11 @@ def test_tp2_greedy_output_equals_tp1(demo_model, offline_llm, stepped):
 def replicas(demo_model, tmp_path_factory):
     """A TP=1 and a TP=2 server, both on dummy weights with the gloo control plane."""
     logs = tmp_path_factory.mktemp("tp")
-    started = []
-    try:
-        for tp in (1, 2):
-            started.append(start_server(demo_model, logs / f"tp{tp}.log", *SERVER_ARGS,
-                                        "--tensor-parallel-size", str(tp)))
-        yield tuple(started)
-    finally:
-        for srv in started:
-            stop_server(srv)
+    started = start_side_by_side(*(partial(start_server, demo_model, logs / f"tp{tp}.log", *SERVER_ARGS,
+                                           "--tensor-parallel-size", str(tp)) for tp in (1, 2)))
+    yield tuple(started)
+    for srv in started:
+        stop_server(srv)
 
 
 def completion(url: str, prompt: str) -> tuple[list[int], int]:

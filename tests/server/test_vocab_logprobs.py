@@ -10,7 +10,7 @@ import math
 import httpx
 import pytest
 
-from helpers.servers import start_server, start_tiny_server, stop_server
+from helpers.servers import start_server, stop_server
 from rlserve import LLM, SamplingParams
 from rlserve.sampling_params import InvalidRequestError
 
@@ -33,11 +33,9 @@ def full_vocab(demo_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def default_limit(tmp_path_factory):
-    """--max-logprobs left at its default (20)."""
-    srv = start_tiny_server(tmp_path_factory.mktemp("limit") / "server.log")
-    yield srv
-    stop_server(srv)
+def default_limit(server):
+    """--max-logprobs left at its default (20): the session's server."""
+    return server
 
 
 def _assert_distribution(logprobs: list[float]) -> None:
@@ -83,7 +81,7 @@ def test_chat_top_logprobs_minus_one_and_prompt_logprobs(full_vocab):
 
 def test_limits_name_the_field_and_the_server_keeps_serving(full_vocab, default_limit):
     def refused(server, path: str, body: dict) -> dict:
-        r = httpx.post(f"{server.url}{path}", json={"max_tokens": 1, **body}, timeout=60)
+        r = httpx.post(f"{server.url}{path}", json={"max_tokens": 1, **body}, headers=server.headers, timeout=60)
         assert r.status_code == 400, r.text
         return r.json()["error"]
 
@@ -98,7 +96,8 @@ def test_limits_name_the_field_and_the_server_keeps_serving(full_vocab, default_
     err = refused(full_vocab, "/v1/completions", {"prompt": PROMPT, "logprobs": VOCAB + 1})
     assert err["param"] == "logprobs" and str(VOCAB) in err["message"], err
     assert refused(full_vocab, "/v1/completions", {"prompt": PROMPT, "logprobs": -2})["param"] == "logprobs"
-    lp = _client(default_limit).completions.create(model="m", prompt=PROMPT, max_tokens=2, logprobs=20).choices[0]
+    lp = _client(default_limit).completions.create(model=default_limit.model, prompt=PROMPT, max_tokens=2,
+                                                   logprobs=20).choices[0]
     assert all(len(top) <= 21 for top in lp.logprobs.top_logprobs)  # 20 still allowed, by default
 
 

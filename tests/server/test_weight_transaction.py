@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import threading
+from functools import partial
 
 import httpx
 import pytest
 import requests
 
 from helpers.oracle import greedy_reference
-from helpers.servers import start_server, stop_server
+from helpers.servers import start_server, start_side_by_side, start_tiny_server, stop_server
 from rlserve.weight_transfer import (
     GlooTrainerInitInfo,
     GlooTrainerSendWeightsArgs,
@@ -32,14 +33,26 @@ def reference(hf_demo, offline_llm):
 
 
 @pytest.fixture(scope="module")
-def server(demo_model, tmp_path_factory):
-    """No admin key: vLLM's examples call the control routes bare (loopback only here)."""
-    log = tmp_path_factory.mktemp("txn") / "server.log"
+def servers(demo_model, tmp_path_factory):
+    """The module's two servers, started side by side, with no admin key (vLLM's examples
+    call the control routes bare; loopback only here): "txn" (the demo model's architecture
+    on dummy weights) and "timeout" (a small one whose idle transactions time out after 1 s,
+    which its test shuts down)."""
+    logs = tmp_path_factory.mktemp("txn")
     cfg = json.dumps({"backend": "gloo", "timeout_s": 60})  # also an idle transaction's timeout
-    srv = start_server(demo_model, log, "--load-format", "dummy", "--weight-transfer-config", cfg,
-                       "--served-model-name", "m")
-    yield srv
-    stop_server(srv)
+    started = start_side_by_side(
+        partial(start_server, demo_model, logs / "server.log", "--load-format", "dummy",
+                "--weight-transfer-config", cfg, "--served-model-name", "m"),
+        partial(start_tiny_server, logs / "timeout.log", "--weight-transfer-config",
+                json.dumps({"backend": "gloo", "timeout_s": 1})))
+    yield dict(zip(("txn", "timeout"), started))
+    for srv in started:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["txn"]
 
 
 def greedy(url: str, prompt: str, max_tokens: int = 16) -> dict:
@@ -303,14 +316,12 @@ def test_get_world_size_with_and_without_data_parallel(server):
     assert httpx.get(f"{server.url}/get_world_size").json() == {"world_size": 1}
 
 
-def test_an_open_transaction_is_abandoned_at_its_timeout_and_at_shutdown(tmp_path):
+def test_an_open_transaction_is_abandoned_at_its_timeout_and_at_shutdown(servers):
     """A trainer that opened a transaction and vanished: after the transfer timeout the
     server abandons it (nothing staged is served), and a shutdown abandons it too."""
     import time
 
-    from helpers.servers import start_tiny_server
-    srv = start_tiny_server(tmp_path / "server.log", "--weight-transfer-config",
-                            json.dumps({"backend": "gloo", "timeout_s": 1}))
+    srv = servers["timeout"]
     try:
         assert post(srv.url, "start_weight_update").status_code == 200
         time.sleep(2.5)
@@ -319,6 +330,6 @@ def test_an_open_transaction_is_abandoned_at_its_timeout_and_at_shutdown(tmp_pat
         assert "was abandoned after 1s without a call (its timeout)" in r.text
         assert post(srv.url, "start_weight_update").status_code == 200  # left open for the shutdown
     finally:
-        stop_server(srv)
-    log = (tmp_path / "server.log").read_text()
+        stop_server(srv, wait=True)  # its log's last lines are the shutdown's
+    log = srv.log.read_text()
     assert "no call for 1s (its timeout)" in log and "the server is shutting down" in log

@@ -7,13 +7,21 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import httpx
 import pytest
 import torch
 
 from helpers.oracle import greedy_reference
-from helpers.servers import groups_joined, start_server, start_tiny_server, stop_server, stream_completion
+from helpers.servers import (
+    groups_joined,
+    start_server,
+    start_side_by_side,
+    start_tiny_server,
+    stop_server,
+    stream_completion,
+)
 from rlserve.weight_transfer import GlooWeightTransferEngine, WeightSyncClient, WeightTransferError, get_open_port
 
 ADMIN_KEY = "admin-secret"
@@ -34,13 +42,25 @@ def reference(trainer_model, offline_llm):
 
 
 @pytest.fixture(scope="module")
-def dummy_server(demo_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("wt") / "server.log"
+def servers(demo_model, tmp_path_factory):
+    """The module's two servers, started side by side: "dummy" (the demo model on dummy
+    weights, for pushes) and "rejecting" (a small server whose weight transfer nobody
+    initializes, refusing requests while asleep)."""
+    logs = tmp_path_factory.mktemp("wt")
     cfg = json.dumps({"backend": "gloo", "timeout_s": TRANSFER_TIMEOUT_S})
-    srv = start_server(demo_model, log, "--load-format", "dummy", "--weight-transfer-config", cfg,
-                       "--admin-key", ADMIN_KEY, "--served-model-name", "m", "--max-num-seqs", "32")
-    yield srv
-    stop_server(srv)
+    started = start_side_by_side(
+        partial(start_server, demo_model, logs / "server.log", "--load-format", "dummy", "--weight-transfer-config",
+                cfg, "--admin-key", ADMIN_KEY, "--served-model-name", "m", "--max-num-seqs", "32"),
+        partial(start_tiny_server, logs / "rejecting.log", "--weight-transfer-config", '{"backend": "gloo"}',
+                "--max-model-len", "64", "--reject-while-asleep"))
+    yield dict(zip(("dummy", "rejecting"), started))
+    for srv in started:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def dummy_server(servers):
+    return servers["dummy"]
 
 
 def admin() -> dict:
@@ -229,12 +249,8 @@ def test_control_plane_needs_the_admin_key(dummy_server):
 
 
 @pytest.fixture(scope="module")
-def rejecting_server(tmp_path_factory):
-    """A small server whose weight transfer nobody initializes, refusing requests while asleep."""
-    srv = start_tiny_server(tmp_path_factory.mktemp("rejecting") / "s.log", "--weight-transfer-config",
-                            '{"backend": "gloo"}', "--max-model-len", "64", "--reject-while-asleep")
-    yield srv
-    stop_server(srv)
+def rejecting_server(servers):
+    return servers["rejecting"]
 
 
 def test_update_before_init_is_refused(rejecting_server):
