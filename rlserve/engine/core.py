@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import numpy as np
@@ -37,6 +37,7 @@ from rlserve.model.loader import (
 )
 from rlserve.model.moe import config_value
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.sequence import SchedulerOutput
 from rlserve.wire.control import Paused
 from rlserve.wire.outputs import (
     EngineCoreOutputs,
@@ -52,6 +53,9 @@ from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
 from rlserve.worker.memory_profile import KVSizing
 from rlserve.worker.model_runner import StepHandle
+
+if TYPE_CHECKING:
+    from rlserve.engine.lora import LoRAManager, ReadAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +88,7 @@ class EngineCore:
 
         self.executor = Executor(config, hf_config, self.model_path)
         num_blocks = self._init_kv_cache()
-        self.lora = None  # rlserve.engine.lora.LoRAManager, with enable_lora
+        self.lora: LoRAManager | None = None  # with enable_lora
         if config.enable_lora:
             from rlserve.engine.lora import LoRAManager
             assert config.max_cpu_loras is not None  # EngineConfig sets it (to max_loras by default)
@@ -273,7 +277,7 @@ class EngineCore:
                 out.rejected.append(Rejected.of(group, error))
         self.scheduler.refused.clear()
 
-    def _sample_masked(self, handle) -> None:
+    def _sample_masked(self, handle: StepHandle) -> None:
         """Sample a launched step under its rows' grammar masks (their matchers have taken
         every token before this one)."""
         from rlserve.engine.structured_output import fill_bitmask
@@ -281,7 +285,7 @@ class EngineCore:
         matchers = [r.matcher if r.status is not finished else None for r in handle.requests]
         self.executor.sample(handle, fill_bitmask(matchers, self.vocab_size))
 
-    def _tables(self, sched):
+    def _tables(self, sched: SchedulerOutput) -> np.ndarray | list[list[int]]:
         """The scheduled requests' block tables: the KV manager's array, or lists where
         they travel to other ranks in a step message."""
         if self.world_size == 1:
@@ -427,7 +431,7 @@ class EngineCore:
         return self.new_weight_version(version)
 
     # -- LoRA adapters (rlserve/engine/lora.py) ------------------------------------------
-    def require_lora(self):
+    def require_lora(self) -> LoRAManager:
         if self.lora is None:
             raise InvalidRequestError("lora_name: LoRA adapters need a server started with --enable-lora",
                                       "lora_name")
@@ -438,7 +442,7 @@ class EngineCore:
         running with it continue on the new weights, which is a new weight version."""
         return self.install_lora_adapter(self.require_lora().read(name, path, load_inplace))
 
-    def install_lora_adapter(self, read) -> dict:
+    def install_lora_adapter(self, read: ReadAdapter) -> dict:
         """An adapter read off the engine thread (LoRAManager.read), put in place now."""
         adapter, replaced = self.require_lora().install(read)
         if replaced:

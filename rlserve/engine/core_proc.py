@@ -262,7 +262,7 @@ class EngineCoreProc:
         if value is not LATER:
             self._answer(call, value)
 
-    def _pause(self, call: Call, body: Pause):
+    def _pause(self, call: Call, body: Pause) -> Paused | object:  # object: LATER
         finished = self.core.pause(body.mode, body.clear_cache)
         if finished:
             self._emit(EngineCoreOutputs(self.core.weight_version, finished=finished))

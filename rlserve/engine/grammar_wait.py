@@ -16,12 +16,15 @@ from rlserve.wire.outputs import Rejected
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    from transformers import PreTrainedTokenizerBase
+
     from rlserve.config import GrammarLimits
     from rlserve.engine.structured_output import CompiledGrammar, StructuredOutputCompiler
 
 
 class GrammarWait:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int], limits: GrammarLimits):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: Iterable[int],
+                 limits: GrammarLimits) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids, self.limits = tokenizer, vocab_size, eos_token_ids, limits
         self.waiting: list[Request] = []
         self._compiler: StructuredOutputCompiler | None = None  # made at the first grammar

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +37,7 @@ from rlserve.engine.request import Request
 from rlserve.engine.state_pool import StateCache, StatePool
 
 if TYPE_CHECKING:
+    from rlserve.sequence import ScheduledRequest, Sequence
     from rlserve.worker.executor import ModelInfo
 
 # What a cached block was computed after: the id of its parent block's contents (an int,
@@ -360,10 +362,10 @@ class KVCacheManager:
         if self.state_cache is not None:
             self.state_cache.clear()
 
-    def block_table(self, req: Request) -> list[int]:
+    def block_table(self, req: Sequence) -> list[int]:
         return self.blocks[req.request_id]
 
-    def step_slots(self, scheduled) -> np.ndarray:
+    def step_slots(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
         """The KV slot of every token of a step about to launch (ScheduledRequest items, in
         row order; their num_computed_tokens not yet advanced): where its routes go."""
         n = len(scheduled)
@@ -384,7 +386,7 @@ class KVCacheManager:
             return None
         return self.routes.gather(blocks, self.block_size, req.num_prompt_tokens + len(req.token_versions) - 1)
 
-    def block_table_array(self, reqs: list[Request]) -> np.ndarray:
+    def block_table_array(self, reqs: Iterable[Sequence]) -> np.ndarray:
         """The block tables of `reqs` as one int32 array [len(reqs), most blocks], 0-padded."""
         rows = self.rows
         return self.tables.gather([rows[r.request_id] for r in reqs])

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 from rlserve.errors import ModelNotFoundError
 from rlserve.model.peft import LoRAConfig, pair_tensors, read_adapter
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.worker import calls as rank
+
+if TYPE_CHECKING:
+    from rlserve.engine.request import Request
+    from rlserve.worker.executor import Executor
 
 
 class LoRARequest(NamedTuple):
@@ -77,7 +81,7 @@ class LoRAManager:
     """The engine's side of adapters: the table, the slots, host memory, and the calls that
     move adapters between them on every rank. Engine thread only."""
 
-    def __init__(self, executor, max_loras: int, max_cpu_loras: int, max_rank: int):
+    def __init__(self, executor: Executor, max_loras: int, max_cpu_loras: int, max_rank: int) -> None:
         self.executor = executor
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.adapters: dict[str, LoRAAdapter] = {}
@@ -120,6 +124,7 @@ class LoRAManager:
         config, tensors = read_adapter(path, self.max_rank)
         # Names, pairs and shapes, before anything moves (rank 0's model answers for all).
         lora = self.executor.lora
+        assert lora is not None  # the manager exists where the model has LoRA slots
         try:
             lora.check(pair_tensors(tensors, config, "adapter_model", lora.exempt))
         except ValueError as e:
@@ -182,25 +187,27 @@ class LoRAManager:
         return adapter is not None
 
     # -- slots, as the scheduler admits requests -------------------------------------------
-    def acquire(self, req) -> bool:
+    def acquire(self, req: Request) -> bool:
         """Give a request being scheduled its adapter's slot (req.lora_slot), swapping the
         adapter in if no slot holds it; False when every slot is in use by other adapters'
         requests (it waits). Raises when the adapter cannot be brought back into memory."""
+        assert req.lora_name is not None  # the scheduler asks for the requests with an adapter
         adapter = self.resolve(req.lora_name)
         self._clock += 1
         adapter.last_used = self._clock
-        if adapter.slot is None:
+        slot = adapter.slot
+        if slot is None:
             slot = self._slot_to_take()
             if slot is None:
                 return False
             self._swap_in(adapter, slot)
         adapter.users += 1
-        req.lora_slot = adapter.slot
+        req.lora_slot = slot
         return True
 
-    def release(self, req) -> None:
+    def release(self, req: Request) -> None:
         """A request gives its slot back (finished, or preempted: it acquires one again)."""
-        adapter = self.adapters.get(req.lora_name)
+        adapter = None if req.lora_name is None else self.adapters.get(req.lora_name)
         if adapter is not None:
             adapter.users -= 1
         req.lora_slot = -1

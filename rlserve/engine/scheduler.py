@@ -25,7 +25,7 @@ from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.request import FinishReason, Request, RequestStatus
 from rlserve.engine.state import EngineState
 from rlserve.sampling_params import InvalidRequestError
-from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput
+from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput, TokenLogprob
 from rlserve.wire.outputs import (
     ITERATION_TOKENS_BUCKETS,
     EngineCoreOutputs,
@@ -39,6 +39,7 @@ from rlserve.wire.outputs import (
 )
 
 if TYPE_CHECKING:
+    from rlserve.engine.lora import LoRAManager
     from rlserve.engine.structured_output import GrammarMatcher
     from rlserve.worker.model_runner import ModelRunnerOutput
 
@@ -47,10 +48,10 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, state: EngineState,
-                 lora=None):
+                 lora: LoRAManager | None = None) -> None:
         self.kv = kv
         self.state = state  # the engine's: paused, asleep, without weights (read here, never set)
-        self.lora = lora  # rlserve.engine.lora.LoRAManager: the slots adapters take
+        self.lora = lora  # the slots adapters take
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -91,7 +92,7 @@ class Scheduler:
             routes = None if rows is None else RoutedExperts.pack(rows)
         self.kv.free(req)
         if req.lora_slot >= 0:
-            self.lora.release(req)
+            self._adapters().release(req)
         return Finished(req.request_id, reason.value, stop_reason,
                         None if req.stream else _final(req), request_timing(req, time.monotonic()),
                         routes)
@@ -114,7 +115,7 @@ class Scheduler:
     def _preempt(self, req: Request, count: bool = True) -> None:
         self.kv.free(req)
         if req.lora_slot >= 0:  # its adapter's slot may go to another while it waits
-            self.lora.release(req)
+            self._adapters().release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         if count:
@@ -131,11 +132,15 @@ class Scheduler:
         leader = self.requests.get(f"{req.group_id}-0")
         return leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
 
+    def _adapters(self) -> LoRAManager:
+        assert self.lora is not None  # a request takes a slot only where the engine has them
+        return self.lora
+
     def _lora_slot(self, req: Request) -> bool:
         """Give the first waiting request its adapter's slot. False if none is free, or if
         its adapter cannot be had: then it leaves the queue, for the engine to end."""
         try:
-            return self.lora.acquire(req)
+            return self._adapters().acquire(req)
         except InvalidRequestError as e:
             self.refused.append((self.waiting.popleft(), e))
             return False
@@ -304,7 +309,8 @@ class Scheduler:
             self.iteration_tokens_sum += prompts + produced
         return out.build(version, now)
 
-    def _accept(self, req: Request, token: int, logprob, version: int, index: int, out: StepOut) -> None:
+    def _accept(self, req: Request, token: int, logprob: TokenLogprob | None, version: int, index: int,
+                out: StepOut) -> None:
         """Record a sampled token in place of its placeholder, decide whether the request
         is done, and report it in `out`: every token of a streamed request, the whole of a
         non-streamed one when it finishes."""
@@ -345,7 +351,7 @@ class Scheduler:
             out.finished.append(self.finish(req, finish, stop_reason))
 
 
-def _add_prompt_logprobs(req: Request, start: int, logprobs) -> None:
+def _add_prompt_logprobs(req: Request, start: int, logprobs: list[TokenLogprob]) -> None:
     if not req.prompt_logprobs:
         req.prompt_logprobs = [None]
     if len(req.prompt_logprobs) == start + 1:  # skip recomputed chunks

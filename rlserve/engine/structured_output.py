@@ -43,7 +43,10 @@ from rlserve.process import die_with_parent
 from rlserve.sampling_params import InvalidRequestError, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     import xgrammar
+    from transformers import PreTrainedTokenizerBase
 
 BITMASK_WORD_BITS = 32  # a packed int32 bitmask: bit j % 32 of word j // 32 allows token j
 
@@ -162,7 +165,7 @@ def _compile_with(compiler: xgrammar.GrammarCompiler, spec: StructuredOutputsPar
     return compiler.compile_grammar(text)
 
 
-def _trial_compile(tokenizer_info, spec: StructuredOutputsParams, conn) -> None:
+def _trial_compile(tokenizer_info: xgrammar.TokenizerInfo, spec: StructuredOutputsParams, conn: Connection) -> None:
     """In a forked child: compile `spec`, send None or the error's text, exit."""
     die_with_parent()
     try:
@@ -178,8 +181,8 @@ def _trial_compile(tokenizer_info, spec: StructuredOutputsParams, conn) -> None:
 class StructuredOutputCompiler:
     """Compiles specs against one tokenizer in a thread pool; results cached by spec."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], *,
-                 limits: GrammarLimits = GrammarLimits(), max_workers: int = 2, cache_size: int = 256):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Iterable[int], *,
+                 limits: GrammarLimits = GrammarLimits(), max_workers: int = 2, cache_size: int = 256) -> None:
         """`vocab_size`: the model's (its logits' width, which may pad the tokenizer's);
         `stop_token_ids`: what a finished grammar allows (the model's end-of-sequence ids)."""
         self.tokenizer = tokenizer
@@ -192,8 +195,9 @@ class StructuredOutputCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()  # the cache
         self._compiler_lock = threading.Lock()  # held while the pool builds the compiler
-        self._compiler = None  # built in the pool: reading the vocabulary takes a while
-        self._info = None  # its xgrammar.TokenizerInfo
+        # Built in the pool: reading the vocabulary takes a while.
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._info: xgrammar.TokenizerInfo | None = None
 
     def validate(self, spec: StructuredOutputsParams) -> None:
         """Parse the spec (no token masks yet: milliseconds), or raise InvalidRequestError
@@ -288,7 +292,7 @@ class StructuredOutputCompiler:
         if error is not None:
             raise InvalidRequestError(f"{_param(spec)}: cannot be compiled: {error}", _param(spec))
 
-    def _xgr_compiler(self):
+    def _xgr_compiler(self) -> xgrammar.GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr

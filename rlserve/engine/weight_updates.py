@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlserve.engine.weight_checker import WeightChecker
 from rlserve.engine.weight_transaction import Transaction, announced_elements
@@ -63,13 +63,17 @@ from rlserve.wire.messages import (
 from rlserve.wire.weight_version import WeightVersion, parse_version
 from rlserve.worker import calls as rank
 
+if TYPE_CHECKING:
+    from rlserve.engine.core import EngineCore
+
 logger = logging.getLogger(__name__)
 
 Answer = Callable[..., None]  # answer(call, value) or answer(call, error=exception)
 Handler = Callable[[Call, Any], Any]  # handler(call, call.body): the answer, or LATER
+_AdapterUpdate = tuple[str, dict]  # an adapter's update: (name, its config for the workers)
 
 
-def asleep_refusal(core) -> InvalidRequestError | None:
+def asleep_refusal(core: EngineCore) -> InvalidRequestError | None:
     """The one rule for an asleep engine: wake the weights first (their storage is given
     back); the KV cache may stay asleep (vLLM's /wake_up?tags=weights, update, then kv_cache)."""
     if core.state.weights_asleep:
@@ -84,13 +88,13 @@ class _Received:
     version: WeightVersion | None
     num_bytes: int
     receive_seconds: float
-    lora: tuple[str, dict] | None  # an adapter's update: (name, its config for the workers)
+    lora: _AdapterUpdate | None
     error: BaseException | None = None  # the receive failed
     skipped: int = 0  # names the model took and dropped (a multimodal trainer's vision tower)
 
 
 class WeightUpdates:
-    def __init__(self, core, answer: Answer, timeout_s: float = 120.0):
+    def __init__(self, core: EngineCore, answer: Answer, timeout_s: float = 120.0) -> None:
         self.core = core
         self.answer = answer
         self.timeout_s = timeout_s  # an open transaction left alone this long is abandoned
@@ -233,7 +237,8 @@ class WeightUpdates:
             self._done(call)
             self.answer(call, error=refusal)
 
-    def _receive(self, call: Call, update_info: Any, version: WeightVersion | None, lora) -> None:
+    def _receive(self, call: Call, update_info: Any, version: WeightVersion | None,
+                 lora: _AdapterUpdate | None) -> None:
         """Receive into staging (on the thread), then hand it, or the failure, to the loop."""
         t0 = time.perf_counter()
         part = self.transaction is not None
@@ -249,7 +254,7 @@ class WeightUpdates:
         self.received.put(_Received(call, version, sizes[0], time.perf_counter() - t0, lora,
                                     skipped=self._skipped(update_info, lora)))
 
-    def _skipped(self, update_info: Any, lora) -> int:
+    def _skipped(self, update_info: Any, lora: _AdapterUpdate | None) -> int:
         names = update_info.get("names") if isinstance(update_info, dict) and lora is None else None
         if not isinstance(names, list):
             return 0
@@ -313,7 +318,7 @@ class WeightUpdates:
             self.core.executor.collective_rpc(rank.DropStaged())
             raise refusal
         if lora is not None:
-            self.core.lora.apply_update(*lora)
+            self.core.require_lora().apply_update(*lora)
         else:
             complete = parts and self.core.state.no_weights
             try:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import AttentionMetadata
 from rlserve.ops.lora import LoRABatch
+
+if TYPE_CHECKING:
+    from rlserve.model.lora import LoRAModel
 
 
 class CudaGraphs:
@@ -20,9 +24,9 @@ class CudaGraphs:
     the graphs stay valid across them.
     """
 
-    def __init__(self, model: CausalLM, device: torch.device, block_size: int, lora, max_batch: int,
-                 max_model_len: int, largest_only: bool = False):
-        """`lora`: the model's rlserve.model.lora.LoRAModel, or None. `largest_only`: capture
+    def __init__(self, model: CausalLM, device: torch.device, block_size: int, lora: LoRAModel | None,
+                 max_batch: int, max_model_len: int, largest_only: bool = False) -> None:
+        """`lora`: the model's adapters, or None. `largest_only`: capture
         the largest batch alone (memory profiling: the smaller graphs share its pool)."""
         self.model = model
         self.max_model_len = max_model_len

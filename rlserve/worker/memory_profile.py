@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -26,6 +27,9 @@ import torch
 from rlserve.memory import MemoryProfile
 from rlserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from rlserve.sequence import ScheduledRequest, SchedulerOutput, Sequence
+
+if TYPE_CHECKING:
+    from rlserve.worker.model_runner import ModelRunner
 
 
 class KVSizing(msgspec.Struct, array_like=True, frozen=True):
@@ -106,7 +110,7 @@ def _tables(sched: SchedulerOutput, max_model_len: int, block_size: int) -> np.n
     return np.zeros((len(sched.scheduled), math.ceil(max_model_len / block_size)), dtype=np.int32)
 
 
-def run_worst_steps(runner, limits: WorstSteps) -> None:
+def run_worst_steps(runner: ModelRunner, limits: WorstSteps) -> None:
     """The worst prefill, then the worst decode, on `runner`'s KV cache (one block is enough:
     every table points at block 0) and, for a hybrid model, its state pool (sequence i in
     slot i)."""
@@ -121,7 +125,7 @@ def run_worst_steps(runner, limits: WorstSteps) -> None:
 
 
 @torch.inference_mode()
-def profile_memory(runner, limits: WorstSteps) -> MemoryProfile:
+def profile_memory(runner: ModelRunner, limits: WorstSteps) -> MemoryProfile:
     """Run the worst steps on `runner` (a ModelRunner with no KV cache yet) and measure.
     Leaves the runner as it found it: no KV cache, no graphs."""
     device = runner.device

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -29,16 +29,21 @@ from rlserve.model.layers import PagedAttention
 from rlserve.model.routed_experts import RoutedExpertsCapturer
 from rlserve.ops import kernels
 from rlserve.ops.attention import FP8_DTYPES
-from rlserve.sequence import NO_ALTERNATIVES, SchedulerOutput, TokenLogprob, TopLogprobs
+from rlserve.sequence import NO_ALTERNATIVES, ScheduledRequest, SchedulerOutput, TokenLogprob, TopLogprobs
 from rlserve.worker import sampler as S
 from rlserve.worker.cuda_graphs import CudaGraphs
 from rlserve.worker.sampling_inputs import SamplingInputs
 from rlserve.worker.step_inputs import BatchInputs, StepHandle, StepInputs
 
+if TYPE_CHECKING:
+    from rlserve.model.lora import LoRAModel
+
 logger = logging.getLogger(__name__)
 
 # Prompt logprobs: logits elements (rows x vocabulary) computed at once, about 256 MiB in float32.
 _PROMPT_LOGITS_ELEMENTS = 1 << 26
+
+_PromptRows = tuple[list[int], int, S.LogprobStats]  # a prompt's targets, k, and device stats
 
 
 @dataclass
@@ -66,10 +71,10 @@ def _chosen(whole: TopLogprobs, token_ids: list[int]) -> TopLogprobs:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, block_size: int,
-                 logprobs_mode: str = "raw_logprobs", lora=None,
-                 kv_cache_dtype: torch.dtype | None = None, batch_invariant: bool = False):
+                 logprobs_mode: str = "raw_logprobs", lora: LoRAModel | None = None,
+                 kv_cache_dtype: torch.dtype | None = None, batch_invariant: bool = False) -> None:
         self.model = model
-        self.lora = lora  # rlserve.model.lora.LoRAModel, when adapters are enabled
+        self.lora = lora  # when adapters are enabled
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -215,7 +220,8 @@ class ModelRunner:
             self._copy_out(handle)
         return handle
 
-    def _prompt_logprobs(self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor):
+    def _prompt_logprobs(self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor
+                         ) -> tuple[torch.Tensor, dict[str, _PromptRows], dict[str, int]]:
         """The sampling rows' logits, and each prompt's logprob stats computed in slices of
         rows, so that a long chunk's logits never sit on the device whole (the memory
         profile measures one slice)."""
@@ -223,7 +229,8 @@ class ModelRunner:
         assert batch.sample_index is not None  # prompt rows are logits rows that do not sample
         rows_logits = self.model.compute_logits(hidden[index[batch.sample_index]])
         step = max(1, _PROMPT_LOGITS_ELEMENTS // self.model.config.vocab_size)
-        prompt, prompt_start = {}, {}
+        prompt: dict[str, _PromptRows] = {}
+        prompt_start: dict[str, int] = {}
         for rid, (first, targets) in batch.prompt_rows.items():
             req = next(it.request for it in sched.scheduled if it.request.request_id == rid)
             k = req.sampling_params.prompt_logprobs
@@ -234,7 +241,8 @@ class ModelRunner:
                 rows = index[first + s:first + min(s + step, len(targets))]
                 parts.append(S.logprob_stats(S.raw_logprobs(self.model.compute_logits(hidden[rows])),
                                              ids[s:s + step], k))
-            stats = tuple(_cat([p[i] for p in parts]) for i in range(4))
+            stats = (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                     _cat([p[2] for p in parts]), _cat([p[3] for p in parts]))
             prompt[rid] = (targets, k, stats)
             prompt_start[rid] = req.num_computed_tokens
         return rows_logits, prompt, prompt_start
@@ -325,9 +333,11 @@ class ModelRunner:
         self.sample(handle, token_bitmask)
         return self.collect(handle)
 
-    def _to_logprobs(self, out: S.SamplerOutput, tokens: list[int], items) -> list[TokenLogprob | None]:
+    def _to_logprobs(self, out: S.SamplerOutput, tokens: list[int], items: list[ScheduledRequest]
+                     ) -> list[TokenLogprob | None]:
         if out.logprobs is None:
             return [None] * len(tokens)
+        assert out.ranks is not None  # computed with the logprobs
         params = [it.request.sampling_params for it in items]
         ks = [-1 if p.logprob_token_ids else p.logprobs for p in params]
         packed = self._pack_logprobs(tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, ks)
@@ -338,12 +348,14 @@ class ModelRunner:
         return packed
 
     @staticmethod
-    def _pack_logprobs(tokens, chosen, ranks, top_ids, top_lp, ks) -> list[TokenLogprob | None]:
+    def _pack_logprobs(tokens: list[int], chosen: torch.Tensor, ranks: torch.Tensor, top_ids: torch.Tensor | None,
+                       top_lp: torch.Tensor | None, ks: list[int | None]) -> list[TokenLogprob | None]:
         """Each row's TokenLogprob; `ks`: per row, the alternatives it asked for (None: no
         logprobs; -1: all the step computed, the whole vocabulary)."""
-        chosen, ranks = chosen.tolist(), ranks.tolist()
+        chosen_lps, chosen_ranks = chosen.tolist(), ranks.tolist()
         width = 0 if top_ids is None else top_ids.shape[1]
         if width:  # the step's alternatives packed once; each row takes its slice
+            assert top_ids is not None and top_lp is not None  # computed together
             ids = top_ids.numpy().astype(np.int32).tobytes()
             lps = top_lp.numpy().astype(np.float32, copy=False).tobytes()
         result: list[TokenLogprob | None] = []
@@ -356,7 +368,7 @@ class ModelRunner:
                 start = 4 * width * i
                 end = start + 4 * (width if k < 0 else min(k, width))
                 top = TopLogprobs(ids[start:end], lps[start:end])
-            result.append(TokenLogprob(tok, chosen[i], ranks[i], top))
+            result.append(TokenLogprob(tok, chosen_lps[i], chosen_ranks[i], top))
         return result
 
 

@@ -268,7 +268,7 @@ def _processors(reqs: list, rows: list[int]) -> _Processors:
     def rows_of(i: int, ids: np.ndarray) -> np.ndarray:
         return np.full(ids.size, i, dtype=np.int64)
 
-    def cat(parts: list[np.ndarray], dtype=np.int64) -> np.ndarray:
+    def cat(parts: list[np.ndarray], dtype: type[np.generic] = np.int64) -> np.ndarray:
         return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
     allowed_rows, allowed_r, allowed_t, bias_r, bias_t, bias_v, ban_r, ban_t = ([] for _ in range(8))

@@ -204,8 +204,8 @@ class StepInputs:
         return _InFlightFill(fill_at, fill_from, fill_all, prev.sampled.token_ids)
 
     @staticmethod
-    def _logits_plan(items, reqs: list, lay: _Layout, totals: list[int], any_prompt_logprobs: bool,
-                     graphs: CudaGraphs | None) -> _LogitsPlan:
+    def _logits_plan(items: list[ScheduledRequest], reqs: list[Sequence], lay: _Layout, totals: list[int],
+                     any_prompt_logprobs: bool, graphs: CudaGraphs | None) -> _LogitsPlan:
         """The rows of the hidden states that need logits, and which of them sample."""
         num_seqs = len(reqs)
         # The chunk reaches the end of the sequence's tokens.
@@ -323,12 +323,13 @@ def table_array(block_tables: np.ndarray | list[list[int]]) -> np.ndarray:
     return table
 
 
-def _logits_rows(items, qsl: list[int], samples: list[bool]):
+def _logits_rows(items: list[ScheduledRequest], qsl: list[int], samples: list[bool]
+                 ) -> tuple[list[int], list[int], list[ScheduledRequest], dict[str, tuple[int, list[int]]]]:
     """Which rows need logits when some request wants prompt logprobs: its prompt
     positions (position p predicts token p + 1), then each sampling row."""
     logits_indices: list[int] = []
     sample_rows: list[int] = []
-    sample_requests = []
+    sample_requests: list[ScheduledRequest] = []
     prompt_rows: dict[str, tuple[int, list[int]]] = {}
     for row, item in enumerate(items):
         req = item.request

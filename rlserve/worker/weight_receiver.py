@@ -15,11 +15,12 @@ import dataclasses
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from rlserve.model.base import copy_all, missing_weights
+from rlserve.model.base import CausalLM, copy_all, missing_weights
 from rlserve.model.peft import LoRAConfig, pair_tensors, peft_name
 from rlserve.weight_transfer import (
     ExpectedParam,
@@ -36,6 +37,9 @@ from rlserve.weight_transfer.server.ipc_receiver import IPCReceiver
 from rlserve.weight_transfer.server.peer import copy_parameters, layout_digest
 from rlserve.weight_transfer.server.receiver import listing
 
+if TYPE_CHECKING:
+    from rlserve.model.lora import LoRAModel
+
 logger = logging.getLogger(__name__)
 
 # An adapter update's config, the PEFT tensors it may carry, and the check of their pairing.
@@ -43,7 +47,8 @@ _LoRAExpected = tuple[LoRAConfig, dict[str, ExpectedParam], Callable[[Sequence[T
 
 
 class WeightReceiver:
-    def __init__(self, model, device: torch.device, dtype: torch.dtype, lora, rank: int):
+    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, lora: LoRAModel | None,
+                 rank: int) -> None:
         self.model, self.device, self.dtype, self.lora, self.rank = model, device, dtype, lora, rank
         # Taken while the parameters have their real shapes (sleep empties them). One
         # object: the IPC receiver skips re-checking a document against the same checks.
@@ -106,7 +111,7 @@ class WeightReceiver:
         if group is not None:
             group.close()
 
-    def _usable_group(self):
+    def _usable_group(self) -> TransferGroup:
         group = self.group
         if group is None or group.broken:
             why = (f"is unusable ({group.broken})" if group is not None else "is not initialized")
@@ -120,7 +125,7 @@ class WeightReceiver:
         return self._lock.locked()
 
     @contextlib.contextmanager
-    def _exclusive(self):
+    def _exclusive(self) -> Iterator[None]:
         """One receive (or refusal) at a time: a second is refused, never interleaved."""
         if not self._lock.acquire(blocking=False):
             raise InvalidUpdateError("another weight update is in progress on this worker: "
@@ -178,10 +183,12 @@ class WeightReceiver:
             expected[peft_name(module, "A")] = ExpectedParam(a, False, torch.float32)
             expected[peft_name(module, "B")] = ExpectedParam(b, False, torch.float32)
 
+        exempt = self.lora.exempt
+
         def validate(metas: Sequence[TensorMeta]) -> None:
             try:
                 pair_tensors(((m.name, torch.empty(m.shape, device="meta")) for m in metas), config,
-                             "update_info", self.lora.exempt)
+                             "update_info", exempt)
             except ValueError as e:
                 raise InvalidUpdateError(str(e)) from None
 
@@ -238,6 +245,7 @@ class WeightReceiver:
     def _apply_lora(self, staged: list, lora: LoRAConfig, target: int | str | None) -> None:
         if target is None:
             raise RuntimeError("a staged LoRA update needs its slot or host copy")
+        assert self.lora is not None  # staged only where _lora_expected found the slots
         # A trainer's IPC views are the same list push after push: its plan is kept.
         # Staging buffers (gloo, NCCL) are new each time, and not kept alive by a plan.
         cached = self._lora_plans.get(target)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -27,6 +28,8 @@ from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from rlserve.worker.weight_receiver import WeightReceiver
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from rlserve.model.lora import LoRAModel
 
 logger = logging.getLogger(__name__)
@@ -35,8 +38,8 @@ _CPU_KV_DEFAULT_BYTES = 1 << 30
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, hf_config, model_path: str, rank: int = 0,
-                 tp: TPGroup | None = None):
+    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, model_path: str, rank: int = 0,
+                 tp: TPGroup | None = None) -> None:
         self.config = config
         self.rank = rank
         self.tp = tp or TPGroup()
@@ -52,7 +55,7 @@ class Worker:
                                      model_path, seed=config.seed)
         if config.load_format == "dummy" and self.tp.world_size > 1:
             self._init_dummy_unsharded(config.seed)
-        self.lora = None
+        self.lora: LoRAModel | None = None
         if config.enable_lora:
             from rlserve.model.lora import attach_lora
             self.lora = attach_lora(self.model, config.max_loras, config.max_lora_rank)
@@ -167,11 +170,11 @@ class Worker:
         return self.runner.execute(sched, block_tables)
 
     # -- weights -----------------------------------------------------------------------
-    def load_weights(self, weights) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return self.model.load_weights(weights)
 
     # -- LoRA adapters -------------------------------------------------------------------
-    def load_lora(self, tensors: list, name: str, slot: int | None, config: dict) -> None:
+    def load_lora(self, tensors: list[tuple[str, torch.Tensor]], name: str, slot: int | None, config: dict) -> None:
         """Put an adapter's full PEFT tensors (this rank keeps its shards) in its host copy,
         and in `slot` if given."""
         lora = self._adapters()

@@ -23,7 +23,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -31,6 +31,9 @@ import torch
 from rlserve.process import watch_parent
 from rlserve.worker.calls import AnyRankCall, AnyTensorCall, RankCall
 from rlserve.worker.channel import Channel, ChannelClosed, StepDecoder, error_reply
+
+if TYPE_CHECKING:
+    from rlserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _start(init: dict[str, Any]):
+def _start(init: dict[str, Any]) -> Worker:
     from rlserve.config import EngineConfig
     from rlserve.distributed import TPGroup, tp_device
     from rlserve.model.loader import load_hf_config
@@ -60,7 +63,7 @@ def _start(init: dict[str, Any]):
 
 
 class WorkerLoop:
-    def __init__(self, worker, chan: Channel):
+    def __init__(self, worker: Worker, chan: Channel) -> None:
         self.worker = worker
         self.chan = chan
         self.steps = StepDecoder()
@@ -127,7 +130,7 @@ class WorkerLoop:
         except TypeError as e:  # a result msgpack cannot carry: a bug, but answer anyway
             self.chan.send(error_reply(TypeError(f"{type(call).__name__} returned an unsendable result: {e}")))
 
-    def _receive_tensors(self, metas: list) -> list:
+    def _receive_tensors(self, metas: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
         """Tensors rank 0 broadcasts over the TP group, to load like a checkpoint."""
         from rlserve.weight_transfer.packing import DTYPES, as_bytes
         tensors = []
