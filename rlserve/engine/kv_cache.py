@@ -151,7 +151,7 @@ class RouteStore:
 
     def record(self, slots: np.ndarray, routes: np.ndarray) -> None:
         """A step's routes: row i of `routes` is the token of KV slot `slots[i]`."""
-        self.rows[slots] = routes[:len(slots)]
+        self.rows[slots] = routes[: len(slots)]
 
     def gather(self, blocks: list[int], block_size: int, num_tokens: int) -> np.ndarray:
         """The routes of a request's first `num_tokens` tokens: [num_tokens, layers, k] int32."""
@@ -170,8 +170,14 @@ class _Chain:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 states: StatePool | None = None, state_cache: StateCache | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        states: StatePool | None = None,
+        state_cache: StateCache | None = None,
+    ):
         """`states`: a hybrid model's state slots, taken and given back with a request's
         blocks; `state_cache`: its prefix cache's states (with prefix caching)."""
         self.block_size = block_size
@@ -214,7 +220,7 @@ class KVCacheManager:
         key = root_key(req.cache_salt)
         parent: Parent = req.cache_salt
         for i in range(max_blocks):
-            token_bytes = pack(*tokens[i * bs:(i + 1) * bs])
+            token_bytes = pack(*tokens[i * bs : (i + 1) * bs])
             key = block_key(key, token_bytes)
             block = pool.lookup(key, token_bytes, parent)
             if block is None:
@@ -294,7 +300,7 @@ class KVCacheManager:
         key, parent, pack, register = chain.key, chain.parent, self._pack, self.pool.register
         states = self.state_cache
         for i in range(chain.num_blocks, num_full):
-            token_bytes = pack(*tokens[i * bs:(i + 1) * bs])
+            token_bytes = pack(*tokens[i * bs : (i + 1) * bs])
             key = block_key(key, token_bytes)
             parent = register(blocks[i], key, token_bytes, parent)
             if states is not None and blocks[i] in states:
@@ -398,5 +404,6 @@ def kv_manager(model: ModelInfo, num_blocks: int, config: EngineConfig) -> KVCac
     if not model.hybrid:
         return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     cache = StateCache(config.max_num_seqs, config.state_cache_slots) if config.state_cache_slots else None
-    return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                          StatePool(config.max_num_seqs), cache)
+    return KVCacheManager(
+        num_blocks, config.block_size, config.enable_prefix_caching, StatePool(config.max_num_seqs), cache
+    )

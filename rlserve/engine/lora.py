@@ -66,14 +66,18 @@ class LoRAAdapter:
         return f"\x00lora:{self.name}:{self.generation}\x00{salt or ''}"
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.name, "slot": -1 if self.slot is None else self.slot, "path": self.path,
-                "r": self.config.r, "lora_alpha": self.config.lora_alpha}
+        return {
+            "name": self.name,
+            "slot": -1 if self.slot is None else self.slot,
+            "path": self.path,
+            "r": self.config.r,
+            "lora_alpha": self.config.lora_alpha,
+        }
 
 
 def check_lora_name(name: Any, param: str = "lora_name") -> str:
     if not isinstance(name, str) or not name or len(name) > 256:
-        raise InvalidRequestError(f"{param}: must be a non-empty string of at most 256 characters, "
-                                  f"got {name!r}", param)
+        raise InvalidRequestError(f"{param}: must be a non-empty string of at most 256 characters, got {name!r}", param)
     return name
 
 
@@ -113,8 +117,11 @@ class LoRAManager:
 
     def _refuse_second_load(self, name: str, load_inplace: bool) -> None:
         if name in self.adapters and not load_inplace:  # vLLM's words for it
-            raise InvalidRequestError(f"lora_name: the LoRA adapter {name!r} has already been loaded; "
-                                      "unload it first, or pass load_inplace: true to replace it", "lora_name")
+            raise InvalidRequestError(
+                f"lora_name: the LoRA adapter {name!r} has already been loaded; "
+                "unload it first, or pass load_inplace: true to replace it",
+                "lora_name",
+            )
 
     def read(self, name: str, path: str, load_inplace: bool = False) -> ReadAdapter:
         """The slow half of a load, safe off the engine thread (it reads files and checks
@@ -164,7 +171,9 @@ class LoRAManager:
             if name not in self.adapters:
                 raise InvalidRequestError(
                     f"update_info.lora_config: required for {name!r}, which is not loaded "
-                    "(PEFT's adapter_config: r, lora_alpha, target_modules, ...)", "update_info")
+                    "(PEFT's adapter_config: r, lora_alpha, target_modules, ...)",
+                    "update_info",
+                )
             return self.adapters[name].config.to_wire()
         config = LoRAConfig.parse(data, "update_info.lora_config", self.max_rank)
         self._make_room(name, evict=False)
@@ -238,8 +247,10 @@ class LoRAManager:
             try:
                 config, tensors = read_adapter(adapter.path, self.max_rank)
             except InvalidRequestError as e:
-                raise InvalidRequestError(f"model: LoRA adapter {adapter.name!r} was evicted from host "
-                                          f"memory and cannot be read again: {e}", "model") from None
+                raise InvalidRequestError(
+                    f"model: LoRA adapter {adapter.name!r} was evicted from host memory and cannot be read again: {e}",
+                    "model",
+                ) from None
             self.executor.load_tensors(rank.LoadLoRA(adapter.name, slot, config.to_wire()), tensors)
             adapter.in_memory = True
         adapter.slot, self.slots[slot] = slot, adapter.name
@@ -264,7 +275,9 @@ class LoRAManager:
                 f"{param}: no room for LoRA adapter {name!r}: host memory holds --max-cpu-loras "
                 f"{self.max_cpu_loras} adapters ({', '.join(a.name for a in resident)}), none of which "
                 "can be evicted (an adapter pushed by a trainer exists only in memory; one whose "
-                "requests run stays); unload one, or raise --max-cpu-loras", param)
+                "requests run stays); unload one, or raise --max-cpu-loras",
+                param,
+            )
         if not evict:
             return
         victim = min(evictable, key=lambda a: a.last_used)

@@ -93,6 +93,7 @@ class SwapLoRA(RankCall):
 
 # -- weight updates (rlserve/worker/weight_receiver.py) ------------------------------------
 
+
 class JoinTransfer(RankCall):
     background: ClassVar[bool] = True
     backend: str
@@ -181,6 +182,7 @@ class CopyPeer(RankCall):
 
 # -- calls that carry tensors ----------------------------------------------------------------
 
+
 class TensorCall(RankCall):
     def run_with(self, worker: Worker, tensors: list[tuple[str, torch.Tensor]]) -> Any:
         raise NotImplementedError
@@ -203,6 +205,22 @@ class LoadLoRA(TensorCall):
 
 
 AnyTensorCall = LoadWeights | LoadLoRA  # what a "load" message carries
-AnyRankCall = (SizeKVCache | InitKVCache | CaptureCudaGraphs | Sleep | WakeUp | RemoveLoRA | SwapLoRA
-               | JoinTransfer | ReceiveWeights | RefuseUpdate | ApplyStaged | DropStaged | CloseTransfer
-               | Checksums | WeightsLayout | CopyPeer | AnyTensorCall)
+AnyRankCall = (
+    SizeKVCache
+    | InitKVCache
+    | CaptureCudaGraphs
+    | Sleep
+    | WakeUp
+    | RemoveLoRA
+    | SwapLoRA
+    | JoinTransfer
+    | ReceiveWeights
+    | RefuseUpdate
+    | ApplyStaged
+    | DropStaged
+    | CloseTransfer
+    | Checksums
+    | WeightsLayout
+    | CopyPeer
+    | AnyTensorCall
+)

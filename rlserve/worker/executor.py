@@ -79,8 +79,13 @@ class WorkerProcess:
         self.rank = rank
         self.on_lost = on_lost
         ours, theirs = socket.socketpair()
-        self.proc = spawn("rlserve.worker.worker_proc", "--fd", str(theirs.fileno()), pass_fds=(theirs.fileno(),),
-                          parent_death=signal.SIGKILL)  # it ignores SIGTERM
+        self.proc = spawn(
+            "rlserve.worker.worker_proc",
+            "--fd",
+            str(theirs.fileno()),
+            pass_fds=(theirs.fileno(),),
+            parent_death=signal.SIGKILL,
+        )  # it ignores SIGTERM
         theirs.close()
         self.chan = Channel(ours)
         self.replies: queue.Queue[dict | None] = queue.Queue()
@@ -157,10 +162,14 @@ class Executor:
                 self.tp = self._start_workers(config, model_path)
             self.driver = Worker(config, hf_config, model_path, rank=0, tp=self.tp)
             model, routes = self.driver.model, self.driver.runner.routes
-            self.info = ModelInfo(type(model).__name__, self.driver.dtype, self.driver.device,
-                                  bool(getattr(model, "hybrid", False)),
-                                  any(isinstance(m, SparseMoeBlock) for m in model.modules()),
-                                  None if routes is None else routes.shape)
+            self.info = ModelInfo(
+                type(model).__name__,
+                self.driver.dtype,
+                self.driver.device,
+                bool(getattr(model, "hybrid", False)),
+                any(isinstance(m, SparseMoeBlock) for m in model.modules()),
+                None if routes is None else routes.shape,
+            )
             for w in self.workers:  # each answers its init once its model is loaded
                 reply = self._reply(w)
                 if not reply["ok"]:
@@ -176,23 +185,36 @@ class Executor:
         if device.startswith("cuda"):
             last = torch.device(tp_device(config.device, self.world_size - 1)).index
             if last >= torch.cuda.device_count():
-                raise ValueError(f"tensor_parallel_size: {self.world_size} ranks from {device} need "
-                                 f"cuda:{last}, but {torch.cuda.device_count()} GPUs are visible")
+                raise ValueError(
+                    f"tensor_parallel_size: {self.world_size} ranks from {device} need "
+                    f"cuda:{last}, but {torch.cuda.device_count()} GPUs are visible"
+                )
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         if not device.startswith("cuda"):
             # CPU ranks share the cores; more threads than cores makes every rank spin.
             self._saved_threads = torch.get_num_threads()
             torch.set_num_threads(threads)
-        init = {"op": "init", "config": config.to_wire(), "model_path": model_path,
-                "world_size": self.world_size, "tp_port": store.port, "timeout_s": timeout_s,
-                "num_threads": threads, "log_level": logging.getLogger("rlserve").getEffectiveLevel()}
+        init = {
+            "op": "init",
+            "config": config.to_wire(),
+            "model_path": model_path,
+            "world_size": self.world_size,
+            "tp_port": store.port,
+            "timeout_s": timeout_s,
+            "num_threads": threads,
+            "log_level": logging.getLogger("rlserve").getEffectiveLevel(),
+        }
         for rank in range(1, self.world_size):
             self.workers.append(WorkerProcess(rank, {**init, "rank": rank}, self._on_worker_lost))
-        logger.info("started %d tensor-parallel workers (pids %s)", len(self.workers),
-                    ", ".join(str(w.proc.pid) for w in self.workers))
+        logger.info(
+            "started %d tensor-parallel workers (pids %s)",
+            len(self.workers),
+            ", ".join(str(w.proc.pid) for w in self.workers),
+        )
         return self._unless_failed(
             lambda: TPGroup.join(0, self.world_size, device, store.port, store=store, timeout_s=timeout_s),
-            "forming the tensor-parallel group")
+            "forming the tensor-parallel group",
+        )
 
     def _unless_failed(self, fn: Callable[[], Any], what: str) -> Any:
         """Run fn, giving up as soon as a worker dies (fn may block on the dead one)."""
@@ -317,6 +339,7 @@ class Executor:
         """Run `call` with these tensors on every rank (each keeps its shards): rank 0
         broadcasts them over the TP group, so they never travel in a message."""
         from rlserve.weight_transfer.packing import as_bytes
+
         self.check_health()
         tensors = [(name, t.detach()) for name, t in weights]
         if not self.workers:
@@ -331,8 +354,13 @@ class Executor:
             replies = [self._reply(w) for w in self.workers]
         return self._gather(local, replies)
 
-    def launch(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
-               prev: StepHandle | None = None, sample: bool = True) -> StepHandle:
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        block_tables: np.ndarray | list[list[int]],
+        prev: StepHandle | None = None,
+        sample: bool = True,
+    ) -> StepHandle:
         """Queue a step on every rank; nothing here waits for the device. `prev`, the step
         still in flight, supplies the tokens it is sampling (overlapped scheduling).
         `sample=False`: rank 0 samples later, in `sample` (the other ranks sample at once;

@@ -47,14 +47,17 @@ _LoRAExpected = tuple[LoRAConfig, dict[str, ExpectedParam], Callable[[Sequence[T
 
 
 class WeightReceiver:
-    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, lora: LoRAModel | None,
-                 rank: int) -> None:
+    def __init__(
+        self, model: CausalLM, device: torch.device, dtype: torch.dtype, lora: LoRAModel | None, rank: int
+    ) -> None:
         self.model, self.device, self.dtype, self.lora, self.rank = model, device, dtype, lora, rank
         # Taken while the parameters have their real shapes (sleep empties them). One
         # object: the IPC receiver skips re-checking a document against the same checks.
         self.expected: ExpectedWeights = model.expected_weights()
-        self._optional = ExpectedWeights({n: dataclasses.replace(e, required=False) for n, e in self.expected.items()},
-                                         self.expected.skipped_prefixes)
+        self._optional = ExpectedWeights(
+            {n: dataclasses.replace(e, required=False) for n, e in self.expected.items()},
+            self.expected.skipped_prefixes,
+        )
         self.group: TransferGroup | None = None
         self._connecting: TransferGroup | None = None  # a transfer group whose init is under way (abortable)
         self.ipc: IPCReceiver | None = None
@@ -78,8 +81,9 @@ class WeightReceiver:
         if backend == "ipc":
             self.ipc = IPCReceiver(self.device)
             return
-        group = receiver_init(backend, init_info, worker_rank=self.rank, device=self.device,
-                              timeout_s=timeout_s, connect=False)
+        group = receiver_init(
+            backend, init_info, worker_rank=self.rank, device=self.device, timeout_s=timeout_s, connect=False
+        )
         self._connecting = group
         try:
             group.connect()
@@ -91,8 +95,13 @@ class WeightReceiver:
             group.check_usable()
         self.group = group
         # Read by the test suite, which checks that every group it forms stays on loopback.
-        logger.info("joined the trainer's %s weight-transfer group at %s as rank %d of %d",
-                    backend, group.master, group.rank, group.world_size)
+        logger.info(
+            "joined the trainer's %s weight-transfer group at %s as rank %d of %d",
+            backend,
+            group.master,
+            group.rank,
+            group.world_size,
+        )
 
     def abort(self, reason: str = "aborted") -> None:
         """Thread-safe: stop a pending join, and fail a receive in progress (the group is
@@ -114,9 +123,8 @@ class WeightReceiver:
     def _usable_group(self) -> TransferGroup:
         group = self.group
         if group is None or group.broken:
-            why = (f"is unusable ({group.broken})" if group is not None else "is not initialized")
-            raise InvalidUpdateError(f"the weight-transfer group {why}: call "
-                                     "/init_weight_transfer_engine first")
+            why = f"is unusable ({group.broken})" if group is not None else "is not initialized"
+            raise InvalidUpdateError(f"the weight-transfer group {why}: call /init_weight_transfer_engine first")
         return group
 
     @property
@@ -128,8 +136,9 @@ class WeightReceiver:
     def _exclusive(self) -> Iterator[None]:
         """One receive (or refusal) at a time: a second is refused, never interleaved."""
         if not self._lock.acquire(blocking=False):
-            raise InvalidUpdateError("another weight update is in progress on this worker: "
-                                     "send /update_weights one at a time")
+            raise InvalidUpdateError(
+                "another weight update is in progress on this worker: send /update_weights one at a time"
+            )
         try:
             yield
         finally:
@@ -159,8 +168,14 @@ class WeightReceiver:
                 if part:
                     staged = [(n, t.clone()) for n, t in staged]
             else:
-                staged = receive_weights(self._usable_group(), update_info, expected, device=self.device,
-                                         target_dtype=self.dtype, validate=validate)
+                staged = receive_weights(
+                    self._usable_group(),
+                    update_info,
+                    expected,
+                    device=self.device,
+                    target_dtype=self.dtype,
+                    validate=validate,
+                )
             if part:
                 self.parts.append(staged)
             else:
@@ -187,8 +202,9 @@ class WeightReceiver:
 
         def validate(metas: Sequence[TensorMeta]) -> None:
             try:
-                pair_tensors(((m.name, torch.empty(m.shape, device="meta")) for m in metas), config,
-                             "update_info", exempt)
+                pair_tensors(
+                    ((m.name, torch.empty(m.shape, device="meta")) for m in metas), config, "update_info", exempt
+                )
             except ValueError as e:
                 raise InvalidUpdateError(str(e)) from None
 
@@ -220,9 +236,11 @@ class WeightReceiver:
             missing = missing_weights(self.expected, (n for part in self.parts for n, _ in part))
             if missing:
                 self.drop()
-                raise InvalidUpdateError(f"update_info: the transaction's parts leave the model incomplete "
-                                         f"(the weights were dropped, so every one must be sent): missing "
-                                         f"required parameters: {listing(missing)}")
+                raise InvalidUpdateError(
+                    f"update_info: the transaction's parts leave the model incomplete "
+                    f"(the weights were dropped, so every one must be sent): missing "
+                    f"required parameters: {listing(missing)}"
+                )
         staged, self.staged = self.staged, None
         lora, self.staged_lora = self.staged_lora, None
         parts, self.parts = self.parts, []
@@ -301,5 +319,12 @@ class WeightReceiver:
         return layout_digest(self.model)
 
     def copy_peer(self, send: bool, address: str, ports: list[int], digest: str | None, timeout_s: float) -> int:
-        return copy_parameters(self.model, send=send, address=address, port=ports[self.rank],
-                               device=self.device, digest=digest, timeout_s=timeout_s)
+        return copy_parameters(
+            self.model,
+            send=send,
+            address=address,
+            port=ports[self.rank],
+            device=self.device,
+            digest=digest,
+            timeout_s=timeout_s,
+        )

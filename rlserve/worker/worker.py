@@ -38,8 +38,14 @@ _CPU_KV_DEFAULT_BYTES = 1 << 30
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, model_path: str, rank: int = 0,
-                 tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: PretrainedConfig,
+        model_path: str,
+        rank: int = 0,
+        tp: TPGroup | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.tp = tp or TPGroup()
@@ -51,19 +57,27 @@ class Worker:
         t0 = time.perf_counter()
         torch.manual_seed(config.seed)
         with tp_group_scope(self.tp):  # the layers take their shard of the model from it
-            self.model = build_model(hf_config, self.dtype, str(self.device), config.load_format,
-                                     model_path, seed=config.seed)
+            self.model = build_model(
+                hf_config, self.dtype, str(self.device), config.load_format, model_path, seed=config.seed
+            )
         if config.load_format == "dummy" and self.tp.world_size > 1:
             self._init_dummy_unsharded(config.seed)
         self.lora: LoRAModel | None = None
         if config.enable_lora:
             from rlserve.model.lora import attach_lora
+
             self.lora = attach_lora(self.model, config.max_loras, config.max_lora_rank)
         self.load_seconds = time.perf_counter() - t0
-        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size,
-                                  config.logprobs_mode, lora=self.lora,
-                                  kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype),
-                                  batch_invariant=config.batch_invariant)
+        self.runner = ModelRunner(
+            self.model,
+            self.device,
+            self.dtype,
+            config.block_size,
+            config.logprobs_mode,
+            lora=self.lora,
+            kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype),
+            batch_invariant=config.batch_invariant,
+        )
         if config.enable_return_routed_experts and self.rank == 0:
             # Rank 0 alone: every rank routes alike (the router is replicated), one copy is returned.
             self.runner.capture_routes(max(config.max_num_batched_tokens, min(config.max_num_seqs, 512)))
@@ -97,8 +111,13 @@ class Worker:
             return KVSizing(kv_cache_blocks(cfg.kv_cache_memory_bytes - states, per_block))
         if self.device.type != "cuda":
             return KVSizing(kv_cache_blocks(_CPU_KV_DEFAULT_BYTES - states, per_block))
-        limits = WorstSteps(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len, cfg.max_logprobs,
-                            capture_graphs=not cfg.enforce_eager)
+        limits = WorstSteps(
+            cfg.max_num_batched_tokens,
+            cfg.max_num_seqs,
+            max_model_len,
+            cfg.max_logprobs,
+            capture_graphs=not cfg.enforce_eager,
+        )
         profile = profile_memory(self.runner, limits)
         num_blocks = kv_cache_blocks(kv_cache_budget(profile, cfg.gpu_memory_utilization) - states, per_block)
         return KVSizing(num_blocks, msgspec.structs.replace(profile, kv_cache=num_blocks * per_block))
@@ -164,8 +183,7 @@ class Worker:
             self.runner.capture_cuda_graphs(*self._graph_args)
 
     # -- execution ---------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]]
-                      ) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]]) -> ModelRunnerOutput:
         """block_tables: the KV manager's int32 array (one rank) or lists (a step message)."""
         return self.runner.execute(sched, block_tables)
 

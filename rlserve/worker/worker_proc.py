@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 def _plain(value: Any) -> Any:
     """A call's result in msgpack's vocabulary."""
     if isinstance(value, (set, frozenset)):
@@ -116,8 +117,9 @@ class WorkerLoop:
             return
         if self.background is not None:
             self.background.join()  # the executor sends one call at a time; belt and braces
-        self.background = threading.Thread(target=self._reply, args=(run, call),
-                                           name=f"rlserve-{type(call).__name__}", daemon=True)
+        self.background = threading.Thread(
+            target=self._reply, args=(run, call), name=f"rlserve-{type(call).__name__}", daemon=True
+        )
         self.background.start()
 
     def _reply(self, run: Callable[[], Any], call: RankCall) -> None:
@@ -133,6 +135,7 @@ class WorkerLoop:
     def _receive_tensors(self, metas: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
         """Tensors rank 0 broadcasts over the TP group, to load like a checkpoint."""
         from rlserve.weight_transfer.packing import DTYPES, as_bytes
+
         tensors = []
         for name, dtype, shape in metas:
             t = torch.empty(shape, dtype=DTYPES[dtype], device=self.worker.device)
@@ -157,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     except ChannelClosed:
         return 1
     rank = init["rank"]
-    logging.basicConfig(level=init.get("log_level", logging.INFO),
-                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=init.get("log_level", logging.INFO),
+        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     try:
         worker = _start(init)
     except Exception as e:
