@@ -17,9 +17,11 @@ model:
 demo: install
 	$(PYTHON) examples/rlhf_http_cpu.py
 
-# Lint and import order (ruff), then types (mypy); both configured in pyproject.toml.
+# Lint and import order (ruff), the layout of the engine and its workers (ruff format),
+# then types (mypy); all configured in pyproject.toml.
 lint:
 	$(PYTHON) -m ruff check rlserve tests benchmarks examples scripts
+	$(PYTHON) -m ruff format --check rlserve/engine rlserve/worker
 	$(PYTHON) -m mypy rlserve
 
 # The second run is the Triton kernels' CPU lane: the MoE and LoRA kernels under Triton's

@@ -38,7 +38,7 @@ class BlockTables:
         self.lengths[row] = end
 
     def release(self, row: int) -> None:
-        self.array[row, :self.lengths[row]] = 0
+        self.array[row, : self.lengths[row]] = 0
         self.lengths[row] = 0
         self.free_rows.append(row)
 

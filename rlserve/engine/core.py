@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import numpy as np
@@ -37,6 +37,7 @@ from rlserve.model.loader import (
 )
 from rlserve.model.moe import config_value
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.sequence import SchedulerOutput
 from rlserve.wire.control import Paused
 from rlserve.wire.outputs import (
     EngineCoreOutputs,
@@ -52,6 +53,9 @@ from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
 from rlserve.worker.memory_profile import KVSizing
 from rlserve.worker.model_runner import StepHandle
+
+if TYPE_CHECKING:
+    from rlserve.engine.lora import LoRAManager, ReadAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +80,21 @@ class EngineCore:
         self.hf_config = hf_config
         # Text is the front end's business; here the tokenizer only says which tokens end
         # a sequence (the offline LLM borrows it). Benchmarks on bare configs skip it.
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
-            config.tokenizer or self.model_path, config.trust_remote_code)
+        self.tokenizer = (
+            None
+            if config.skip_tokenizer_init
+            else load_tokenizer(config.tokenizer or self.model_path, config.trust_remote_code)
+        )
         self.max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, self.model_path)
 
         self.executor = Executor(config, hf_config, self.model_path)
         num_blocks = self._init_kv_cache()
-        self.lora = None  # rlserve.engine.lora.LoRAManager, with enable_lora
+        self.lora: LoRAManager | None = None  # with enable_lora
         if config.enable_lora:
             from rlserve.engine.lora import LoRAManager
+
             assert config.max_cpu_loras is not None  # EngineConfig sets it (to max_loras by default)
             self.lora = LoRAManager(self.executor, config.max_loras, config.max_cpu_loras, config.max_lora_rank)
             for name, path in config.lora_modules.items():
@@ -99,11 +107,11 @@ class EngineCore:
             experts = int(config_value(hf_config, "num_experts", "num_local_experts", default=0))
             self.kv.routes = RouteStore(self.kv.capacity_tokens, *info.routes_shape, experts)
         self.state = EngineState()  # paused, asleep, without weights: what stops the steps
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.state,
-                                   self.lora)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.state, self.lora)
         # Overlapped scheduling needs a device that runs ahead of the host, and one rank.
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device.type == "cuda") and self.world_size == 1
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        ) and self.world_size == 1
         self.inflight: _InFlight | None = None
         self.weight_version = 0
         self.weight_labels: dict[int, str] = {}  # number -> the label it was served under (the latest few)
@@ -115,19 +123,34 @@ class EngineCore:
         # collector's scans, which otherwise cost milliseconds per step at large batches.
         gc.collect()
         gc.freeze()
-        logger.info("loaded %s (%s, %s) in %.1fs; KV cache: %d blocks = %d tokens",
-                    config.model, info.model_type, info.dtype, self.load_seconds, num_blocks,
-                    self.kv.capacity_tokens)
+        self._log_loaded(num_blocks)
+
+    def _log_loaded(self, num_blocks: int) -> None:
+        info = self.executor.info
+        logger.info(
+            "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks = %d tokens",
+            self.config.model,
+            info.model_type,
+            info.dtype,
+            self.load_seconds,
+            num_blocks,
+            self.kv.capacity_tokens,
+        )
         if self.memory is not None:
-            logger.info("device memory (%.2f GiB, %.0f%% this server's): %s", self.memory.total / GiB,
-                        100 * config.gpu_memory_utilization, self.memory.describe(self.kv.capacity_tokens))
+            logger.info(
+                "device memory (%.2f GiB, %.0f%% this server's): %s",
+                self.memory.total / GiB,
+                100 * self.config.gpu_memory_utilization,
+                self.memory.describe(self.kv.capacity_tokens),
+            )
 
     def _init_kv_cache(self) -> int:
         """Size the KV cache on every rank (the smallest decides: a rank's shard of the KV heads
         is the same size everywhere, the memory beside it may not be), allocate it, then
         capture the decode graphs over it. Returns its blocks."""
-        sizes = [msgspec.convert(r, KVSizing) for r in
-                 self.executor.collective_rpc(rank.SizeKVCache(self.max_model_len))]
+        sizes = [
+            msgspec.convert(r, KVSizing) for r in self.executor.collective_rpc(rank.SizeKVCache(self.max_model_len))
+        ]
         sizing = min(sizes, key=lambda s: s.num_blocks)
         self.memory: MemoryProfile | None = sizing.profile
         self.executor.collective_rpc(rank.InitKVCache(sizing.num_blocks))
@@ -146,9 +169,15 @@ class EngineCore:
         return self.executor.info.device
 
     # -- requests ----------------------------------------------------------------------
-    def make_requests(self, prompt_token_ids: list[int], params: SamplingParams,
-                      request_id: str, stream: bool = False,
-                      cache_salt: str | None = None, lora_name: str | None = None) -> list[Request]:
+    def make_requests(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        stream: bool = False,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> list[Request]:
         """Validate one prompt and expand it into its n sample requests. `stream`: every
         step reports the request's new token; otherwise it reports everything once, when
         the request finishes. `cache_salt`: prefix-cache blocks are shared only with
@@ -158,15 +187,25 @@ class EngineCore:
         check_return_routed_experts(params.return_routed_experts, self.moe, self.kv.routes is not None)
         if lora_name is not None:
             if self.lora is None:
-                raise ModelNotFoundError(f"model: {lora_name!r} is not served (LoRA adapters need "
-                                         "--enable-lora)")
+                raise ModelNotFoundError(f"model: {lora_name!r} is not served (LoRA adapters need --enable-lora)")
             cache_salt = self.lora.resolve(lora_name).cache_salt(cache_salt)
         spec = params.structured_outputs
         grammar = self.grammars.compile(spec, params) if spec is not None else None
-        reqs = [Request(rid, prompt_token_ids, params, self.eos_token_ids, sample_index=i,
-                        max_model_len=self.max_model_len, group_id=request_id if params.n > 1 else None,
-                        stream=stream, cache_salt=cache_salt, lora_name=lora_name)
-                for i, rid in enumerate(sample_ids(request_id, params.n))]
+        reqs = [
+            Request(
+                rid,
+                prompt_token_ids,
+                params,
+                self.eos_token_ids,
+                sample_index=i,
+                max_model_len=self.max_model_len,
+                group_id=request_id if params.n > 1 else None,
+                stream=stream,
+                cache_salt=cache_salt,
+                lora_name=lora_name,
+            )
+            for i, rid in enumerate(sample_ids(request_id, params.n))
+        ]
         for req in reqs:
             req.grammar = grammar
         return reqs
@@ -177,7 +216,8 @@ class EngineCore:
         if self.state.no_weights:
             raise EngineUnavailableError(
                 "the weights were dropped by /sleep?level=2: generation resumes after a full "
-                "weight update (POST /update_weights)")
+                "weight update (POST /update_weights)"
+            )
         if req.grammar is not None and req.matcher is None:
             self.grammars.add(req)
         else:
@@ -212,12 +252,14 @@ class EngineCore:
     def has_work(self) -> bool:
         """A step would compute something now (requests waiting for a grammar do not count:
         `step` admits them once it is ready)."""
-        return self.inflight is not None or (self.scheduler.num_unfinished > 0
-                                             and not self.scheduler.stopped)
+        return self.inflight is not None or (self.scheduler.num_unfinished > 0 and not self.scheduler.stopped)
 
     def unfinished_ids(self) -> list[str]:
-        return ([*self.scheduler.requests] + [r.request_id for r in self.held]
-                + [r.request_id for r in self.grammars.waiting])
+        return (
+            [*self.scheduler.requests]
+            + [r.request_id for r in self.held]
+            + [r.request_id for r in self.grammars.waiting]
+        )
 
     # -- the step ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs | None:
@@ -241,9 +283,9 @@ class EngineCore:
             overlapped = self.inflight if self.async_scheduling else None  # the step still on the device
             # The scheduler's batch holds Requests (ScheduledRequest types them as Sequences).
             masked = any(cast(Request, item.request).matcher is not None for item in sched.scheduled)
-            handle = self.executor.launch(sched, self._tables(sched),
-                                          overlapped.handle if overlapped is not None else None,
-                                          sample=not masked)
+            handle = self.executor.launch(
+                sched, self._tables(sched), overlapped.handle if overlapped is not None else None, sample=not masked
+            )
             slots = self.kv.step_slots(sched.scheduled) if self.kv.routes is not None else None
             placeholders, first = self.scheduler.advance(sched)
             launched = _InFlight(handle, placeholders, self.weight_version, first, slots)
@@ -273,15 +315,16 @@ class EngineCore:
                 out.rejected.append(Rejected.of(group, error))
         self.scheduler.refused.clear()
 
-    def _sample_masked(self, handle) -> None:
+    def _sample_masked(self, handle: StepHandle) -> None:
         """Sample a launched step under its rows' grammar masks (their matchers have taken
         every token before this one)."""
         from rlserve.engine.structured_output import fill_bitmask
+
         finished = RequestStatus.FINISHED
         matchers = [r.matcher if r.status is not finished else None for r in handle.requests]
         self.executor.sample(handle, fill_bitmask(matchers, self.vocab_size))
 
-    def _tables(self, sched):
+    def _tables(self, sched: SchedulerOutput) -> np.ndarray | list[list[int]]:
         """The scheduled requests' block tables: the KV manager's array, or lists where
         they travel to other ranks in a step message."""
         if self.world_size == 1:
@@ -294,8 +337,9 @@ class EngineCore:
         result = self.executor.collect(inflight.handle)
         if result.routes is not None and inflight.slots is not None and self.kv.routes is not None:
             self.kv.routes.record(inflight.slots, result.routes)
-        return self.scheduler.update_from_output(result, inflight.handle.prompt_start, inflight.index,
-                                                 inflight.first, inflight.version)
+        return self.scheduler.update_from_output(
+            result, inflight.handle.prompt_start, inflight.index, inflight.first, inflight.version
+        )
 
     # -- pause / resume ----------------------------------------------------------------
     def pause(self, mode: str = "abort", clear_cache: bool = False) -> list[Finished]:
@@ -309,10 +353,12 @@ class EngineCore:
             raise InvalidRequestError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
         if mode == "wait" and self.state.pause_mode == "keep" and self.has_unfinished():
             from rlserve.wire.messages import ConflictError
+
             raise ConflictError(
                 f"mode: wait: generation is paused with mode keep and {len(self.unfinished_ids())} "
                 "requests are frozen, so waiting for them would never end; POST /resume first "
-                "(then /pause?mode=wait drains them), or /pause?mode=abort to end them")
+                "(then /pause?mode=wait drains them), or /pause?mode=abort to end them"
+            )
         self.state.pause(mode)
         outputs: list[Finished] = []
         if mode == "abort":
@@ -392,8 +438,9 @@ class EngineCore:
         requests in flight keep their tokens and recompute after /wake_up (tags kv_cache)."""
         if self.state.sleeping:
             asleep = ", ".join(sorted(self.state.asleep))
-            raise ConflictError(f"release_kv_cache_memory: the engine is asleep already ({asleep}); "
-                                "POST /wake_up first")
+            raise ConflictError(
+                f"release_kv_cache_memory: the engine is asleep already ({asleep}); POST /wake_up first"
+            )
         outputs = self._process(self.inflight) if self.inflight is not None else None
         self.inflight = None
         for req in reversed(list(self.scheduler.running)):
@@ -411,8 +458,9 @@ class EngineCore:
         wanted = set(tags) if tags else {"weights", "kv_cache", "scheduling"}
         unknown = sorted(wanted - {"weights", "kv_cache", "scheduling"})
         if unknown:
-            raise InvalidRequestError(f"tags: unknown tag(s) {', '.join(map(repr, unknown))} (known: 'weights', "
-                                      "'kv_cache')", "tags")
+            raise InvalidRequestError(
+                f"tags: unknown tag(s) {', '.join(map(repr, unknown))} (known: 'weights', 'kv_cache')", "tags"
+            )
         state = self.state
         waking = sorted(state.asleep & wanted - {"scheduling"})
         if waking:
@@ -427,10 +475,9 @@ class EngineCore:
         return self.new_weight_version(version)
 
     # -- LoRA adapters (rlserve/engine/lora.py) ------------------------------------------
-    def require_lora(self):
+    def require_lora(self) -> LoRAManager:
         if self.lora is None:
-            raise InvalidRequestError("lora_name: LoRA adapters need a server started with --enable-lora",
-                                      "lora_name")
+            raise InvalidRequestError("lora_name: LoRA adapters need a server started with --enable-lora", "lora_name")
         return self.lora
 
     def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> dict:
@@ -438,7 +485,7 @@ class EngineCore:
         running with it continue on the new weights, which is a new weight version."""
         return self.install_lora_adapter(self.require_lora().read(name, path, load_inplace))
 
-    def install_lora_adapter(self, read) -> dict:
+    def install_lora_adapter(self, read: ReadAdapter) -> dict:
         """An adapter read off the engine thread (LoRAManager.read), put in place now."""
         adapter, replaced = self.require_lora().install(read)
         if replaced:
@@ -451,8 +498,10 @@ class EngineCore:
         lora.resolve(name, "lora_name")
         users = sum(r.lora_name == name for r in (*self.scheduler.requests.values(), *self.held))
         if users:
-            raise ConflictError(f"lora_name: {users} request(s) still run with {name!r}; let them "
-                                "finish (or /pause?mode=abort) before unloading it")
+            raise ConflictError(
+                f"lora_name: {users} request(s) still run with {name!r}; let them "
+                "finish (or /pause?mode=abort) before unloading it"
+            )
         lora.unload(name)
 
     def list_lora_adapters(self) -> list[dict]:
@@ -502,7 +551,8 @@ class EngineCore:
             sleep_level=self.state.sleep_level,
             num_waiting_deferred=len(self.grammars) + self.scheduler.num_deferred,
             iteration_tokens=list(self.scheduler.iteration_tokens),
-            iteration_tokens_sum=self.scheduler.iteration_tokens_sum)
+            iteration_tokens_sum=self.scheduler.iteration_tokens_sum,
+        )
 
     def shutdown(self) -> None:
         self.grammars.shutdown()

@@ -89,8 +89,9 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.num_clients = len(output_addresses)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.sender = threading.Thread(target=self._send_loop, args=(output_addresses,),
-                                       name="rlserve-engine-sender", daemon=True)
+        self.sender = threading.Thread(
+            target=self._send_loop, args=(output_addresses,), name="rlserve-engine-sender", daemon=True
+        )
         self.sender.start()
         # start() sets these, before anything else reads them.
         self.core: EngineCore
@@ -143,8 +144,9 @@ class EngineCoreProc:
             client = owners.get(rid, 0)
             p = parts.get(client)
             if p is None:
-                p = parts[client] = EngineCoreOutputs(out.version, [], [], [] if out.logprobs is not None else None,
-                                                      timestamp=out.timestamp)
+                p = parts[client] = EngineCoreOutputs(
+                    out.version, [], [], [] if out.logprobs is not None else None, timestamp=out.timestamp
+                )
             return p
 
         for i, (rid, token) in enumerate(zip(out.request_ids, out.token_ids)):
@@ -174,20 +176,31 @@ class EngineCoreProc:
         self._handlers = self._handler_table()
         self.later: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()  # from threads, for the loop
         self.pending_later = 0  # loop thread only
-        self._send(None, EngineReady(
-            max_model_len=core.max_model_len, vocab_size=core.vocab_size,
-            world_size=core.world_size, eos_token_ids=sorted(core.eos_token_ids),
-            weight_version=core.weight_version, kv_capacity_tokens=core.kv.capacity_tokens,
-            model_type=core.executor.info.model_type, device=str(core.device),
-            dtype=str(core.executor.info.dtype).removeprefix("torch."),
-            load_seconds=core.load_seconds, pid=os.getpid(), host=get_ip(), memory=core.memory, moe=core.moe,
-            routed_experts=core.kv.routes is not None))
+        self._send(
+            None,
+            EngineReady(
+                max_model_len=core.max_model_len,
+                vocab_size=core.vocab_size,
+                world_size=core.world_size,
+                eos_token_ids=sorted(core.eos_token_ids),
+                weight_version=core.weight_version,
+                kv_capacity_tokens=core.kv.capacity_tokens,
+                model_type=core.executor.info.model_type,
+                device=str(core.device),
+                dtype=str(core.executor.info.dtype).removeprefix("torch."),
+                load_seconds=core.load_seconds,
+                pid=os.getpid(),
+                host=get_ip(),
+                memory=core.memory,
+                moe=core.moe,
+                routed_experts=core.kv.routes is not None,
+            ),
+        )
 
     def run(self) -> None:
         core, updates = self.core, self.updates
         while not self.stopping:
-            soon = (bool(core.grammars) or updates.busy or updates.transaction is not None
-                    or self.pending_later > 0)
+            soon = bool(core.grammars) or updates.busy or updates.transaction is not None or self.pending_later > 0
             self._read_inputs(block=not core.has_work(), timeout_ms=_SOON_POLL_MS if soon else _IDLE_POLL_MS)
             updates.apply_received()  # between two steps
             self._run_later()
@@ -234,10 +247,9 @@ class EngineCoreProc:
         try:
             if core.state.refuses_new_requests:
                 raise EngineUnavailableError(
-                    f"generation is paused (mode {core.state.pause_mode}); send the request again "
-                    "after POST /resume")
-            reqs = core.make_requests(m.prompt_token_ids, m.params, m.request_id, m.stream, m.cache_salt,
-                                      m.lora_name)
+                    f"generation is paused (mode {core.state.pause_mode}); send the request again after POST /resume"
+                )
+            reqs = core.make_requests(m.prompt_token_ids, m.params, m.request_id, m.stream, m.cache_salt, m.lora_name)
             for req in reqs:
                 core.add_request(req)
         except (InvalidRequestError, EngineUnavailableError) as e:
@@ -262,7 +274,7 @@ class EngineCoreProc:
         if value is not LATER:
             self._answer(call, value)
 
-    def _pause(self, call: Call, body: Pause):
+    def _pause(self, call: Call, body: Pause) -> Paused | object:  # object: LATER
         finished = self.core.pause(body.mode, body.clear_cache)
         if finished:
             self._emit(EngineCoreOutputs(self.core.weight_version, finished=finished))
@@ -307,8 +319,9 @@ class EngineCoreProc:
             except Exception as e:
                 self.later.put(functools.partial(self._answer, call, error=e))
                 return
-            self.later.put(functools.partial(self._call_now, call, functools.partial(
-                self.core.install_lora_adapter, done)))
+            self.later.put(
+                functools.partial(self._call_now, call, functools.partial(self.core.install_lora_adapter, done))
+            )
 
         self.pending_later += 1
         threading.Thread(target=read, name="rlserve-lora-read", daemon=True).start()
@@ -345,7 +358,10 @@ class EngineCoreProc:
         core = self.core
         return {
             **self.updates.handlers,  # weight updates: weight_updates.py
-            Pause: self._pause, Sleep: self._sleep, AbortAll: self._abort_all, Shutdown: self._shutdown,
+            Pause: self._pause,
+            Sleep: self._sleep,
+            AbortAll: self._abort_all,
+            Shutdown: self._shutdown,
             Resume: lambda call, body: core.resume(),
             WakeUp: lambda call, body: core.wake_up(body.tags),
             ReleaseKVCache: self._release_kv_cache,
@@ -370,13 +386,19 @@ class EngineCoreProc:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the rlserve engine-core process")
     parser.add_argument("--input", required=True, help="ZeroMQ address to bind for requests")
-    parser.add_argument("--output", action="append", required=True,
-                        help="ZeroMQ address of an API server's output socket (one per server)")
+    parser.add_argument(
+        "--output",
+        action="append",
+        required=True,
+        help="ZeroMQ address of an API server's output socket (one per server)",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides what they mean
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent(os.getppid())
@@ -384,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     import msgpack
 
     from rlserve.config import EngineConfig
+
     config = EngineConfig(**msgpack.unpackb(sys.stdin.buffer.read(), raw=False))
     proc = EngineCoreProc(args.input, args.output)
     try:

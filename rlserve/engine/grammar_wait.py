@@ -16,12 +16,20 @@ from rlserve.wire.outputs import Rejected
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    from transformers import PreTrainedTokenizerBase
+
     from rlserve.config import GrammarLimits
     from rlserve.engine.structured_output import CompiledGrammar, StructuredOutputCompiler
 
 
 class GrammarWait:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int], limits: GrammarLimits):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        limits: GrammarLimits,
+    ) -> None:
         self.tokenizer, self.vocab_size, self.eos_token_ids, self.limits = tokenizer, vocab_size, eos_token_ids, limits
         self.waiting: list[Request] = []
         self._compiler: StructuredOutputCompiler | None = None  # made at the first grammar
@@ -32,15 +40,17 @@ class GrammarWait:
     def compile(self, spec: StructuredOutputsParams, params: SamplingParams) -> Future[CompiledGrammar]:
         """Check a spec now (InvalidRequestError if bad) and start compiling it on a thread."""
         if self.tokenizer is None:
-            raise InvalidRequestError("structured_outputs: needs the tokenizer, which this "
-                                      "engine was started without", "structured_outputs")
+            raise InvalidRequestError(
+                "structured_outputs: needs the tokenizer, which this engine was started without", "structured_outputs"
+            )
         if params.min_tokens:  # a finished grammar may allow nothing but its end
-            raise InvalidRequestError("min_tokens: cannot be combined with structured outputs",
-                                      "min_tokens")
+            raise InvalidRequestError("min_tokens: cannot be combined with structured outputs", "min_tokens")
         if self._compiler is None:
             from rlserve.engine.structured_output import StructuredOutputCompiler
-            self._compiler = StructuredOutputCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                      limits=self.limits)
+
+            self._compiler = StructuredOutputCompiler(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, limits=self.limits
+            )
         self._compiler.validate(spec)
         return self._compiler.compile(spec)
 
@@ -60,8 +70,11 @@ class GrammarWait:
             if error is not None:
                 req.status = RequestStatus.FINISHED
                 if req.sample_index == 0:
-                    rejected.append(Rejected(req.group_id or req.request_id, str(error),
-                                             getattr(error, "param", "structured_outputs")))
+                    rejected.append(
+                        Rejected(
+                            req.group_id or req.request_id, str(error), getattr(error, "param", "structured_outputs")
+                        )
+                    )
                 continue
             req.matcher = compiler.matcher(grammar.result())
             enqueue(req)

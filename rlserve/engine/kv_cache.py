@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +37,7 @@ from rlserve.engine.request import Request
 from rlserve.engine.state_pool import StateCache, StatePool
 
 if TYPE_CHECKING:
+    from rlserve.sequence import ScheduledRequest, Sequence
     from rlserve.worker.executor import ModelInfo
 
 # What a cached block was computed after: the id of its parent block's contents (an int,
@@ -149,7 +151,7 @@ class RouteStore:
 
     def record(self, slots: np.ndarray, routes: np.ndarray) -> None:
         """A step's routes: row i of `routes` is the token of KV slot `slots[i]`."""
-        self.rows[slots] = routes[:len(slots)]
+        self.rows[slots] = routes[: len(slots)]
 
     def gather(self, blocks: list[int], block_size: int, num_tokens: int) -> np.ndarray:
         """The routes of a request's first `num_tokens` tokens: [num_tokens, layers, k] int32."""
@@ -168,8 +170,14 @@ class _Chain:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 states: StatePool | None = None, state_cache: StateCache | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        states: StatePool | None = None,
+        state_cache: StateCache | None = None,
+    ):
         """`states`: a hybrid model's state slots, taken and given back with a request's
         blocks; `state_cache`: its prefix cache's states (with prefix caching)."""
         self.block_size = block_size
@@ -212,7 +220,7 @@ class KVCacheManager:
         key = root_key(req.cache_salt)
         parent: Parent = req.cache_salt
         for i in range(max_blocks):
-            token_bytes = pack(*tokens[i * bs:(i + 1) * bs])
+            token_bytes = pack(*tokens[i * bs : (i + 1) * bs])
             key = block_key(key, token_bytes)
             block = pool.lookup(key, token_bytes, parent)
             if block is None:
@@ -292,7 +300,7 @@ class KVCacheManager:
         key, parent, pack, register = chain.key, chain.parent, self._pack, self.pool.register
         states = self.state_cache
         for i in range(chain.num_blocks, num_full):
-            token_bytes = pack(*tokens[i * bs:(i + 1) * bs])
+            token_bytes = pack(*tokens[i * bs : (i + 1) * bs])
             key = block_key(key, token_bytes)
             parent = register(blocks[i], key, token_bytes, parent)
             if states is not None and blocks[i] in states:
@@ -360,10 +368,10 @@ class KVCacheManager:
         if self.state_cache is not None:
             self.state_cache.clear()
 
-    def block_table(self, req: Request) -> list[int]:
+    def block_table(self, req: Sequence) -> list[int]:
         return self.blocks[req.request_id]
 
-    def step_slots(self, scheduled) -> np.ndarray:
+    def step_slots(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
         """The KV slot of every token of a step about to launch (ScheduledRequest items, in
         row order; their num_computed_tokens not yet advanced): where its routes go."""
         n = len(scheduled)
@@ -384,7 +392,7 @@ class KVCacheManager:
             return None
         return self.routes.gather(blocks, self.block_size, req.num_prompt_tokens + len(req.token_versions) - 1)
 
-    def block_table_array(self, reqs: list[Request]) -> np.ndarray:
+    def block_table_array(self, reqs: Iterable[Sequence]) -> np.ndarray:
         """The block tables of `reqs` as one int32 array [len(reqs), most blocks], 0-padded."""
         rows = self.rows
         return self.tables.gather([rows[r.request_id] for r in reqs])
@@ -396,5 +404,6 @@ def kv_manager(model: ModelInfo, num_blocks: int, config: EngineConfig) -> KVCac
     if not model.hybrid:
         return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     cache = StateCache(config.max_num_seqs, config.state_cache_slots) if config.state_cache_slots else None
-    return KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                          StatePool(config.max_num_seqs), cache)
+    return KVCacheManager(
+        num_blocks, config.block_size, config.enable_prefix_caching, StatePool(config.max_num_seqs), cache
+    )

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, overload
 
 from rlserve.errors import ModelNotFoundError
 from rlserve.model.peft import LoRAConfig, pair_tensors, read_adapter
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.worker import calls as rank
+
+if TYPE_CHECKING:
+    from rlserve.engine.request import Request
+    from rlserve.worker.executor import Executor
 
 
 class LoRARequest(NamedTuple):
@@ -62,14 +66,18 @@ class LoRAAdapter:
         return f"\x00lora:{self.name}:{self.generation}\x00{salt or ''}"
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.name, "slot": -1 if self.slot is None else self.slot, "path": self.path,
-                "r": self.config.r, "lora_alpha": self.config.lora_alpha}
+        return {
+            "name": self.name,
+            "slot": -1 if self.slot is None else self.slot,
+            "path": self.path,
+            "r": self.config.r,
+            "lora_alpha": self.config.lora_alpha,
+        }
 
 
 def check_lora_name(name: Any, param: str = "lora_name") -> str:
     if not isinstance(name, str) or not name or len(name) > 256:
-        raise InvalidRequestError(f"{param}: must be a non-empty string of at most 256 characters, "
-                                  f"got {name!r}", param)
+        raise InvalidRequestError(f"{param}: must be a non-empty string of at most 256 characters, got {name!r}", param)
     return name
 
 
@@ -77,7 +85,7 @@ class LoRAManager:
     """The engine's side of adapters: the table, the slots, host memory, and the calls that
     move adapters between them on every rank. Engine thread only."""
 
-    def __init__(self, executor, max_loras: int, max_cpu_loras: int, max_rank: int):
+    def __init__(self, executor: Executor, max_loras: int, max_cpu_loras: int, max_rank: int) -> None:
         self.executor = executor
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.adapters: dict[str, LoRAAdapter] = {}
@@ -109,8 +117,11 @@ class LoRAManager:
 
     def _refuse_second_load(self, name: str, load_inplace: bool) -> None:
         if name in self.adapters and not load_inplace:  # vLLM's words for it
-            raise InvalidRequestError(f"lora_name: the LoRA adapter {name!r} has already been loaded; "
-                                      "unload it first, or pass load_inplace: true to replace it", "lora_name")
+            raise InvalidRequestError(
+                f"lora_name: the LoRA adapter {name!r} has already been loaded; "
+                "unload it first, or pass load_inplace: true to replace it",
+                "lora_name",
+            )
 
     def read(self, name: str, path: str, load_inplace: bool = False) -> ReadAdapter:
         """The slow half of a load, safe off the engine thread (it reads files and checks
@@ -120,6 +131,7 @@ class LoRAManager:
         config, tensors = read_adapter(path, self.max_rank)
         # Names, pairs and shapes, before anything moves (rank 0's model answers for all).
         lora = self.executor.lora
+        assert lora is not None  # the manager exists where the model has LoRA slots
         try:
             lora.check(pair_tensors(tensors, config, "adapter_model", lora.exempt))
         except ValueError as e:
@@ -159,7 +171,9 @@ class LoRAManager:
             if name not in self.adapters:
                 raise InvalidRequestError(
                     f"update_info.lora_config: required for {name!r}, which is not loaded "
-                    "(PEFT's adapter_config: r, lora_alpha, target_modules, ...)", "update_info")
+                    "(PEFT's adapter_config: r, lora_alpha, target_modules, ...)",
+                    "update_info",
+                )
             return self.adapters[name].config.to_wire()
         config = LoRAConfig.parse(data, "update_info.lora_config", self.max_rank)
         self._make_room(name, evict=False)
@@ -182,25 +196,27 @@ class LoRAManager:
         return adapter is not None
 
     # -- slots, as the scheduler admits requests -------------------------------------------
-    def acquire(self, req) -> bool:
+    def acquire(self, req: Request) -> bool:
         """Give a request being scheduled its adapter's slot (req.lora_slot), swapping the
         adapter in if no slot holds it; False when every slot is in use by other adapters'
         requests (it waits). Raises when the adapter cannot be brought back into memory."""
+        assert req.lora_name is not None  # the scheduler asks for the requests with an adapter
         adapter = self.resolve(req.lora_name)
         self._clock += 1
         adapter.last_used = self._clock
-        if adapter.slot is None:
+        slot = adapter.slot
+        if slot is None:
             slot = self._slot_to_take()
             if slot is None:
                 return False
             self._swap_in(adapter, slot)
         adapter.users += 1
-        req.lora_slot = adapter.slot
+        req.lora_slot = slot
         return True
 
-    def release(self, req) -> None:
+    def release(self, req: Request) -> None:
         """A request gives its slot back (finished, or preempted: it acquires one again)."""
-        adapter = self.adapters.get(req.lora_name)
+        adapter = None if req.lora_name is None else self.adapters.get(req.lora_name)
         if adapter is not None:
             adapter.users -= 1
         req.lora_slot = -1
@@ -231,8 +247,10 @@ class LoRAManager:
             try:
                 config, tensors = read_adapter(adapter.path, self.max_rank)
             except InvalidRequestError as e:
-                raise InvalidRequestError(f"model: LoRA adapter {adapter.name!r} was evicted from host "
-                                          f"memory and cannot be read again: {e}", "model") from None
+                raise InvalidRequestError(
+                    f"model: LoRA adapter {adapter.name!r} was evicted from host memory and cannot be read again: {e}",
+                    "model",
+                ) from None
             self.executor.load_tensors(rank.LoadLoRA(adapter.name, slot, config.to_wire()), tensors)
             adapter.in_memory = True
         adapter.slot, self.slots[slot] = slot, adapter.name
@@ -257,7 +275,9 @@ class LoRAManager:
                 f"{param}: no room for LoRA adapter {name!r}: host memory holds --max-cpu-loras "
                 f"{self.max_cpu_loras} adapters ({', '.join(a.name for a in resident)}), none of which "
                 "can be evicted (an adapter pushed by a trainer exists only in memory; one whose "
-                "requests run stays); unload one, or raise --max-cpu-loras", param)
+                "requests run stays); unload one, or raise --max-cpu-loras",
+                param,
+            )
         if not evict:
             return
         victim = min(evictable, key=lambda a: a.last_used)

@@ -25,7 +25,7 @@ from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.request import FinishReason, Request, RequestStatus
 from rlserve.engine.state import EngineState
 from rlserve.sampling_params import InvalidRequestError
-from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput
+from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput, TokenLogprob
 from rlserve.wire.outputs import (
     ITERATION_TOKENS_BUCKETS,
     EngineCoreOutputs,
@@ -39,6 +39,7 @@ from rlserve.wire.outputs import (
 )
 
 if TYPE_CHECKING:
+    from rlserve.engine.lora import LoRAManager
     from rlserve.engine.structured_output import GrammarMatcher
     from rlserve.worker.model_runner import ModelRunnerOutput
 
@@ -46,11 +47,17 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, state: EngineState,
-                 lora=None):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        state: EngineState,
+        lora: LoRAManager | None = None,
+    ) -> None:
         self.kv = kv
         self.state = state  # the engine's: paused, asleep, without weights (read here, never set)
-        self.lora = lora  # rlserve.engine.lora.LoRAManager: the slots adapters take
+        self.lora = lora  # the slots adapters take
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -91,10 +98,15 @@ class Scheduler:
             routes = None if rows is None else RoutedExperts.pack(rows)
         self.kv.free(req)
         if req.lora_slot >= 0:
-            self.lora.release(req)
-        return Finished(req.request_id, reason.value, stop_reason,
-                        None if req.stream else _final(req), request_timing(req, time.monotonic()),
-                        routes)
+            self._adapters().release(req)
+        return Finished(
+            req.request_id,
+            reason.value,
+            stop_reason,
+            None if req.stream else _final(req),
+            request_timing(req, time.monotonic()),
+            routes,
+        )
 
     def drop_kv(self, req: Request) -> None:
         """Forget a request's KV so it is recomputed (keep-mode pause with clear_cache)."""
@@ -114,7 +126,7 @@ class Scheduler:
     def _preempt(self, req: Request, count: bool = True) -> None:
         self.kv.free(req)
         if req.lora_slot >= 0:  # its adapter's slot may go to another while it waits
-            self.lora.release(req)
+            self._adapters().release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         if count:
@@ -131,11 +143,15 @@ class Scheduler:
         leader = self.requests.get(f"{req.group_id}-0")
         return leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
 
+    def _adapters(self) -> LoRAManager:
+        assert self.lora is not None  # a request takes a slot only where the engine has them
+        return self.lora
+
     def _lora_slot(self, req: Request) -> bool:
         """Give the first waiting request its adapter's slot. False if none is free, or if
         its adapter cannot be had: then it leaves the queue, for the engine to end."""
         try:
-            return self.lora.acquire(req)
+            return self._adapters().acquire(req)
         except InvalidRequestError as e:
             self.refused.append((self.waiting.popleft(), e))
             return False
@@ -260,8 +276,14 @@ class Scheduler:
                     first.append(req)
         return placeholders, first
 
-    def update_from_output(self, result: ModelRunnerOutput, prompt_start: dict[str, int], placeholders: list[int],
-                           first: list[Request], version: int) -> EngineCoreOutputs | None:
+    def update_from_output(
+        self,
+        result: ModelRunnerOutput,
+        prompt_start: dict[str, int],
+        placeholders: list[int],
+        first: list[Request],
+        version: int,
+    ) -> EngineCoreOutputs | None:
         """Turn a collected step's tokens into request state and outputs. `prompt_start`:
         where each prompt-logprobs chunk started; `placeholders`, `first`: what `advance`
         returned for the step; `version`: the weights it ran on."""
@@ -280,16 +302,20 @@ class Scheduler:
             if req.status is not finished:
                 req.first_token_time = now
                 prompts += req.num_prompt_tokens
-        for item, token, logprob, index in zip(result.sample_requests, result.token_ids,
-                                               result.logprobs, placeholders):
+        for item, token, logprob, index in zip(result.sample_requests, result.token_ids, result.logprobs, placeholders):
             req = item.request
             if req.status is finished:  # finished or aborted meanwhile: the token is discarded
                 continue
             req.last_token_time = now
             # Most tokens of a non-streamed request only need recording: not a stop token,
             # not its last, and completing no KV block.
-            if (not req.stream and index < req.last_index and (index + 1) % bs
-                    and token not in req.stop_ids and req.matcher is None):
+            if (
+                not req.stream
+                and index < req.last_index
+                and (index + 1) % bs
+                and token not in req.stop_ids
+                and req.matcher is None
+            ):
                 req.token_ids[index] = token
                 req.token_versions.append(version)
                 if logprob is not None:
@@ -304,7 +330,9 @@ class Scheduler:
             self.iteration_tokens_sum += prompts + produced
         return out.build(version, now)
 
-    def _accept(self, req: Request, token: int, logprob, version: int, index: int, out: StepOut) -> None:
+    def _accept(
+        self, req: Request, token: int, logprob: TokenLogprob | None, version: int, index: int, out: StepOut
+    ) -> None:
         """Record a sampled token in place of its placeholder, decide whether the request
         is done, and report it in `out`: every token of a streamed request, the whole of a
         non-streamed one when it finishes."""
@@ -317,8 +345,7 @@ class Scheduler:
         kv = self.kv
         # The token completes a block whose registration waited for it (overlapped
         # scheduling computes a position before its token is known).
-        if (kv.enable_prefix_caching and (index + 1) % kv.block_size == 0
-                and req.request_id in kv.blocks):
+        if kv.enable_prefix_caching and (index + 1) % kv.block_size == 0 and req.request_id in kv.blocks:
             kv.cache_computed_blocks(req)
         n_out = index + 1 - req.num_prompt_tokens
         if req.stream:
@@ -328,9 +355,13 @@ class Scheduler:
             out.any_logprobs = out.any_logprobs or logprob is not None
             if n_out == 1:
                 p = req.sampling_params
-                out.started.append(Started(
-                    req.request_id, req.num_cached_tokens,
-                    req.prompt_logprobs if p.prompt_logprobs is not None else None))
+                out.started.append(
+                    Started(
+                        req.request_id,
+                        req.num_cached_tokens,
+                        req.prompt_logprobs if p.prompt_logprobs is not None else None,
+                    )
+                )
         finish, stop_reason = None, None
         if req.matcher is not None and not _advance_grammar(req, req.matcher, token):
             finish = FinishReason.STOP  # the grammar is complete (or could not go on)
@@ -341,11 +372,11 @@ class Scheduler:
         elif n_out >= req.max_output_tokens:
             finish = FinishReason.LENGTH
         if finish is not None:
-            del token_ids[index + 1:]  # a token the next step sampled is discarded
+            del token_ids[index + 1 :]  # a token the next step sampled is discarded
             out.finished.append(self.finish(req, finish, stop_reason))
 
 
-def _add_prompt_logprobs(req: Request, start: int, logprobs) -> None:
+def _add_prompt_logprobs(req: Request, start: int, logprobs: list[TokenLogprob]) -> None:
     if not req.prompt_logprobs:
         req.prompt_logprobs = [None]
     if len(req.prompt_logprobs) == start + 1:  # skip recomputed chunks
@@ -367,10 +398,12 @@ def _final(req: Request) -> FinalTokens:
     start = req.num_prompt_tokens
     p = req.sampling_params
     return FinalTokens(
-        req.token_ids[start:start + n], list(req.logprobs) if p.logprobs is not None else None,
+        req.token_ids[start : start + n],
+        list(req.logprobs) if p.logprobs is not None else None,
         [(s.version, s.start, s.end) for s in version_spans(req.token_versions)],
         req.num_cached_tokens,
-        req.prompt_logprobs if n and p.prompt_logprobs is not None else None)
+        req.prompt_logprobs if n and p.prompt_logprobs is not None else None,
+    )
 
 
 def request_timing(req: Request, now: float) -> RequestTiming:

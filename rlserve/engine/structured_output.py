@@ -43,7 +43,10 @@ from rlserve.process import die_with_parent
 from rlserve.sampling_params import InvalidRequestError, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     import xgrammar
+    from transformers import PreTrainedTokenizerBase
 
 BITMASK_WORD_BITS = 32  # a packed int32 bitmask: bit j % 32 of word j // 32 allows token j
 
@@ -67,6 +70,7 @@ class GrammarMatcher:
 
     def __init__(self, grammar: CompiledGrammar):
         import xgrammar as xgr
+
         self.grammar = grammar
         self._matcher = xgr.GrammarMatcher(grammar.compiled)
         self.num_accepted = 0  # tokens accepted so far (what rollback can undo)
@@ -116,8 +120,7 @@ def choice_grammar(choices: Sequence[str]) -> str:
     escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
     def literal(text: str) -> str:
-        out = [escapes.get(ch) or (f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch)
-               for ch in text]
+        out = [escapes.get(ch) or (f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch) for ch in text]
         return '"' + "".join(out) + '"'
 
     return "root ::= " + " | ".join(literal(c) for c in choices)
@@ -144,6 +147,7 @@ def _source(spec: StructuredOutputsParams) -> str:
 def _parse(spec: StructuredOutputsParams) -> xgrammar.Grammar:
     """The xgrammar Grammar of a spec (a parse: milliseconds, no token masks)."""
     import xgrammar as xgr
+
     kind, text = spec.kind, _source(spec)
     if kind in ("json", "json_object"):
         return xgr.Grammar.from_json_schema(text, any_whitespace=not spec.disable_any_whitespace)
@@ -162,11 +166,12 @@ def _compile_with(compiler: xgrammar.GrammarCompiler, spec: StructuredOutputsPar
     return compiler.compile_grammar(text)
 
 
-def _trial_compile(tokenizer_info, spec: StructuredOutputsParams, conn) -> None:
+def _trial_compile(tokenizer_info: xgrammar.TokenizerInfo, spec: StructuredOutputsParams, conn: Connection) -> None:
     """In a forked child: compile `spec`, send None or the error's text, exit."""
     die_with_parent()
     try:
         import xgrammar as xgr
+
         _compile_with(xgr.GrammarCompiler(tokenizer_info, max_threads=2), spec)
         conn.send(None)
     except Exception as e:  # the parent reports it as the request's error
@@ -178,8 +183,16 @@ def _trial_compile(tokenizer_info, spec: StructuredOutputsParams, conn) -> None:
 class StructuredOutputCompiler:
     """Compiles specs against one tokenizer in a thread pool; results cached by spec."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], *,
-                 limits: GrammarLimits = GrammarLimits(), max_workers: int = 2, cache_size: int = 256):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        *,
+        limits: GrammarLimits = GrammarLimits(),
+        max_workers: int = 2,
+        cache_size: int = 256,
+    ) -> None:
         """`vocab_size`: the model's (its logits' width, which may pad the tokenizer's);
         `stop_token_ids`: what a finished grammar allows (the model's end-of-sequence ids)."""
         self.tokenizer = tokenizer
@@ -192,8 +205,9 @@ class StructuredOutputCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()  # the cache
         self._compiler_lock = threading.Lock()  # held while the pool builds the compiler
-        self._compiler = None  # built in the pool: reading the vocabulary takes a while
-        self._info = None  # its xgrammar.TokenizerInfo
+        # Built in the pool: reading the vocabulary takes a while.
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._info: xgrammar.TokenizerInfo | None = None
 
     def validate(self, spec: StructuredOutputsParams) -> None:
         """Parse the spec (no token masks yet: milliseconds), or raise InvalidRequestError
@@ -201,16 +215,18 @@ class StructuredOutputCompiler:
         param, limit = _param(spec), self.limits.max_size
         text = spec.json or spec.regex or spec.grammar or "".join(spec.choice or ())
         if len(text) > limit:
-            raise InvalidRequestError(f"{param}: {len(text)} bytes, more than the limit of {limit} "
-                                      "(--max-grammar-size)", param)
+            raise InvalidRequestError(
+                f"{param}: {len(text)} bytes, more than the limit of {limit} (--max-grammar-size)", param
+            )
         try:
             size = len(str(_parse(spec)))
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with the parser's message
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidRequestError(f"{param}: cannot be compiled: {message}", param) from None
         if size > limit:
-            raise InvalidRequestError(f"{param}: its grammar is {size} bytes, more than the limit of "
-                                      f"{limit} (--max-grammar-size)", param)
+            raise InvalidRequestError(
+                f"{param}: its grammar is {size} bytes, more than the limit of {limit} (--max-grammar-size)", param
+            )
 
     def compile(self, spec: StructuredOutputsParams) -> Future[CompiledGrammar]:
         """A Future of the CompiledGrammar; requests with equal specs share one compile."""
@@ -275,10 +291,13 @@ class StructuredOutputCompiler:
                 if time.monotonic() > deadline:
                     raise InvalidRequestError(
                         f"{_param(spec)}: compiling it takes longer than the limit of "
-                        f"{self.limits.timeout_s:g} s (--grammar-compile-timeout-s)", _param(spec))
+                        f"{self.limits.timeout_s:g} s (--grammar-compile-timeout-s)",
+                        _param(spec),
+                    )
                 if not child.is_alive() and not receive.poll():
-                    raise InvalidRequestError(f"{_param(spec)}: the compile failed (exit code "
-                                              f"{child.exitcode})", _param(spec))
+                    raise InvalidRequestError(
+                        f"{_param(spec)}: the compile failed (exit code {child.exitcode})", _param(spec)
+                    )
             error = receive.recv()
         finally:
             if child.is_alive():
@@ -288,11 +307,13 @@ class StructuredOutputCompiler:
         if error is not None:
             raise InvalidRequestError(f"{_param(spec)}: cannot be compiled: {error}", _param(spec))
 
-    def _xgr_compiler(self):
+    def _xgr_compiler(self) -> xgrammar.GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr
+
                 self._info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None)
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+                )
                 self._compiler = xgr.GrammarCompiler(self._info, max_threads=8)
             return self._compiler

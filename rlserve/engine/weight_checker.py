@@ -23,6 +23,7 @@ class Updates(Protocol):
 
     def beside(self, name: str, fn: Callable[[], None]) -> None: ...
 
+
 MAX_WAITING_CALLS = 64  # /weight_checker calls waiting on one reading: more is a 409
 
 
@@ -46,8 +47,10 @@ class WeightChecker:
             return {"reset": True}
         with self._lock:
             if len(self._waiting) >= MAX_WAITING_CALLS:
-                raise ConflictError(f"weight_checker: {len(self._waiting)} calls already wait for the digests "
-                                    "under way; call again once they have answered")
+                raise ConflictError(
+                    f"weight_checker: {len(self._waiting)} calls already wait for the digests "
+                    "under way; call again once they have answered"
+                )
             self._waiting.append(call)
             if len(self._waiting) > 1:
                 return LATER

@@ -26,13 +26,17 @@ class Transaction:
     failure: BaseException | None = None  # the first part that failed: finish commits nothing
 
     def describe(self) -> str:
-        return (f"weight update transaction {self.number} (transaction_id {self.id!r}, opened "
-                f"{time.monotonic() - self.opened:.0f}s ago, {self.parts} part(s) staged)")
+        return (
+            f"weight update transaction {self.number} (transaction_id {self.id!r}, opened "
+            f"{time.monotonic() - self.opened:.0f}s ago, {self.parts} part(s) staged)"
+        )
 
     def check_owner(self, transaction_id: str | None, what: str) -> None:
         if transaction_id is not None and transaction_id != self.id:
-            raise ConflictError(f"{what}: transaction_id {transaction_id!r:.80} is not the open one: "
-                                f"{self.describe()} is open; it is left as it was")
+            raise ConflictError(
+                f"{what}: transaction_id {transaction_id!r:.80} is not the open one: "
+                f"{self.describe()} is open; it is left as it was"
+            )
 
 
 def announced_elements(update_info: Any) -> int:

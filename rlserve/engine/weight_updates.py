@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlserve.engine.weight_checker import WeightChecker
 from rlserve.engine.weight_transaction import Transaction, announced_elements
@@ -63,18 +63,24 @@ from rlserve.wire.messages import (
 from rlserve.wire.weight_version import WeightVersion, parse_version
 from rlserve.worker import calls as rank
 
+if TYPE_CHECKING:
+    from rlserve.engine.core import EngineCore
+
 logger = logging.getLogger(__name__)
 
 Answer = Callable[..., None]  # answer(call, value) or answer(call, error=exception)
 Handler = Callable[[Call, Any], Any]  # handler(call, call.body): the answer, or LATER
+_AdapterUpdate = tuple[str, dict]  # an adapter's update: (name, its config for the workers)
 
 
-def asleep_refusal(core) -> InvalidRequestError | None:
+def asleep_refusal(core: EngineCore) -> InvalidRequestError | None:
     """The one rule for an asleep engine: wake the weights first (their storage is given
     back); the KV cache may stay asleep (vLLM's /wake_up?tags=weights, update, then kv_cache)."""
     if core.state.weights_asleep:
-        return InvalidRequestError("the server's weights are asleep: POST /wake_up (or /wake_up?tags=weights) "
-                                   "before updating weights", "update_info")
+        return InvalidRequestError(
+            "the server's weights are asleep: POST /wake_up (or /wake_up?tags=weights) before updating weights",
+            "update_info",
+        )
     return None
 
 
@@ -84,13 +90,13 @@ class _Received:
     version: WeightVersion | None
     num_bytes: int
     receive_seconds: float
-    lora: tuple[str, dict] | None  # an adapter's update: (name, its config for the workers)
+    lora: _AdapterUpdate | None
     error: BaseException | None = None  # the receive failed
     skipped: int = 0  # names the model took and dropped (a multimodal trainer's vision tower)
 
 
 class WeightUpdates:
-    def __init__(self, core, answer: Answer, timeout_s: float = 120.0):
+    def __init__(self, core: EngineCore, answer: Answer, timeout_s: float = 120.0) -> None:
         self.core = core
         self.answer = answer
         self.timeout_s = timeout_s  # an open transaction left alone this long is abandoned
@@ -102,11 +108,17 @@ class WeightUpdates:
         self.commits = 0  # weights copied in (a checksum read meanwhile is read again)
         self.checker = WeightChecker(self)
         self.handlers: dict[type, Handler] = {  # the loop runs them; LATER: answered through `answer`
-            InitWeightTransfer: self._init, UpdateWeights: self._update, StartWeightUpdate: self._start,
-            FinishWeightUpdate: self._finish, SetWeightVersion: self._set_version,
-            ShutdownWeightTransfer: self._shutdown_transfer, WeightChecksums: self.checker.handle,
-            WeightsLayout: self._layout, CopyWeightsToPeer: self._copy_to_peer,
-            CopyWeightsFromPeer: self._copy_from_peer}
+            InitWeightTransfer: self._init,
+            UpdateWeights: self._update,
+            StartWeightUpdate: self._start,
+            FinishWeightUpdate: self._finish,
+            SetWeightVersion: self._set_version,
+            ShutdownWeightTransfer: self._shutdown_transfer,
+            WeightChecksums: self.checker.handle,
+            WeightsLayout: self._layout,
+            CopyWeightsToPeer: self._copy_to_peer,
+            CopyWeightsFromPeer: self._copy_from_peer,
+        }
 
     @property
     def busy(self) -> bool:
@@ -146,8 +158,10 @@ class WeightUpdates:
     # -- receiving an update (or one part of a transaction) ----------------------------------
     def _update(self, call: Call, body: UpdateWeights) -> Any:
         if self.transfer is not None:
-            raise ConflictError(f"update_weights: {type(self.transfer.body).__name__} is still under way; "
-                                "send /update_weights once it has answered")
+            raise ConflictError(
+                f"update_weights: {type(self.transfer.body).__name__} is still under way; "
+                "send /update_weights once it has answered"
+            )
         update_info, txn = body.update_info, self.transaction
         lora, version = None, body.weight_version
         refusal: InvalidRequestError | ConflictError | None = None
@@ -161,16 +175,20 @@ class WeightUpdates:
             if body.refusal is not None:  # the API server refused it: the trainer hears it here
                 raise InvalidRequestError(body.refusal, body.refusal_param or "update_info")
             if txn is None and body.transaction_id is not None:
-                raise ConflictError(f"update_info.transaction_id: {body.transaction_id!r:.80} is not open "
-                                    f"({self.expired or 'no weight update is open'}); taken alone, this part "
-                                    "would be applied as a whole update, so it is refused")
+                raise ConflictError(
+                    f"update_info.transaction_id: {body.transaction_id!r:.80} is not open "
+                    f"({self.expired or 'no weight update is open'}); taken alone, this part "
+                    "would be applied as a whole update, so it is refused"
+                )
             refusal = asleep_refusal(self.core) or self._transaction_refusal(txn)
             if refusal is None and txn is not None:
                 refusal = self._staging_refusal(txn, update_info)
             if refusal is None and isinstance(update_info, dict) and update_info.get("lora_name") is not None:
                 if txn is not None:
-                    raise InvalidRequestError("update_info.lora_name: an adapter is updated in one "
-                                              "/update_weights, outside a transaction", "update_info")
+                    raise InvalidRequestError(
+                        "update_info.lora_name: an adapter is updated in one /update_weights, outside a transaction",
+                        "update_info",
+                    )
                 lora = (update_info["lora_name"], self.core.require_lora().update_config(update_info))
         except (InvalidRequestError, ConflictError) as e:
             refusal = e
@@ -205,7 +223,9 @@ class WeightUpdates:
         return PayloadTooLargeError(
             f"update_info.shapes: this part ({elements} elements) would stage {txn.num_elements + elements} "
             f"elements in {txn.describe()}, more than the model's {model} (the cap on a transaction's "
-            "staging); finish the transaction before sending more", "update_info")
+            "staging); finish the transaction before sending more",
+            "update_info",
+        )
 
     @functools.cached_property
     def model_elements(self) -> int:
@@ -216,8 +236,11 @@ class WeightUpdates:
         """A part of a transaction that failed, or of one abandoned at its timeout (the trainer
         does not know yet: taken alone, its part would be applied as a whole update)."""
         if txn is not None and txn.failure is not None:
-            return InvalidRequestError(f"update_info: {txn.describe()} already failed ({txn.failure}): "
-                                       "it commits nothing; /start_weight_update again", "update_info")
+            return InvalidRequestError(
+                f"update_info: {txn.describe()} already failed ({txn.failure}): "
+                "it commits nothing; /start_weight_update again",
+                "update_info",
+            )
         if txn is None and self.expired is not None:
             return InvalidRequestError(f"update_info: {self.expired}; /start_weight_update again", "update_info")
         return None
@@ -233,23 +256,27 @@ class WeightUpdates:
             self._done(call)
             self.answer(call, error=refusal)
 
-    def _receive(self, call: Call, update_info: Any, version: WeightVersion | None, lora) -> None:
+    def _receive(
+        self, call: Call, update_info: Any, version: WeightVersion | None, lora: _AdapterUpdate | None
+    ) -> None:
         """Receive into staging (on the thread), then hand it, or the failure, to the loop."""
         t0 = time.perf_counter()
         part = self.transaction is not None
         try:
             sizes = self.core.executor.collective_rpc(
-                rank.ReceiveWeights(update_info, None if lora is None else lora[1], part))
+                rank.ReceiveWeights(update_info, None if lora is None else lora[1], part)
+            )
         except Exception as e:
             try:
                 self.core.executor.collective_rpc(rank.DropStaged())  # a failed part fails them all
             finally:
                 self.received.put(_Received(call, None, 0, 0.0, None, e))
             return
-        self.received.put(_Received(call, version, sizes[0], time.perf_counter() - t0, lora,
-                                    skipped=self._skipped(update_info, lora)))
+        self.received.put(
+            _Received(call, version, sizes[0], time.perf_counter() - t0, lora, skipped=self._skipped(update_info, lora))
+        )
 
-    def _skipped(self, update_info: Any, lora) -> int:
+    def _skipped(self, update_info: Any, lora: _AdapterUpdate | None) -> int:
         names = update_info.get("names") if isinstance(update_info, dict) and lora is None else None
         if not isinstance(names, list):
             return 0
@@ -273,8 +300,10 @@ class WeightUpdates:
         txn = self.transaction
         if txn is not None and self.transfer is None and time.monotonic() - txn.touched > self.timeout_s:
             self.abandon(f"no call for {self.timeout_s:.0f}s (its timeout)")
-            self.expired = (f"weight update transaction {txn.number} was abandoned after {self.timeout_s:.0f}s "
-                            "without a call (its timeout); nothing of it is served")
+            self.expired = (
+                f"weight update transaction {txn.number} was abandoned after {self.timeout_s:.0f}s "
+                "without a call (its timeout); nothing of it is served"
+            )
 
     def _record_failure(self, call: Call, error: BaseException) -> None:
         txn = self.transaction
@@ -286,10 +315,19 @@ class WeightUpdates:
         txn.parts += 1
         txn.num_bytes += got.num_bytes
         txn.touched = time.monotonic()
-        self.answer(got.call, WeightsUpdated(
-            message="Weights updated", staged=True, part=txn.parts, weight_version=self.core.weight_version,
-            num_bytes=got.num_bytes, receive_seconds=got.receive_seconds, apply_seconds=0.0,
-            skipped=got.skipped))
+        self.answer(
+            got.call,
+            WeightsUpdated(
+                message="Weights updated",
+                staged=True,
+                part=txn.parts,
+                weight_version=self.core.weight_version,
+                num_bytes=got.num_bytes,
+                receive_seconds=got.receive_seconds,
+                apply_seconds=0.0,
+                skipped=got.skipped,
+            ),
+        )
 
     def _apply(self, got: _Received) -> None:
         t0 = time.perf_counter()
@@ -298,12 +336,19 @@ class WeightUpdates:
         except Exception as e:
             self.answer(got.call, error=e)
             return
-        self.answer(got.call, WeightsUpdated(
-            message="Weights updated", weight_version=version, num_bytes=got.num_bytes,
-            receive_seconds=got.receive_seconds, apply_seconds=time.perf_counter() - t0, skipped=got.skipped))
+        self.answer(
+            got.call,
+            WeightsUpdated(
+                message="Weights updated",
+                weight_version=version,
+                num_bytes=got.num_bytes,
+                receive_seconds=got.receive_seconds,
+                apply_seconds=time.perf_counter() - t0,
+                skipped=got.skipped,
+            ),
+        )
 
-    def _commit(self, version: WeightVersion | None, lora: tuple[str, dict] | None = None,
-                parts: bool = False) -> int:
+    def _commit(self, version: WeightVersion | None, lora: tuple[str, dict] | None = None, parts: bool = False) -> int:
         """Copy what every rank staged into the model, now (between two steps, so no step
         ever sees a half-updated model), and number the new weights. Without weights worth
         keeping (a level-2 sleep, a dummy start), a transaction's parts must together carry
@@ -313,7 +358,7 @@ class WeightUpdates:
             self.core.executor.collective_rpc(rank.DropStaged())
             raise refusal
         if lora is not None:
-            self.core.lora.apply_update(*lora)
+            self.core.require_lora().apply_update(*lora)
         else:
             complete = parts and self.core.state.no_weights
             try:
@@ -328,16 +373,23 @@ class WeightUpdates:
     # -- the transaction -----------------------------------------------------------------------
     def _start(self, call: Call, body: StartWeightUpdate) -> WeightUpdateStarted:
         if not body.is_checkpoint_format:
-            raise InvalidRequestError("is_checkpoint_format: rlserve takes weights under their checkpoint "
-                                      "(Hugging Face) names only; send true", "is_checkpoint_format")
+            raise InvalidRequestError(
+                "is_checkpoint_format: rlserve takes weights under their checkpoint "
+                "(Hugging Face) names only; send true",
+                "is_checkpoint_format",
+            )
         if self.transfer is not None:
-            raise ConflictError(f"start_weight_update: {type(self.transfer.body).__name__} is still under "
-                                "way; start once it has answered")
+            raise ConflictError(
+                f"start_weight_update: {type(self.transfer.body).__name__} is still under "
+                "way; start once it has answered"
+            )
         if self.transaction is not None:
             # Never abandoned by another start: that would drop its owner's parts behind its
             # back. Its owner finishes it; its timeout, or a new init, ends it otherwise.
-            raise ConflictError(f"start_weight_update: {self.transaction.describe()} is still open: finish "
-                                f"it first (or it is abandoned after {self.timeout_s:.0f}s without a call)")
+            raise ConflictError(
+                f"start_weight_update: {self.transaction.describe()} is still open: finish "
+                f"it first (or it is abandoned after {self.timeout_s:.0f}s without a call)"
+            )
         refusal = asleep_refusal(self.core)
         if refusal is not None:
             raise refusal
@@ -352,32 +404,53 @@ class WeightUpdates:
         version, txn = body.weight_version, self.transaction
         if txn is None:
             why, self.expired = (f": {self.expired}" if self.expired else ""), None
-            raise InvalidRequestError(f"finish_weight_update: no weight update is open{why} (POST "
-                                      "/start_weight_update first)", "weight_version")
+            raise InvalidRequestError(
+                f"finish_weight_update: no weight update is open{why} (POST /start_weight_update first)",
+                "weight_version",
+            )
         txn.check_owner(body.transaction_id, "transaction_id")
         if self.transfer is not None:
-            raise ConflictError(f"finish_weight_update: a part of {txn.describe()} is still being "
-                                "received; finish once its /update_weights has answered")
+            raise ConflictError(
+                f"finish_weight_update: a part of {txn.describe()} is still being "
+                "received; finish once its /update_weights has answered"
+            )
         self.transaction = None
         if txn.failure is not None:
             self._drop_parts()
             failed = type(txn.failure)
-            message = (f"finish_weight_update: nothing was committed: a part of weight update "
-                       f"transaction {txn.number} failed: {txn.failure}")
+            message = (
+                f"finish_weight_update: nothing was committed: a part of weight update "
+                f"transaction {txn.number} failed: {txn.failure}"
+            )
             raise (failed(message, "update_info") if issubclass(failed, InvalidRequestError) else failed(message))
         if self.core.state.no_weights and not txn.parts:
-            raise InvalidRequestError("finish_weight_update: nothing was committed: the weights were dropped "
-                                      "(a level-2 sleep, or a dummy start) and this transaction sent none; "
-                                      "send every weight", "update_info")
+            raise InvalidRequestError(
+                "finish_weight_update: nothing was committed: the weights were dropped "
+                "(a level-2 sleep, or a dummy start) and this transaction sent none; "
+                "send every weight",
+                "update_info",
+            )
         t0 = time.perf_counter()
         try:
             new = self._commit(version, parts=True) if txn.parts else self.core.new_weight_version(version)
         except InvalidUpdateError as e:
             raise InvalidUpdateError(f"finish_weight_update: nothing was committed: {e}") from None
-        logger.info("weight update transaction %d committed: %d part(s), %.1f MB, version %s",
-                    txn.number, txn.parts, txn.num_bytes / 1e6, self.core.weight_label)
-        return WeightUpdateFinished("Weight update finished", self.core.weight_label, new, txn.parts,
-                                    txn.num_bytes, time.perf_counter() - t0, txn.id)
+        logger.info(
+            "weight update transaction %d committed: %d part(s), %.1f MB, version %s",
+            txn.number,
+            txn.parts,
+            txn.num_bytes / 1e6,
+            self.core.weight_label,
+        )
+        return WeightUpdateFinished(
+            "Weight update finished",
+            self.core.weight_label,
+            new,
+            txn.parts,
+            txn.num_bytes,
+            time.perf_counter() - t0,
+            txn.id,
+        )
 
     def end(self, why: str) -> None:
         """Abandon the open transaction, and tell its owner at its next part or finish."""
@@ -385,8 +458,9 @@ class WeightUpdates:
         if txn is None:
             return
         self.abandon(why)
-        self.expired = (f"weight update transaction {txn.number} ({txn.id!r}) was abandoned: {why}; "
-                        "nothing of it is served")
+        self.expired = (
+            f"weight update transaction {txn.number} ({txn.id!r}) was abandoned: {why}; nothing of it is served"
+        )
 
     def abandon(self, why: str) -> None:
         """Close an open transaction without committing it."""
@@ -413,8 +487,10 @@ class WeightUpdates:
         if self.transfer is not None:
             self.core.executor.abort_transfer(body.reason)
         if self.transfer is not None:
-            raise ConflictError("shutdown_weight_transfer_engine: a transfer is under way; it failed "
-                                "now, call again once it has answered")
+            raise ConflictError(
+                "shutdown_weight_transfer_engine: a transfer is under way; it failed "
+                "now, call again once it has answered"
+            )
         self.core.executor.collective_rpc(rank.CloseTransfer(body.reason))
         return TransferShutDown("Weight transfer engine shut down")
 
@@ -446,7 +522,6 @@ class WeightUpdates:
         # Compared rank by rank here; every rank pair then copies at once.
         mine = self.core.executor.collective_rpc(rank.WeightsLayout())
         if mine != list(digests):
-            raise InvalidRequestError(f"peer weight copy: parameter layouts differ ({mine} here, "
-                                      f"{list(digests)} at the source)", "replica")
-
-
+            raise InvalidRequestError(
+                f"peer weight copy: parameter layouts differ ({mine} here, {list(digests)} at the source)", "replica"
+            )

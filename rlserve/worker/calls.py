@@ -9,15 +9,20 @@ tensor-parallel group (Executor.load_tensors) instead of sending them in the mes
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+    from rlserve.worker.worker import Worker
 
 
 class RankCall(msgspec.Struct, array_like=True, tag=True):
     background: ClassVar[bool] = False
 
-    def run(self, worker) -> Any:
+    def run(self, worker: Worker) -> Any:
         raise NotImplementedError
 
 
@@ -26,14 +31,14 @@ class SizeKVCache(RankCall):
 
     max_model_len: int
 
-    def run(self, worker) -> Any:
+    def run(self, worker: Worker) -> Any:
         return msgspec.to_builtins(worker.size_kv_cache(self.max_model_len))
 
 
 class InitKVCache(RankCall):
     num_blocks: int
 
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.init_kv_cache(self.num_blocks)
 
 
@@ -41,26 +46,26 @@ class CaptureCudaGraphs(RankCall):
     max_num_seqs: int
     max_model_len: int
 
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.capture_cuda_graphs(self.max_num_seqs, self.max_model_len)
 
 
 class Sleep(RankCall):
     level: int
 
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.sleep(self.level)
 
 
 class ReleaseKVCache(RankCall):
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.release_kv_cache()
 
 
 class WakeUp(RankCall):
     tags: list[str] | None = None
 
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.wake_up(self.tags)
 
 
@@ -70,7 +75,7 @@ class RemoveLoRA(RankCall):
     slot: int | None
     name: str | None = None
 
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.remove_lora(self.slot, self.name)
 
 
@@ -82,11 +87,12 @@ class SwapLoRA(RankCall):
     save: str | None = None
     restore: str | None = None
 
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.swap_lora(self.slot, self.save, self.restore)
 
 
 # -- weight updates (rlserve/worker/weight_receiver.py) ------------------------------------
+
 
 class JoinTransfer(RankCall):
     background: ClassVar[bool] = True
@@ -94,7 +100,7 @@ class JoinTransfer(RankCall):
     init_info: dict
     timeout_s: float
 
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.receiver.join(self.backend, self.init_info, self.timeout_s)
 
 
@@ -104,7 +110,7 @@ class ReceiveWeights(RankCall):
     lora_config: dict | None = None
     part: bool = False  # one part of a transaction (/start_weight_update)
 
-    def run(self, worker) -> int:
+    def run(self, worker: Worker) -> int:
         return worker.receiver.receive(self.update_info, self.lora_config, self.part)
 
 
@@ -112,7 +118,7 @@ class RefuseUpdate(RankCall):
     background: ClassVar[bool] = True
     message: str
 
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.receiver.refuse(self.message)
 
 
@@ -124,19 +130,19 @@ class ApplyStaged(RankCall):
     lora_name: str | None = None
     complete: bool = False  # a transaction's parts must carry every required weight (no weights served yet)
 
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.receiver.apply(self.lora_slot if self.lora_slot is not None else self.lora_name, self.complete)
 
 
 class DropStaged(RankCall):
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.receiver.drop()
 
 
 class CloseTransfer(RankCall):
     reason: str
 
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.receiver.abort(self.reason)
         worker.receiver.close()
 
@@ -145,19 +151,19 @@ class Checksums(RankCall):
     # Reads the parameters beside the steps; the engine reads again if a commit came meanwhile.
     background: ClassVar[bool] = True
 
-    def run(self, worker) -> dict[str, str]:
+    def run(self, worker: Worker) -> dict[str, str]:
         return worker.receiver.checksums()
 
 
 class ResetWeights(RankCall):
     """Overwrite every parameter with noise (/weight_checker's reset)."""
 
-    def run(self, worker) -> None:
+    def run(self, worker: Worker) -> None:
         worker.receiver.reset()
 
 
 class WeightsLayout(RankCall):
-    def run(self, worker) -> str:
+    def run(self, worker: Worker) -> str:
         return worker.receiver.layout()
 
 
@@ -170,19 +176,20 @@ class CopyPeer(RankCall):
     digest: str | None
     timeout_s: float
 
-    def run(self, worker) -> int:
+    def run(self, worker: Worker) -> int:
         return worker.receiver.copy_peer(self.send, self.address, self.ports, self.digest, self.timeout_s)
 
 
 # -- calls that carry tensors ----------------------------------------------------------------
 
+
 class TensorCall(RankCall):
-    def run_with(self, worker, tensors: list) -> Any:
+    def run_with(self, worker: Worker, tensors: list[tuple[str, torch.Tensor]]) -> Any:
         raise NotImplementedError
 
 
 class LoadWeights(TensorCall):
-    def run_with(self, worker, tensors: list) -> list[str]:
+    def run_with(self, worker: Worker, tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
         return sorted(worker.load_weights(tensors))
 
 
@@ -193,11 +200,27 @@ class LoadLoRA(TensorCall):
     slot: int | None
     config: dict
 
-    def run_with(self, worker, tensors: list) -> None:
+    def run_with(self, worker: Worker, tensors: list[tuple[str, torch.Tensor]]) -> None:
         worker.load_lora(tensors, self.name, self.slot, self.config)
 
 
 AnyTensorCall = LoadWeights | LoadLoRA  # what a "load" message carries
-AnyRankCall = (SizeKVCache | InitKVCache | CaptureCudaGraphs | Sleep | WakeUp | RemoveLoRA | SwapLoRA
-               | JoinTransfer | ReceiveWeights | RefuseUpdate | ApplyStaged | DropStaged | CloseTransfer
-               | Checksums | WeightsLayout | CopyPeer | AnyTensorCall)
+AnyRankCall = (
+    SizeKVCache
+    | InitKVCache
+    | CaptureCudaGraphs
+    | Sleep
+    | WakeUp
+    | RemoveLoRA
+    | SwapLoRA
+    | JoinTransfer
+    | ReceiveWeights
+    | RefuseUpdate
+    | ApplyStaged
+    | DropStaged
+    | CloseTransfer
+    | Checksums
+    | WeightsLayout
+    | CopyPeer
+    | AnyTensorCall
+)

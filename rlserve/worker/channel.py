@@ -86,6 +86,7 @@ class Channel:
 
 # -- errors (their one registry: rlserve/errors.py) ---------------------------------------
 
+
 def error_reply(e: BaseException) -> dict[str, Any]:
     return {"op": "reply", "ok": False, "error": list(to_wire(e))}
 
@@ -102,12 +103,12 @@ def reply_error_text(reply: dict[str, Any]) -> str:
 
 # -- steps ------------------------------------------------------------------------------
 
+
 def _request_to_wire(req: Sequence) -> list:
     params = dataclasses.asdict(req.sampling_params)
     if params["logit_bias"] is not None:  # msgpack maps take string keys; SamplingParams reads them back
         params["logit_bias"] = {str(k): v for k, v in params["logit_bias"].items()}
-    return [req.request_id, req.prompt_token_ids, params, sorted(req.eos_token_ids), req.sample_index,
-            req.lora_slot]
+    return [req.request_id, req.prompt_token_ids, params, sorted(req.eos_token_ids), req.sample_index, req.lora_slot]
 
 
 def _request_from_wire(w: list) -> Sequence:
@@ -134,11 +135,24 @@ class StepEncoder:
                 sent = req.num_prompt_tokens
             else:
                 sent = entry[1]
-            items.append([req.request_id, req.num_computed_tokens, item.num_new_tokens,
-                          req.token_ids[sent:], list(table), req.state_slot])
+            items.append(
+                [
+                    req.request_id,
+                    req.num_computed_tokens,
+                    item.num_new_tokens,
+                    req.token_ids[sent:],
+                    list(table),
+                    req.state_slot,
+                ]
+            )
             self.known[req.request_id] = (req, req.num_tokens, req.lora_slot)
-        return {"op": "step", "new": new, "items": items, "finished": finished,
-                "state_copies": [sched.state_loads, sched.state_saves]}
+        return {
+            "op": "step",
+            "new": new,
+            "items": items,
+            "finished": finished,
+            "state_copies": [sched.state_loads, sched.state_saves],
+        }
 
 
 class StepDecoder:

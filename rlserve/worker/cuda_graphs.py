@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlserve.model.base import CausalLM
 from rlserve.model.layers import AttentionMetadata
 from rlserve.ops.lora import LoRABatch
+
+if TYPE_CHECKING:
+    from rlserve.model.lora import LoRAModel
 
 
 class CudaGraphs:
@@ -20,14 +24,25 @@ class CudaGraphs:
     the graphs stay valid across them.
     """
 
-    def __init__(self, model: CausalLM, device: torch.device, block_size: int, lora, max_batch: int,
-                 max_model_len: int, largest_only: bool = False):
-        """`lora`: the model's rlserve.model.lora.LoRAModel, or None. `largest_only`: capture
+    def __init__(
+        self,
+        model: CausalLM,
+        device: torch.device,
+        block_size: int,
+        lora: LoRAModel | None,
+        max_batch: int,
+        max_model_len: int,
+        largest_only: bool = False,
+    ) -> None:
+        """`lora`: the model's adapters, or None. `largest_only`: capture
         the largest batch alone (memory profiling: the smaller graphs share its pool)."""
         self.model = model
         self.max_model_len = max_model_len
-        self.sizes = [max_batch] if largest_only else sorted(
-            {s for s in [1, 2, 4, 8] + list(range(16, max_batch + 1, 16)) if s <= max_batch} | {max_batch})
+        self.sizes = (
+            [max_batch]
+            if largest_only
+            else sorted({s for s in [1, 2, 4, 8] + list(range(16, max_batch + 1, 16)) if s <= max_batch} | {max_batch})
+        )
         self.max_batch = self.sizes[-1]
         dev = device
         max_blocks = -(-max_model_len // block_size)
@@ -41,6 +56,7 @@ class CudaGraphs:
         self.order = torch.arange(b, dtype=torch.int32, device=dev)
         # Graphs run only with the Triton kernel set (Kernels.graphs): triton imports here.
         from rlserve.ops.triton_graph_inputs import stage_graph_inputs
+
         self.stage = stage_graph_inputs  # a step's rows into these buffers, padding rows after
         if lora is not None:  # the step's token grouping by adapter (padded rows in no slot)
             self.lora_tokens = torch.zeros(b, dtype=torch.int32, device=dev)
@@ -90,17 +106,38 @@ class CudaGraphs:
         return -(-n // 256) * 256
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slots[:size], self.qsl[:size + 1], self.seq_lens[:size],
-                                 self.tables[:size], 1, self.max_model_len, self.order[:size])
+        return AttentionMetadata(
+            self.slots[:size],
+            self.qsl[: size + 1],
+            self.seq_lens[:size],
+            self.tables[:size],
+            1,
+            self.max_model_len,
+            self.order[:size],
+        )
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata,
-            lora: LoRABatch | None) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, lora: LoRABatch | None
+    ) -> torch.Tensor:
         """A decode step of len(input_ids) <= max_batch sequences (step_inputs.BatchInputs)."""
         n = input_ids.shape[0]
         size = self.size_for(n)
         assert m.seq_order is not None  # StepInputs orders every step's sequences
-        self.stage(input_ids, positions, m.slot_mapping, m.seq_lens, m.seq_order, m.block_tables,
-                   self.input_ids, self.positions, self.slots, self.seq_lens, self.order, self.tables, size)
+        self.stage(
+            input_ids,
+            positions,
+            m.slot_mapping,
+            m.seq_lens,
+            m.seq_order,
+            m.block_tables,
+            self.input_ids,
+            self.positions,
+            self.slots,
+            self.seq_lens,
+            self.order,
+            self.tables,
+            size,
+        )
         if lora is not None:
             self.lora_tokens[:n].copy_(lora.sorted_tokens)
             self.lora_starts.copy_(lora.slot_starts)

@@ -28,9 +28,9 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import msgspec
@@ -41,10 +41,16 @@ from rlserve.config import EngineConfig
 from rlserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, host_store, tp_device
 from rlserve.model.moe import SparseMoeBlock
 from rlserve.process import spawn
+from rlserve.sequence import SchedulerOutput
 from rlserve.worker.calls import RankCall, TensorCall
 from rlserve.worker.channel import Channel, ChannelClosed, StepEncoder, error_from_reply, reply_error_text
-from rlserve.worker.model_runner import ModelRunnerOutput, StepHandle
+from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from rlserve.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from rlserve.model.lora import LoRAModel
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +79,13 @@ class WorkerProcess:
         self.rank = rank
         self.on_lost = on_lost
         ours, theirs = socket.socketpair()
-        self.proc = spawn("rlserve.worker.worker_proc", "--fd", str(theirs.fileno()), pass_fds=(theirs.fileno(),),
-                          parent_death=signal.SIGKILL)  # it ignores SIGTERM
+        self.proc = spawn(
+            "rlserve.worker.worker_proc",
+            "--fd",
+            str(theirs.fileno()),
+            pass_fds=(theirs.fileno(),),
+            parent_death=signal.SIGKILL,
+        )  # it ignores SIGTERM
         theirs.close()
         self.chan = Channel(ours)
         self.replies: queue.Queue[dict | None] = queue.Queue()
@@ -134,7 +145,7 @@ class ModelInfo:
 class Executor:
     """Rank 0 in this process plus one worker process per further rank."""
 
-    def __init__(self, config: EngineConfig, hf_config, model_path: str):
+    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, model_path: str) -> None:
         self.config = config
         self.world_size = config.tensor_parallel_size
         self.failure: str | None = None
@@ -151,10 +162,14 @@ class Executor:
                 self.tp = self._start_workers(config, model_path)
             self.driver = Worker(config, hf_config, model_path, rank=0, tp=self.tp)
             model, routes = self.driver.model, self.driver.runner.routes
-            self.info = ModelInfo(type(model).__name__, self.driver.dtype, self.driver.device,
-                                  bool(getattr(model, "hybrid", False)),
-                                  any(isinstance(m, SparseMoeBlock) for m in model.modules()),
-                                  None if routes is None else routes.shape)
+            self.info = ModelInfo(
+                type(model).__name__,
+                self.driver.dtype,
+                self.driver.device,
+                bool(getattr(model, "hybrid", False)),
+                any(isinstance(m, SparseMoeBlock) for m in model.modules()),
+                None if routes is None else routes.shape,
+            )
             for w in self.workers:  # each answers its init once its model is loaded
                 reply = self._reply(w)
                 if not reply["ok"]:
@@ -170,23 +185,36 @@ class Executor:
         if device.startswith("cuda"):
             last = torch.device(tp_device(config.device, self.world_size - 1)).index
             if last >= torch.cuda.device_count():
-                raise ValueError(f"tensor_parallel_size: {self.world_size} ranks from {device} need "
-                                 f"cuda:{last}, but {torch.cuda.device_count()} GPUs are visible")
+                raise ValueError(
+                    f"tensor_parallel_size: {self.world_size} ranks from {device} need "
+                    f"cuda:{last}, but {torch.cuda.device_count()} GPUs are visible"
+                )
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         if not device.startswith("cuda"):
             # CPU ranks share the cores; more threads than cores makes every rank spin.
             self._saved_threads = torch.get_num_threads()
             torch.set_num_threads(threads)
-        init = {"op": "init", "config": config.to_wire(), "model_path": model_path,
-                "world_size": self.world_size, "tp_port": store.port, "timeout_s": timeout_s,
-                "num_threads": threads, "log_level": logging.getLogger("rlserve").getEffectiveLevel()}
+        init = {
+            "op": "init",
+            "config": config.to_wire(),
+            "model_path": model_path,
+            "world_size": self.world_size,
+            "tp_port": store.port,
+            "timeout_s": timeout_s,
+            "num_threads": threads,
+            "log_level": logging.getLogger("rlserve").getEffectiveLevel(),
+        }
         for rank in range(1, self.world_size):
             self.workers.append(WorkerProcess(rank, {**init, "rank": rank}, self._on_worker_lost))
-        logger.info("started %d tensor-parallel workers (pids %s)", len(self.workers),
-                    ", ".join(str(w.proc.pid) for w in self.workers))
+        logger.info(
+            "started %d tensor-parallel workers (pids %s)",
+            len(self.workers),
+            ", ".join(str(w.proc.pid) for w in self.workers),
+        )
         return self._unless_failed(
             lambda: TPGroup.join(0, self.world_size, device, store.port, store=store, timeout_s=timeout_s),
-            "forming the tensor-parallel group")
+            "forming the tensor-parallel group",
+        )
 
     def _unless_failed(self, fn: Callable[[], Any], what: str) -> Any:
         """Run fn, giving up as soon as a worker dies (fn may block on the dead one)."""
@@ -256,7 +284,7 @@ class Executor:
         return self.driver.receiver.expected
 
     @property
-    def lora(self):
+    def lora(self) -> LoRAModel | None:
         """Rank 0's LoRA slots (every rank's are alike): what an adapter is checked against."""
         return self.driver.lora
 
@@ -268,7 +296,7 @@ class Executor:
             self.driver.receiver.abort(reason)
 
     @property
-    def local_runner(self):
+    def local_runner(self) -> ModelRunner:
         """Rank 0's model runner (and through it, its model): for tests and benchmarks that
         look inside a step. The engine itself goes through the methods here."""
         return self.driver.runner
@@ -307,26 +335,32 @@ class Executor:
             raise error
         return [value] + [r["result"] for r in replies]
 
-    def load_tensors(self, call: TensorCall, weights) -> list[Any]:
+    def load_tensors(self, call: TensorCall, weights: Iterable[tuple[str, torch.Tensor]]) -> list[Any]:
         """Run `call` with these tensors on every rank (each keeps its shards): rank 0
         broadcasts them over the TP group, so they never travel in a message."""
         from rlserve.weight_transfer.packing import as_bytes
+
         self.check_health()
-        weights = [(name, t.detach()) for name, t in weights]
+        tensors = [(name, t.detach()) for name, t in weights]
         if not self.workers:
-            return [call.run_with(self.driver, weights)]
-        metas = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in weights]
+            return [call.run_with(self.driver, tensors)]
+        metas = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors]
         with self._call_lock:
             self._send_all({"op": "load", "tensors": metas, "call": msgspec.msgpack.encode(call)})
-            for _, t in weights:
+            for _, t in tensors:
                 if t.numel():
                     self.tp.broadcast(as_bytes(t.to(self.driver.device)), src=0)
-            local = self._call_local(lambda: call.run_with(self.driver, weights))
+            local = self._call_local(lambda: call.run_with(self.driver, tensors))
             replies = [self._reply(w) for w in self.workers]
         return self._gather(local, replies)
 
-    def launch(self, sched, block_tables: np.ndarray | list[list[int]],
-               prev: StepHandle | None = None, sample: bool = True) -> StepHandle:
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        block_tables: np.ndarray | list[list[int]],
+        prev: StepHandle | None = None,
+        sample: bool = True,
+    ) -> StepHandle:
         """Queue a step on every rank; nothing here waits for the device. `prev`, the step
         still in flight, supplies the tokens it is sampling (overlapped scheduling).
         `sample=False`: rank 0 samples later, in `sample` (the other ranks sample at once;
@@ -338,7 +372,7 @@ class Executor:
                 self._send_all(self._steps.encode(sched, block_tables))  # type: ignore[arg-type]
             return self.driver.runner.launch(sched, block_tables, prev, sample=sample)
 
-    def sample(self, handle: StepHandle, token_bitmask) -> None:
+    def sample(self, handle: StepHandle, token_bitmask: torch.Tensor | np.ndarray | None) -> None:
         """Queue the sampling of a step launched with sample=False, under a grammar mask."""
         with self._step_failures():
             self.driver.runner.sample(handle, token_bitmask)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -26,6 +27,9 @@ import torch
 from rlserve.memory import MemoryProfile
 from rlserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from rlserve.sequence import ScheduledRequest, SchedulerOutput, Sequence
+
+if TYPE_CHECKING:
+    from rlserve.worker.model_runner import ModelRunner
 
 
 class KVSizing(msgspec.Struct, array_like=True, frozen=True):
@@ -46,9 +50,11 @@ def kv_cache_budget(profile: MemoryProfile, utilization: float) -> int:
 def kv_cache_blocks(budget: int, bytes_per_block: int) -> int:
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"no memory left for the KV cache (budget {budget} bytes, {bytes_per_block} bytes "
-                         "per block): raise gpu_memory_utilization or kv_cache_memory_bytes, lower "
-                         "max_num_batched_tokens or max_num_seqs, or use a smaller model")
+        raise ValueError(
+            f"no memory left for the KV cache (budget {budget} bytes, {bytes_per_block} bytes "
+            "per block): raise gpu_memory_utilization or kv_cache_memory_bytes, lower "
+            "max_num_batched_tokens or max_num_seqs, or use a smaller model"
+        )
     return int(num_blocks)
 
 
@@ -68,9 +74,16 @@ def _worst_params(max_logprobs: int, prompt: bool) -> SamplingParams:
     # logits), penalties, the widest logprobs. Prompt logprobs of the whole vocabulary are
     # profiled at vLLM's default width: at -1 they grow with the prompt, not the step.
     k = max_logprobs if max_logprobs >= 0 else -1
-    return SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
-                          frequency_penalty=0.1, logprobs=k,
-                          prompt_logprobs=(k if k >= 0 else MAX_LOGPROBS) if prompt else None)
+    return SamplingParams(
+        temperature=1.0,
+        top_p=0.9,
+        top_k=50,
+        min_p=0.01,
+        repetition_penalty=1.1,
+        frequency_penalty=0.1,
+        logprobs=k,
+        prompt_logprobs=(k if k >= 0 else MAX_LOGPROBS) if prompt else None,
+    )
 
 
 def worst_prefill(limits: WorstSteps, lora_slot: int) -> SchedulerOutput:
@@ -81,8 +94,7 @@ def worst_prefill(limits: WorstSteps, lora_slot: int) -> SchedulerOutput:
     left = limits.max_num_batched_tokens
     while left > 0 and len(items) < limits.max_num_seqs:
         n = min(left, limits.max_model_len)
-        seq = Sequence(f"profile-prefill-{len(items)}", [0] * n, params, lora_slot=lora_slot,
-                       state_slot=len(items))
+        seq = Sequence(f"profile-prefill-{len(items)}", [0] * n, params, lora_slot=lora_slot, state_slot=len(items))
         items.append(ScheduledRequest(seq, n))
         left -= n
     return SchedulerOutput(items, limits.max_num_batched_tokens - left)
@@ -93,8 +105,7 @@ def worst_decode(limits: WorstSteps, lora_slot: int) -> SchedulerOutput:
     params = _worst_params(limits.max_logprobs, prompt=False)
     items = []
     for i in range(limits.max_num_seqs):
-        seq = Sequence(f"profile-decode-{i}", [0] * limits.max_model_len, params, lora_slot=lora_slot,
-                       state_slot=i)
+        seq = Sequence(f"profile-decode-{i}", [0] * limits.max_model_len, params, lora_slot=lora_slot, state_slot=i)
         seq.num_computed_tokens = limits.max_model_len - 1
         items.append(ScheduledRequest(seq, 1))
     return SchedulerOutput(items, len(items))
@@ -106,7 +117,7 @@ def _tables(sched: SchedulerOutput, max_model_len: int, block_size: int) -> np.n
     return np.zeros((len(sched.scheduled), math.ceil(max_model_len / block_size)), dtype=np.int32)
 
 
-def run_worst_steps(runner, limits: WorstSteps) -> None:
+def run_worst_steps(runner: ModelRunner, limits: WorstSteps) -> None:
     """The worst prefill, then the worst decode, on `runner`'s KV cache (one block is enough:
     every table points at block 0) and, for a hybrid model, its state pool (sequence i in
     slot i)."""
@@ -121,7 +132,7 @@ def run_worst_steps(runner, limits: WorstSteps) -> None:
 
 
 @torch.inference_mode()
-def profile_memory(runner, limits: WorstSteps) -> MemoryProfile:
+def profile_memory(runner: ModelRunner, limits: WorstSteps) -> MemoryProfile:
     """Run the worst steps on `runner` (a ModelRunner with no KV cache yet) and measure.
     Leaves the runner as it found it: no KV cache, no graphs."""
     device = runner.device
@@ -153,5 +164,11 @@ def profile_memory(runner, limits: WorstSteps) -> MemoryProfile:
     reserved1 = torch.cuda.memory_reserved(device)
     # Device memory that left without the allocator's knowing: workspaces made on first use.
     non_torch = max(0, (free0 - free1) - (reserved1 - reserved0))
-    return MemoryProfile(total=total, free=free1, weights=max(weights, reserved1), activations=activations,
-                         cuda_graphs=graphs, non_torch=non_torch)
+    return MemoryProfile(
+        total=total,
+        free=free1,
+        weights=max(weights, reserved1),
+        activations=activations,
+        cuda_graphs=graphs,
+        non_torch=non_torch,
+    )

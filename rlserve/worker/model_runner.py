@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -29,16 +29,21 @@ from rlserve.model.layers import PagedAttention
 from rlserve.model.routed_experts import RoutedExpertsCapturer
 from rlserve.ops import kernels
 from rlserve.ops.attention import FP8_DTYPES
-from rlserve.sequence import NO_ALTERNATIVES, SchedulerOutput, TokenLogprob, TopLogprobs
+from rlserve.sequence import NO_ALTERNATIVES, ScheduledRequest, SchedulerOutput, TokenLogprob, TopLogprobs
 from rlserve.worker import sampler as S
 from rlserve.worker.cuda_graphs import CudaGraphs
 from rlserve.worker.sampling_inputs import SamplingInputs
 from rlserve.worker.step_inputs import BatchInputs, StepHandle, StepInputs
 
+if TYPE_CHECKING:
+    from rlserve.model.lora import LoRAModel
+
 logger = logging.getLogger(__name__)
 
 # Prompt logprobs: logits elements (rows x vocabulary) computed at once, about 256 MiB in float32.
 _PROMPT_LOGITS_ELEMENTS = 1 << 26
+
+_PromptRows = tuple[list[int], int, S.LogprobStats]  # a prompt's targets, k, and device stats
 
 
 @dataclass
@@ -65,11 +70,19 @@ def _chosen(whole: TopLogprobs, token_ids: list[int]) -> TopLogprobs:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype, block_size: int,
-                 logprobs_mode: str = "raw_logprobs", lora=None,
-                 kv_cache_dtype: torch.dtype | None = None, batch_invariant: bool = False):
+    def __init__(
+        self,
+        model: CausalLM,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        logprobs_mode: str = "raw_logprobs",
+        lora: LoRAModel | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
+        batch_invariant: bool = False,
+    ) -> None:
         self.model = model
-        self.lora = lora  # rlserve.model.lora.LoRAModel, when adapters are enabled
+        self.lora = lora  # when adapters are enabled
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -112,10 +125,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         a = self.attn_layers[0]
         shape = (len(self.attn_layers), 2, num_blocks, self.block_size, a.num_kv_heads)
-        self.kv_cache = torch.empty((*shape, a.head_dim), dtype=self.kv_cache_dtype,
-                                    device=self.device)
-        self.kv_scales = (torch.ones(shape, dtype=torch.float32, device=self.device)
-                          if self.kv_scaled else None)
+        self.kv_cache = torch.empty((*shape, a.head_dim), dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_scales = torch.ones(shape, dtype=torch.float32, device=self.device) if self.kv_scaled else None
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
             if self.kv_scales is not None:
@@ -145,12 +156,14 @@ class ModelRunner:
             # The torch reference ops read tensors on the host: not capturable; nor, yet, a
             # hybrid model's step (its state slots are not among a graph's inputs).
             return
-        self.graphs = CudaGraphs(self.model, self.device, self.block_size, self.lora, min(max_num_seqs, 512),
-                                 max_model_len, largest_only)
+        self.graphs = CudaGraphs(
+            self.model, self.device, self.block_size, self.lora, min(max_num_seqs, 512), max_model_len, largest_only
+        )
 
     # -- inputs ------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
-                prev: StepHandle | None = None) -> BatchInputs:
+    def prepare(
+        self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]], prev: StepHandle | None = None
+    ) -> BatchInputs:
         """The step's tensors in one upload (StepInputs.prepare); tokens still being
         sampled by the in-flight step `prev` are filled in on the device."""
         return self.inputs.prepare(sched, block_tables, prev, self.graphs, self.fused_sampling)
@@ -176,8 +189,13 @@ class ModelRunner:
             self.lora.context.batch = None
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
-               prev: StepHandle | None = None, sample: bool = True) -> StepHandle:
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        block_tables: np.ndarray | list[list[int]],
+        prev: StepHandle | None = None,
+        sample: bool = True,
+    ) -> StepHandle:
         """Queue the step on the device; nothing here waits for the device.
 
         `sample=False` queues the forward pass and leaves the sampling to `sample`, for a
@@ -197,8 +215,9 @@ class ModelRunner:
             rows_logits, prompt, prompt_start = self._prompt_logprobs(sched, batch, hidden)
         else:
             # A decode graph's rows are the padded rows the LM head wants: no gather.
-            rows = hidden[:padded] if batch.logits_identity and hidden.shape[0] >= padded \
-                else hidden[batch.logits_indices]
+            rows = (
+                hidden[:padded] if batch.logits_identity and hidden.shape[0] >= padded else hidden[batch.logits_indices]
+            )
             rows_logits = self.model.compute_logits(rows)
             if padded != n:
                 rows_logits = rows_logits[:n]
@@ -209,21 +228,25 @@ class ModelRunner:
                 sampled = S.sample(rows_logits, batch.sampling, self.kernels.sample)
             else:
                 pending = (rows_logits, batch.sampling)
-        handle = StepHandle(batch.sample_requests, sampled, prompt, prompt_start, batch.requests, pending,
-                            routes=routes)
+        handle = StepHandle(
+            batch.sample_requests, sampled, prompt, prompt_start, batch.requests, pending, routes=routes
+        )
         if pending is None:
             self._copy_out(handle)
         return handle
 
-    def _prompt_logprobs(self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor):
+    def _prompt_logprobs(
+        self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, _PromptRows], dict[str, int]]:
         """The sampling rows' logits, and each prompt's logprob stats computed in slices of
         rows, so that a long chunk's logits never sit on the device whole (the memory
         profile measures one slice)."""
-        index = batch.logits_indices[:batch.num_logits]
+        index = batch.logits_indices[: batch.num_logits]
         assert batch.sample_index is not None  # prompt rows are logits rows that do not sample
         rows_logits = self.model.compute_logits(hidden[index[batch.sample_index]])
         step = max(1, _PROMPT_LOGITS_ELEMENTS // self.model.config.vocab_size)
-        prompt, prompt_start = {}, {}
+        prompt: dict[str, _PromptRows] = {}
+        prompt_start: dict[str, int] = {}
         for rid, (first, targets) in batch.prompt_rows.items():
             req = next(it.request for it in sched.scheduled if it.request.request_id == rid)
             k = req.sampling_params.prompt_logprobs
@@ -231,10 +254,16 @@ class ModelRunner:
             ids = torch.tensor(targets, device=hidden.device)
             parts = []
             for s in range(0, len(targets), step):
-                rows = index[first + s:first + min(s + step, len(targets))]
-                parts.append(S.logprob_stats(S.raw_logprobs(self.model.compute_logits(hidden[rows])),
-                                             ids[s:s + step], k))
-            stats = tuple(_cat([p[i] for p in parts]) for i in range(4))
+                rows = index[first + s : first + min(s + step, len(targets))]
+                parts.append(
+                    S.logprob_stats(S.raw_logprobs(self.model.compute_logits(hidden[rows])), ids[s : s + step], k)
+                )
+            stats = (
+                torch.cat([p[0] for p in parts]),
+                torch.cat([p[1] for p in parts]),
+                _cat([p[2] for p in parts]),
+                _cat([p[3] for p in parts]),
+            )
             prompt[rid] = (targets, k, stats)
             prompt_start[rid] = req.num_computed_tokens
         return rows_logits, prompt, prompt_start
@@ -255,8 +284,9 @@ class ModelRunner:
         qsl = [0]
         for it in items:
             qsl.append(qsl[-1] + it.num_new_tokens)
-        return StateBatch.build([it.request.state_slot for it in items], qsl,
-                                [it.request.num_computed_tokens for it in items], self.device)
+        return StateBatch.build(
+            [it.request.state_slot for it in items], qsl, [it.request.num_computed_tokens for it in items], self.device
+        )
 
     def _copy_out(self, handle: StepHandle) -> None:
         """Queue the copy of the step's results to the host right behind the step itself.
@@ -271,8 +301,10 @@ class ModelRunner:
 
         out = handle.sampled
         if out is not None:
-            out = S.SamplerOutput(out.token_ids.to("cpu", non_blocking=True),
-                                  *map(host, (out.logprobs, out.ranks, out.top_ids, out.top_logprobs)))
+            out = S.SamplerOutput(
+                out.token_ids.to("cpu", non_blocking=True),
+                *map(host, (out.logprobs, out.ranks, out.top_ids, out.top_logprobs)),
+            )
         prompt = {rid: (targets, k, tuple(map(host, stats))) for rid, (targets, k, stats) in handle.prompt.items()}
         ready = torch.cuda.Event()
         ready.record()
@@ -305,8 +337,10 @@ class ModelRunner:
             token_ids = sampled.token_ids.tolist()
             logprobs = self._to_logprobs(sampled, token_ids, handle.sample_requests)
         # Every prompt row asked for logprobs (an int k): its list holds no None.
-        prompt_lps = {rid: cast(list[TokenLogprob], self._pack_logprobs(targets, *stats, [k] * len(targets)))
-                      for rid, (targets, k, stats) in prompt.items()}
+        prompt_lps = {
+            rid: cast(list[TokenLogprob], self._pack_logprobs(targets, *stats, [k] * len(targets)))
+            for rid, (targets, k, stats) in prompt.items()
+        }
         routes = None
         if handle.routes is not None:
             host, routes_ready = handle.routes
@@ -315,8 +349,12 @@ class ModelRunner:
             routes = host.numpy()
         return ModelRunnerOutput(handle.sample_requests, token_ids, logprobs, prompt_lps, routes)
 
-    def execute(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
-                token_bitmask: torch.Tensor | np.ndarray | None = None) -> ModelRunnerOutput:
+    def execute(
+        self,
+        sched: SchedulerOutput,
+        block_tables: np.ndarray | list[list[int]],
+        token_bitmask: torch.Tensor | np.ndarray | None = None,
+    ) -> ModelRunnerOutput:
         """One step, start to end. `token_bitmask`: as for `sample`, one row per scheduled
         request that samples (ScheduledRequest.samples), in schedule order."""
         if token_bitmask is None:
@@ -325,9 +363,12 @@ class ModelRunner:
         self.sample(handle, token_bitmask)
         return self.collect(handle)
 
-    def _to_logprobs(self, out: S.SamplerOutput, tokens: list[int], items) -> list[TokenLogprob | None]:
+    def _to_logprobs(
+        self, out: S.SamplerOutput, tokens: list[int], items: list[ScheduledRequest]
+    ) -> list[TokenLogprob | None]:
         if out.logprobs is None:
             return [None] * len(tokens)
+        assert out.ranks is not None  # computed with the logprobs
         params = [it.request.sampling_params for it in items]
         ks = [-1 if p.logprob_token_ids else p.logprobs for p in params]
         packed = self._pack_logprobs(tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, ks)
@@ -338,12 +379,20 @@ class ModelRunner:
         return packed
 
     @staticmethod
-    def _pack_logprobs(tokens, chosen, ranks, top_ids, top_lp, ks) -> list[TokenLogprob | None]:
+    def _pack_logprobs(
+        tokens: list[int],
+        chosen: torch.Tensor,
+        ranks: torch.Tensor,
+        top_ids: torch.Tensor | None,
+        top_lp: torch.Tensor | None,
+        ks: list[int | None],
+    ) -> list[TokenLogprob | None]:
         """Each row's TokenLogprob; `ks`: per row, the alternatives it asked for (None: no
         logprobs; -1: all the step computed, the whole vocabulary)."""
-        chosen, ranks = chosen.tolist(), ranks.tolist()
+        chosen_lps, chosen_ranks = chosen.tolist(), ranks.tolist()
         width = 0 if top_ids is None else top_ids.shape[1]
         if width:  # the step's alternatives packed once; each row takes its slice
+            assert top_ids is not None and top_lp is not None  # computed together
             ids = top_ids.numpy().astype(np.int32).tobytes()
             lps = top_lp.numpy().astype(np.float32, copy=False).tobytes()
         result: list[TokenLogprob | None] = []
@@ -356,7 +405,7 @@ class ModelRunner:
                 start = 4 * width * i
                 end = start + 4 * (width if k < 0 else min(k, width))
                 top = TopLogprobs(ids[start:end], lps[start:end])
-            result.append(TokenLogprob(tok, chosen[i], ranks[i], top))
+            result.append(TokenLogprob(tok, chosen_lps[i], chosen_ranks[i], top))
         return result
 
 

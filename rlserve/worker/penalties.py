@@ -95,10 +95,9 @@ class PenaltyHistory:
                 prompt_rows.append(np.full(req.num_prompt_tokens, j, dtype=np.int64))
                 prompt_tokens.append(np.asarray(req.prompt_token_ids, dtype=np.int64))
             if n - 1 > start:  # known tokens between the counted ones and the newest
-                known = np.asarray(req.token_ids[start:n - 1], dtype=np.int64)
+                known = np.asarray(req.token_ids[start : n - 1], dtype=np.int64)
                 if (known < 0).any():
-                    raise RuntimeError(f"request {req.request_id}: a token other than its newest "
-                                       "is still unknown")
+                    raise RuntimeError(f"request {req.request_id}: a token other than its newest is still unknown")
                 out_rows.append(np.full(known.size, j, dtype=np.int64))
                 out_tokens.append(known)
             if n - 1 >= start:
@@ -109,13 +108,19 @@ class PenaltyHistory:
         def cat(parts: list[np.ndarray]) -> np.ndarray:
             return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-        rebuild = RebuildArrays(dst=np.array(dst, dtype=np.int64), src=np.array(src, dtype=np.int64),
-                                out_rows=cat(out_rows), out_tokens=cat(out_tokens),
-                                prompt_rows=cat(prompt_rows), prompt_tokens=cat(prompt_tokens))
+        rebuild = RebuildArrays(
+            dst=np.array(dst, dtype=np.int64),
+            src=np.array(src, dtype=np.int64),
+            out_rows=cat(out_rows),
+            out_tokens=cat(out_tokens),
+            prompt_rows=cat(prompt_rows),
+            prompt_tokens=cat(prompt_tokens),
+        )
         return PenaltyPlan(HistoryArrays(np.array(add_last, dtype=np.int64), rebuild), needs_prompt)
 
-    def build(self, plan: PenaltyPlan, t: HistoryArrays[torch.Tensor], last_tokens: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def build(
+        self, plan: PenaltyPlan, t: HistoryArrays[torch.Tensor], last_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Device side: the rows' counts and prompt masks this step. `t`: the plan's arrays
         on the device; `last_tokens` [rows]: each row's newest token."""
         add_last, r = t.add_last, t.rebuild
@@ -140,5 +145,6 @@ class PenaltyHistory:
 
     @staticmethod
     def _add(counts: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        counts.index_put_((rows, tokens), torch.ones(rows.shape, dtype=counts.dtype, device=counts.device),
-                          accumulate=True)
+        counts.index_put_(
+            (rows, tokens), torch.ones(rows.shape, dtype=counts.dtype, device=counts.device), accumulate=True
+        )

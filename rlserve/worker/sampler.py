@@ -116,12 +116,13 @@ def logprob_stats(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> Lo
     ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
     vocab = logprobs.shape[1]
     k = vocab if k < 0 or k > vocab else k
-    top_lp, top_ids = (logprobs.topk(k, dim=1) if k > 0 else (None, None))
+    top_lp, top_ids = logprobs.topk(k, dim=1) if k > 0 else (None, None)
     return chosen, ranks, top_ids, top_lp
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch,
-           gumbel: Callable[..., torch.Tensor] | None = None) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, gumbel: Callable[..., torch.Tensor] | None = None
+) -> SamplerOutput:
     """`logits` is a fresh tensor (the model's head output for these rows): modified in place.
     `gumbel`: the kernel set's Gumbel-max sampler, for rows with noise seeds."""
     want_logprobs = batch.max_logprobs >= 0
@@ -137,8 +138,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
         processed = logits
-    elif (gumbel is not None and batch.noise_seeds is not None
-          and not (batch.need_top_k or batch.need_top_p or batch.need_min_p)):
+    elif (
+        gumbel is not None
+        and batch.noise_seeds is not None
+        and not (batch.need_top_k or batch.need_top_p or batch.need_min_p)
+    ):
         tokens = _sample_gumbel(logits, batch, gumbel)
     else:
         tokens, processed = _sample_random(logits.float(), batch)
@@ -156,7 +160,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     """Mask, in place, every token whose bit is 0 in its row of the packed bitmask."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :logits.shape[1]]
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[1]]
     if rows is None:
         logits.masked_fill_(allowed == 0, _MASK)
     else:

@@ -153,13 +153,20 @@ class SamplingInputs:
         noise = self._noise_keys(len(reqs), seeds) if fused else None
         plan = self._penalty_plan(rows)
         arrays = SamplingArrays(
-            rows.temperature, rows.top_p, rows.min_p, rows.top_k, noise,
-            None if rows.processors is None else rows.processors.arrays, bans,
-            None if plan is None else plan.arrays)
+            rows.temperature,
+            rows.top_p,
+            rows.min_p,
+            rows.top_k,
+            noise,
+            None if rows.processors is None else rows.processors.arrays,
+            bans,
+            None if plan is None else plan.arrays,
+        )
         return SamplingStep(rows, seeds, plan, arrays)
 
-    def device_batch(self, step: SamplingStep, t: SamplingArrays[torch.Tensor], last_tokens: torch.Tensor | None
-                     ) -> S.SamplingBatch:
+    def device_batch(
+        self, step: SamplingStep, t: SamplingArrays[torch.Tensor], last_tokens: torch.Tensor | None
+    ) -> S.SamplingBatch:
         """Device half: the SamplingBatch from the step's uploaded arrays `t`;
         `last_tokens`: each row's newest token, on the device (needed when t.processes)."""
         rows = step.rows
@@ -168,12 +175,21 @@ class SamplingInputs:
             assert last_tokens is not None, "processed rows need their newest tokens"
             processing = self._processing(step, t, last_tokens)
         return S.SamplingBatch(
-            temperature=t.temperature, top_p=t.top_p, min_p=t.min_p, top_k=t.top_k,
-            seeds=step.seeds, all_greedy=rows.all_greedy, any_greedy=rows.any_greedy,
-            need_top_k=rows.need_top_k, need_top_p=rows.need_top_p, need_min_p=rows.need_min_p,
-            max_logprobs=rows.max_logprobs, noise_seeds=t.noise_seeds,
+            temperature=t.temperature,
+            top_p=t.top_p,
+            min_p=t.min_p,
+            top_k=t.top_k,
+            seeds=step.seeds,
+            all_greedy=rows.all_greedy,
+            any_greedy=rows.any_greedy,
+            need_top_k=rows.need_top_k,
+            need_top_p=rows.need_top_p,
+            need_min_p=rows.need_min_p,
+            max_logprobs=rows.max_logprobs,
+            noise_seeds=t.noise_seeds,
             processing=processing,
-            processed_logprobs=self.processed_logprobs)
+            processed_logprobs=self.processed_logprobs,
+        )
 
     def batch(self, reqs: list, fused: bool, last_tokens: torch.Tensor | None = None) -> S.SamplingBatch:
         """The sampler's inputs for rows `reqs` on their own (a step builds the same within
@@ -194,8 +210,9 @@ class SamplingInputs:
             return batch
         bitmask: _Bitmask[np.ndarray] = _Bitmask(rows.astype(np.int64), np.ascontiguousarray(mask[rows]))
         (t,) = upload_groups((bitmask,), self.device)
-        return dataclasses.replace(batch, token_bitmask=t.words,
-                                   token_bitmask_rows=None if rows.size == mask.shape[0] else t.rows)
+        return dataclasses.replace(
+            batch, token_bitmask=t.words, token_bitmask_rows=None if rows.size == mask.shape[0] else t.rows
+        )
 
     def _rows(self, reqs: list) -> SamplingRows:
         """The sampling rows' parameters. A request's never change (Request.sampling_row),
@@ -205,19 +222,29 @@ class SamplingInputs:
         if cached is not None and cached.requests == reqs:  # Request compares by identity
             return cached
         n, width = len(reqs), len(SamplingRow._fields)
-        table = np.fromiter(itertools.chain.from_iterable(r.sampling_row for r in reqs),
-                            dtype=np.float64, count=n * width).reshape(n, width)
+        table = np.fromiter(
+            itertools.chain.from_iterable(r.sampling_row for r in reqs), dtype=np.float64, count=n * width
+        ).reshape(n, width)
         # Each field's column, under its name: arrays where a SamplingRow holds scalars.
         col: Any = SamplingRow._make(table.T)
         greedy = col.temperature == 0
         processor_rows = np.flatnonzero(col.has_processors).tolist()
         self._cache = SamplingRows(
-            reqs, col.temperature.astype(np.float32), col.top_p.astype(np.float32),
-            col.min_p.astype(np.float32), col.top_k.astype(np.int64),
-            np.flatnonzero(col.seeded).tolist(), np.flatnonzero(col.min_tokens).tolist(),
-            bool(greedy.all()), bool(greedy.any()), bool((col.top_k > 0).any()),
-            bool((col.top_p < 1).any()), bool((col.min_p > 0).any()), int(col.logprobs.max()),
-            _processors(reqs, processor_rows) if processor_rows else None)
+            reqs,
+            col.temperature.astype(np.float32),
+            col.top_p.astype(np.float32),
+            col.min_p.astype(np.float32),
+            col.top_k.astype(np.int64),
+            np.flatnonzero(col.seeded).tolist(),
+            np.flatnonzero(col.min_tokens).tolist(),
+            bool(greedy.all()),
+            bool(greedy.any()),
+            bool((col.top_k > 0).any()),
+            bool((col.top_p < 1).any()),
+            bool((col.min_p > 0).any()),
+            int(col.logprobs.max()),
+            _processors(reqs, processor_rows) if processor_rows else None,
+        )
         return self._cache
 
     def _noise_keys(self, num_rows: int, seeds: list[tuple[int, int]]) -> np.ndarray:
@@ -237,8 +264,9 @@ class SamplingInputs:
             return None
         return self.penalties.plan(proc.penalty_requests, proc.needs_prompt)
 
-    def _processing(self, step: SamplingStep, t: SamplingArrays[torch.Tensor], last_tokens: torch.Tensor
-                    ) -> S.LogitsProcessing:
+    def _processing(
+        self, step: SamplingStep, t: SamplingArrays[torch.Tensor], last_tokens: torch.Tensor
+    ) -> S.LogitsProcessing:
         """The step's LogitsProcessing from its uploaded arrays `t` (see _processors,
         _seeds_and_bans and _penalty_plan); `last_tokens`: each row's newest token."""
         out = S.LogitsProcessing(last_tokens=last_tokens)
@@ -254,21 +282,29 @@ class SamplingInputs:
             assert proc is not None and p is not None and p.penalties is not None and t.history is not None
             pen = p.penalties
             counts, prompt_mask = self.penalties.build(
-                step.plan, t.history, last_tokens if pen.rows is None else last_tokens[pen.rows])
+                step.plan, t.history, last_tokens if pen.rows is None else last_tokens[pen.rows]
+            )
             out.penalties = S.Penalties(
-                rows=pen.rows, repetition=pen.repetition.view(-1, 1), frequency=pen.frequency.view(-1, 1),
-                presence=pen.presence.view(-1, 1), counts=counts, prompt_mask=prompt_mask,
-                any_repetition=bool(proc.needs_prompt.any()), any_frequency=proc.any_frequency,
-                any_presence=proc.any_presence)
+                rows=pen.rows,
+                repetition=pen.repetition.view(-1, 1),
+                frequency=pen.frequency.view(-1, 1),
+                presence=pen.presence.view(-1, 1),
+                counts=counts,
+                prompt_mask=prompt_mask,
+                any_repetition=bool(proc.needs_prompt.any()),
+                any_frequency=proc.any_frequency,
+                any_presence=proc.any_presence,
+            )
         return out
 
 
 def _processors(reqs: list, rows: list[int]) -> _Processors:
     """Batch the logits processors of `rows` (the rows whose request has any)."""
+
     def rows_of(i: int, ids: np.ndarray) -> np.ndarray:
         return np.full(ids.size, i, dtype=np.int64)
 
-    def cat(parts: list[np.ndarray], dtype=np.int64) -> np.ndarray:
+    def cat(parts: list[np.ndarray], dtype: type[np.generic] = np.int64) -> np.ndarray:
         return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
     allowed_rows, allowed_r, allowed_t, bias_r, bias_t, bias_v, ban_r, ban_t = ([] for _ in range(8))
@@ -291,19 +327,30 @@ def _processors(reqs: list, rows: list[int]) -> _Processors:
         if proc.penalties is not None:
             penalty_rows.append(i)
             penalties.append(proc.penalties)
-    allowed = (AllowArrays(np.array(allowed_rows, dtype=np.int64), cat(allowed_r), cat(allowed_t))
-               if allowed_rows else None)
+    allowed = (
+        AllowArrays(np.array(allowed_rows, dtype=np.int64), cat(allowed_r), cat(allowed_t)) if allowed_rows else None
+    )
     bias = BiasArrays(cat(bias_r), cat(bias_t), cat(bias_v, np.float32)) if bias_r else None
     pen = np.array(penalties, dtype=np.float32).reshape(-1, 3)  # repetition, frequency, presence
     pen_arrays: PenaltyArrays[np.ndarray] | None = None
     if penalty_rows:
-        pen_arrays = PenaltyArrays(pen[:, 0].copy(), pen[:, 1].copy(), pen[:, 2].copy(),
-                                   np.array(penalty_rows, dtype=np.int64) if len(penalty_rows) < len(reqs) else None)
-    arrays = (ProcessorArrays(allowed, bias, pen_arrays) if allowed_rows or bias_r or penalty_rows
-              else None)
-    return _Processors(arrays, cat(ban_r), cat(ban_t), bad_word_rows,
-                       [reqs[i] for i in penalty_rows], pen[:, 0] != 1,
-                       bool((pen[:, 1] != 0).any()), bool((pen[:, 2] != 0).any()))
+        pen_arrays = PenaltyArrays(
+            pen[:, 0].copy(),
+            pen[:, 1].copy(),
+            pen[:, 2].copy(),
+            np.array(penalty_rows, dtype=np.int64) if len(penalty_rows) < len(reqs) else None,
+        )
+    arrays = ProcessorArrays(allowed, bias, pen_arrays) if allowed_rows or bias_r or penalty_rows else None
+    return _Processors(
+        arrays,
+        cat(ban_r),
+        cat(ban_t),
+        bad_word_rows,
+        [reqs[i] for i in penalty_rows],
+        pen[:, 0] != 1,
+        bool((pen[:, 1] != 0).any()),
+        bool((pen[:, 2] != 0).any()),
+    )
 
 
 def _seeds_and_bans(rows: SamplingRows) -> tuple[list[tuple[int, int]], BanArrays[np.ndarray] | None]:
@@ -317,8 +364,9 @@ def _seeds_and_bans(rows: SamplingRows) -> tuple[list[tuple[int, int]], BanArray
     seeds = []
     for i in rows.seeded_rows:
         req = rows.requests[i]
-        seeds.append((i, S.mix_seed(req.sampling_params.seed, req.sample_index,
-                                    len(req.token_ids) - req.num_prompt_tokens)))
+        seeds.append(
+            (i, S.mix_seed(req.sampling_params.seed, req.sample_index, len(req.token_ids) - req.num_prompt_tokens))
+        )
     ban_rows: list[int] = []
     toks: list[int] = []
     after: list[int] = []
@@ -334,7 +382,7 @@ def _seeds_and_bans(rows: SamplingRows) -> tuple[list[tuple[int, int]], BanArray
         num_output = n - req.num_prompt_tokens
         for prefix, last in req.processors.bad_prefixes:
             k = len(prefix)
-            if k <= num_output and tuple(tokens[n - k:n - 1]) == prefix[:-1]:
+            if k <= num_output and tuple(tokens[n - k : n - 1]) == prefix[:-1]:
                 ban_rows.append(i)
                 toks.append(last)
                 after.append(prefix[-1])

@@ -132,15 +132,20 @@ class _LogitsPlan(NamedTuple):
 class StepInputs:
     """Builds each step's BatchInputs from the scheduler's batch."""
 
-    def __init__(self, block_size: int, device: torch.device, max_loras: int | None,
-                 sampling: SamplingInputs):
+    def __init__(self, block_size: int, device: torch.device, max_loras: int | None, sampling: SamplingInputs):
         self.block_size = block_size
         self.device = device
         self.max_loras = max_loras  # None: the model has no LoRA slots
         self.sampling = sampling
 
-    def prepare(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]],
-                prev: StepHandle | None, graphs: CudaGraphs | None, fused: bool) -> BatchInputs:
+    def prepare(
+        self,
+        sched: SchedulerOutput,
+        block_tables: np.ndarray | list[list[int]],
+        prev: StepHandle | None,
+        graphs: CudaGraphs | None,
+        fused: bool,
+    ) -> BatchInputs:
         """Flatten the scheduled chunks into one batch. Tokens still being sampled by the
         in-flight step `prev` are filled in on the device, without waiting for it.
         `block_tables`: one row per scheduled request, as the engine's 0-padded int32
@@ -157,11 +162,13 @@ class StepInputs:
         batch = self._device_batch(lay, fill, plan, t, lora_segments)
         if step is not None:
             batch.sampling = self.sampling.device_batch(
-                step, sampling, self._newest_tokens(batch) if sampling.processes else None)
+                step, sampling, self._newest_tokens(batch) if sampling.processes else None
+            )
         return batch
 
-    def _layout(self, input_ids: list[int], starts: list[int], counts: list[int],
-                block_tables: np.ndarray | list[list[int]]) -> _Layout:
+    def _layout(
+        self, input_ids: list[int], starts: list[int], counts: list[int], block_tables: np.ndarray | list[list[int]]
+    ) -> _Layout:
         """Each token's id, position and KV slot, and each sequence's query span and length."""
         bs = self.block_size
         num_seqs, num_tokens = len(starts), len(input_ids)
@@ -180,8 +187,16 @@ class StepInputs:
         seq_lens = start_a + count_a
         tables = table_array(block_tables)
         slots = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        return _Layout(np.fromiter(input_ids, dtype=np.int64, count=num_tokens), positions, slots, qsl, count_a,
-                       seq_lens, token_rows, tables)
+        return _Layout(
+            np.fromiter(input_ids, dtype=np.int64, count=num_tokens),
+            positions,
+            slots,
+            qsl,
+            count_a,
+            seq_lens,
+            token_rows,
+            tables,
+        )
 
     @staticmethod
     def _in_flight(lay: _Layout, reqs: list, prev: StepHandle | None) -> _InFlightFill:
@@ -199,13 +214,20 @@ class StepInputs:
             fill_at = fill_from
         else:
             prev_rows = prev.row_of()
-            fill_from = np.array([prev_rows[reqs[r].request_id] for r in lay.token_rows[fill_at].tolist()],
-                                 dtype=np.int64)
+            fill_from = np.array(
+                [prev_rows[reqs[r].request_id] for r in lay.token_rows[fill_at].tolist()], dtype=np.int64
+            )
         return _InFlightFill(fill_at, fill_from, fill_all, prev.sampled.token_ids)
 
     @staticmethod
-    def _logits_plan(items, reqs: list, lay: _Layout, totals: list[int], any_prompt_logprobs: bool,
-                     graphs: CudaGraphs | None) -> _LogitsPlan:
+    def _logits_plan(
+        items: list[ScheduledRequest],
+        reqs: list[Sequence],
+        lay: _Layout,
+        totals: list[int],
+        any_prompt_logprobs: bool,
+        graphs: CudaGraphs | None,
+    ) -> _LogitsPlan:
         """The rows of the hidden states that need logits, and which of them sample."""
         num_seqs = len(reqs)
         # The chunk reaches the end of the sequence's tokens.
@@ -213,7 +235,8 @@ class StepInputs:
         sample_index = None  # rows of the logits that sample, when not all of them do
         if any_prompt_logprobs:
             logits_indices, sample_rows, sample_requests, prompt_rows = _logits_rows(
-                items, lay.qsl.tolist(), samples.tolist())
+                items, lay.qsl.tolist(), samples.tolist()
+            )
             sample_reqs = [item.request for item in sample_requests]
             if len(sample_rows) != len(logits_indices):
                 sample_index = np.array(sample_rows, dtype=np.int64)
@@ -232,11 +255,11 @@ class StepInputs:
         padded = n if graphs is None else graphs.lm_head_rows(n)
         if padded > n:  # repeats of a real row: computed, then dropped
             indices = np.concatenate([indices, np.full(padded - n, indices[-1], dtype=np.int64)])
-        return _LogitsPlan(indices, n, identity, sample_rows, sample_requests, sample_reqs,
-                           prompt_rows, sample_index)
+        return _LogitsPlan(indices, n, identity, sample_rows, sample_requests, sample_reqs, prompt_rows, sample_index)
 
-    def _arrays(self, lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, reqs: list
-                ) -> tuple[StepArrays[np.ndarray], tuple[tuple[int, int, int], ...] | None]:
+    def _arrays(
+        self, lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, reqs: list
+    ) -> tuple[StepArrays[np.ndarray], tuple[tuple[int, int, int], ...] | None]:
         """The step's arrays for the upload, and the LoRA segments (None without LoRA)."""
         # Attention starts the longest sequences first (see triton_attention.paged_attention).
         seq_order = np.argsort(-lay.seq_lens, kind="stable").astype(np.int32)
@@ -246,18 +269,29 @@ class StepInputs:
             num_seqs, num_tokens = len(reqs), lay.ids.size
             row_slots = np.fromiter((r.lora_slot for r in reqs), dtype=np.int32, count=num_seqs)
             lora_tokens, lora_starts, segments = group_tokens(
-                row_slots if num_tokens == num_seqs else np.repeat(row_slots, lay.counts), self.max_loras)
+                row_slots if num_tokens == num_seqs else np.repeat(row_slots, lay.counts), self.max_loras
+            )
             lora = LoRAArrays(lora_tokens, lora_starts)
         arrays = StepArrays(
-            ids=lay.ids, positions=lay.positions, slots=lay.slots, logits_indices=plan.logits_indices,
-            fill_at=fill.at, fill_from=fill.source, qsl=lay.qsl.astype(np.int32),
-            seq_lens=lay.seq_lens.astype(np.int32), tables=lay.tables, seq_order=seq_order,
-            sample_index=plan.sample_index, lora=lora)
+            ids=lay.ids,
+            positions=lay.positions,
+            slots=lay.slots,
+            logits_indices=plan.logits_indices,
+            fill_at=fill.at,
+            fill_from=fill.source,
+            qsl=lay.qsl.astype(np.int32),
+            seq_lens=lay.seq_lens.astype(np.int32),
+            tables=lay.tables,
+            seq_order=seq_order,
+            sample_index=plan.sample_index,
+            lora=lora,
+        )
         return arrays, segments
 
     @staticmethod
-    def _device_batch(lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, t: StepArrays[torch.Tensor],
-                      lora_segments: tuple | None) -> BatchInputs:
+    def _device_batch(
+        lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, t: StepArrays[torch.Tensor], lora_segments: tuple | None
+    ) -> BatchInputs:
         """The device half: tokens from the in-flight step, attention metadata."""
         if fill.tokens is not None:
             if fill.all:
@@ -265,26 +299,45 @@ class StepInputs:
             else:
                 t.ids[t.fill_at] = fill.tokens[t.fill_from]
         meta = AttentionMetadata(
-            slot_mapping=t.slots, query_start_loc=t.qsl, seq_lens=t.seq_lens, block_tables=t.tables,
-            max_query_len=int(lay.counts.max()), max_seq_len=int(lay.seq_lens.max()), seq_order=t.seq_order)
+            slot_mapping=t.slots,
+            query_start_loc=t.qsl,
+            seq_lens=t.seq_lens,
+            block_tables=t.tables,
+            max_query_len=int(lay.counts.max()),
+            max_seq_len=int(lay.seq_lens.max()),
+            seq_order=t.seq_order,
+        )
         lora = LoRABatch(t.lora.tokens, t.lora.starts, lora_segments) if t.lora is not None else None
         return BatchInputs(
-            input_ids=t.ids, positions=t.positions, meta=meta, logits_indices=t.logits_indices,
-            sample_rows=plan.sample_rows, sample_requests=plan.sample_requests, requests=plan.requests,
-            prompt_rows=plan.prompt_rows, num_logits=plan.num_logits, logits_identity=plan.identity,
-            sample_index=t.sample_index, lora=lora)
+            input_ids=t.ids,
+            positions=t.positions,
+            meta=meta,
+            logits_indices=t.logits_indices,
+            sample_rows=plan.sample_rows,
+            sample_requests=plan.sample_requests,
+            requests=plan.requests,
+            prompt_rows=plan.prompt_rows,
+            num_logits=plan.num_logits,
+            logits_identity=plan.identity,
+            sample_index=t.sample_index,
+            lora=lora,
+        )
 
     @staticmethod
     def _newest_tokens(batch: BatchInputs) -> torch.Tensor:
         """Each sampling row's newest token: the input at its logits position, filled from
         the previous step's tokens on the device if still in flight."""
-        rows = (batch.logits_indices[:batch.num_logits] if batch.sample_index is None
-                else batch.logits_indices[batch.sample_index])
+        rows = (
+            batch.logits_indices[: batch.num_logits]
+            if batch.sample_index is None
+            else batch.logits_indices[batch.sample_index]
+        )
         return batch.input_ids[rows]
 
 
-def _gather_rows(items: list[ScheduledRequest]
-                 ) -> tuple[list[Sequence], list[int], list[int], list[int], list[int], bool]:
+def _gather_rows(
+    items: list[ScheduledRequest],
+) -> tuple[list[Sequence], list[int], list[int], list[int], list[int], bool]:
     """The one per-request loop of `prepare`: each row's request, input tokens, start,
     token count and length, and whether any row still wants prompt logprobs."""
     reqs: list[Sequence] = []
@@ -302,7 +355,7 @@ def _gather_rows(items: list[ScheduledRequest]
         if n == 1:  # decode: the common case
             input_ids.append(tokens[start])
         else:
-            input_ids.extend(tokens[start:start + n])
+            input_ids.extend(tokens[start : start + n])
         starts.append(start)
         counts.append(n)
         totals.append(len(tokens))
@@ -316,19 +369,20 @@ def table_array(block_tables: np.ndarray | list[list[int]]) -> np.ndarray:
     if isinstance(block_tables, np.ndarray):
         return block_tables
     lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
-    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32,
-                       count=int(lens.sum()))
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lens.sum()))
     table = np.zeros((len(block_tables), int(lens.max())), dtype=np.int32)
     table[np.arange(table.shape[1]) < lens[:, None]] = flat  # row-major, as `flat`
     return table
 
 
-def _logits_rows(items, qsl: list[int], samples: list[bool]):
+def _logits_rows(
+    items: list[ScheduledRequest], qsl: list[int], samples: list[bool]
+) -> tuple[list[int], list[int], list[ScheduledRequest], dict[str, tuple[int, list[int]]]]:
     """Which rows need logits when some request wants prompt logprobs: its prompt
     positions (position p predicts token p + 1), then each sampling row."""
     logits_indices: list[int] = []
     sample_rows: list[int] = []
-    sample_requests = []
+    sample_requests: list[ScheduledRequest] = []
     prompt_rows: dict[str, tuple[int, list[int]]] = {}
     for row, item in enumerate(items):
         req = item.request
@@ -338,7 +392,7 @@ def _logits_rows(items, qsl: list[int], samples: list[bool]):
             # The prompt's first token has no logprob.
             last = min(end, req.num_prompt_tokens - 1)
             if last > start:
-                prompt_rows[req.request_id] = (len(logits_indices), req.token_ids[start + 1:last + 1])
+                prompt_rows[req.request_id] = (len(logits_indices), req.token_ids[start + 1 : last + 1])
                 logits_indices.extend(range(flat, flat + last - start))
         if samples[row]:
             sample_rows.append(len(logits_indices))

@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 _ALIGN = 64  # bytes: every part of an upload starts at a multiple (see `upload`)
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-                 np.dtype(np.float32): torch.float32}
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}
 
 # A group's fields: host arrays before the upload, device tensors after it.
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
@@ -39,11 +38,11 @@ def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]
     host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=device.type == "cuda")
     buf = host.numpy()
     for a, off in zip(arrays, offsets):
-        buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+        buf[off : off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
     dev = host.to(device, non_blocking=True)
     out = []
     for a, off in zip(arrays, offsets):
-        t = dev[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype])
+        t = dev[off : off + a.nbytes].view(_TORCH_DTYPES[a.dtype])
         out.append(t if a.ndim == 1 else t.view(a.shape))
     return out
 
@@ -71,5 +70,9 @@ def _gather(group: tuple, out: list[np.ndarray]) -> None:
 
 
 def _rebuild(group: Any, tensors: Iterator[torch.Tensor]) -> Any:  # a NamedTuple, with tensors for arrays
-    return group._make([value if value is None else next(tensors) if type(value) is np.ndarray
-                        else _rebuild(value, tensors) for value in group])
+    return group._make(
+        [
+            value if value is None else next(tensors) if type(value) is np.ndarray else _rebuild(value, tensors)
+            for value in group
+        ]
+    )

@@ -15,11 +15,12 @@ import dataclasses
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from rlserve.model.base import copy_all, missing_weights
+from rlserve.model.base import CausalLM, copy_all, missing_weights
 from rlserve.model.peft import LoRAConfig, pair_tensors, peft_name
 from rlserve.weight_transfer import (
     ExpectedParam,
@@ -36,6 +37,9 @@ from rlserve.weight_transfer.server.ipc_receiver import IPCReceiver
 from rlserve.weight_transfer.server.peer import copy_parameters, layout_digest
 from rlserve.weight_transfer.server.receiver import listing
 
+if TYPE_CHECKING:
+    from rlserve.model.lora import LoRAModel
+
 logger = logging.getLogger(__name__)
 
 # An adapter update's config, the PEFT tensors it may carry, and the check of their pairing.
@@ -43,13 +47,17 @@ _LoRAExpected = tuple[LoRAConfig, dict[str, ExpectedParam], Callable[[Sequence[T
 
 
 class WeightReceiver:
-    def __init__(self, model, device: torch.device, dtype: torch.dtype, lora, rank: int):
+    def __init__(
+        self, model: CausalLM, device: torch.device, dtype: torch.dtype, lora: LoRAModel | None, rank: int
+    ) -> None:
         self.model, self.device, self.dtype, self.lora, self.rank = model, device, dtype, lora, rank
         # Taken while the parameters have their real shapes (sleep empties them). One
         # object: the IPC receiver skips re-checking a document against the same checks.
         self.expected: ExpectedWeights = model.expected_weights()
-        self._optional = ExpectedWeights({n: dataclasses.replace(e, required=False) for n, e in self.expected.items()},
-                                         self.expected.skipped_prefixes)
+        self._optional = ExpectedWeights(
+            {n: dataclasses.replace(e, required=False) for n, e in self.expected.items()},
+            self.expected.skipped_prefixes,
+        )
         self.group: TransferGroup | None = None
         self._connecting: TransferGroup | None = None  # a transfer group whose init is under way (abortable)
         self.ipc: IPCReceiver | None = None
@@ -73,8 +81,9 @@ class WeightReceiver:
         if backend == "ipc":
             self.ipc = IPCReceiver(self.device)
             return
-        group = receiver_init(backend, init_info, worker_rank=self.rank, device=self.device,
-                              timeout_s=timeout_s, connect=False)
+        group = receiver_init(
+            backend, init_info, worker_rank=self.rank, device=self.device, timeout_s=timeout_s, connect=False
+        )
         self._connecting = group
         try:
             group.connect()
@@ -86,8 +95,13 @@ class WeightReceiver:
             group.check_usable()
         self.group = group
         # Read by the test suite, which checks that every group it forms stays on loopback.
-        logger.info("joined the trainer's %s weight-transfer group at %s as rank %d of %d",
-                    backend, group.master, group.rank, group.world_size)
+        logger.info(
+            "joined the trainer's %s weight-transfer group at %s as rank %d of %d",
+            backend,
+            group.master,
+            group.rank,
+            group.world_size,
+        )
 
     def abort(self, reason: str = "aborted") -> None:
         """Thread-safe: stop a pending join, and fail a receive in progress (the group is
@@ -106,12 +120,11 @@ class WeightReceiver:
         if group is not None:
             group.close()
 
-    def _usable_group(self):
+    def _usable_group(self) -> TransferGroup:
         group = self.group
         if group is None or group.broken:
-            why = (f"is unusable ({group.broken})" if group is not None else "is not initialized")
-            raise InvalidUpdateError(f"the weight-transfer group {why}: call "
-                                     "/init_weight_transfer_engine first")
+            why = f"is unusable ({group.broken})" if group is not None else "is not initialized"
+            raise InvalidUpdateError(f"the weight-transfer group {why}: call /init_weight_transfer_engine first")
         return group
 
     @property
@@ -120,11 +133,12 @@ class WeightReceiver:
         return self._lock.locked()
 
     @contextlib.contextmanager
-    def _exclusive(self):
+    def _exclusive(self) -> Iterator[None]:
         """One receive (or refusal) at a time: a second is refused, never interleaved."""
         if not self._lock.acquire(blocking=False):
-            raise InvalidUpdateError("another weight update is in progress on this worker: "
-                                     "send /update_weights one at a time")
+            raise InvalidUpdateError(
+                "another weight update is in progress on this worker: send /update_weights one at a time"
+            )
         try:
             yield
         finally:
@@ -154,8 +168,14 @@ class WeightReceiver:
                 if part:
                     staged = [(n, t.clone()) for n, t in staged]
             else:
-                staged = receive_weights(self._usable_group(), update_info, expected, device=self.device,
-                                         target_dtype=self.dtype, validate=validate)
+                staged = receive_weights(
+                    self._usable_group(),
+                    update_info,
+                    expected,
+                    device=self.device,
+                    target_dtype=self.dtype,
+                    validate=validate,
+                )
             if part:
                 self.parts.append(staged)
             else:
@@ -178,10 +198,13 @@ class WeightReceiver:
             expected[peft_name(module, "A")] = ExpectedParam(a, False, torch.float32)
             expected[peft_name(module, "B")] = ExpectedParam(b, False, torch.float32)
 
+        exempt = self.lora.exempt
+
         def validate(metas: Sequence[TensorMeta]) -> None:
             try:
-                pair_tensors(((m.name, torch.empty(m.shape, device="meta")) for m in metas), config,
-                             "update_info", self.lora.exempt)
+                pair_tensors(
+                    ((m.name, torch.empty(m.shape, device="meta")) for m in metas), config, "update_info", exempt
+                )
             except ValueError as e:
                 raise InvalidUpdateError(str(e)) from None
 
@@ -213,9 +236,11 @@ class WeightReceiver:
             missing = missing_weights(self.expected, (n for part in self.parts for n, _ in part))
             if missing:
                 self.drop()
-                raise InvalidUpdateError(f"update_info: the transaction's parts leave the model incomplete "
-                                         f"(the weights were dropped, so every one must be sent): missing "
-                                         f"required parameters: {listing(missing)}")
+                raise InvalidUpdateError(
+                    f"update_info: the transaction's parts leave the model incomplete "
+                    f"(the weights were dropped, so every one must be sent): missing "
+                    f"required parameters: {listing(missing)}"
+                )
         staged, self.staged = self.staged, None
         lora, self.staged_lora = self.staged_lora, None
         parts, self.parts = self.parts, []
@@ -238,6 +263,7 @@ class WeightReceiver:
     def _apply_lora(self, staged: list, lora: LoRAConfig, target: int | str | None) -> None:
         if target is None:
             raise RuntimeError("a staged LoRA update needs its slot or host copy")
+        assert self.lora is not None  # staged only where _lora_expected found the slots
         # A trainer's IPC views are the same list push after push: its plan is kept.
         # Staging buffers (gloo, NCCL) are new each time, and not kept alive by a plan.
         cached = self._lora_plans.get(target)
@@ -293,5 +319,12 @@ class WeightReceiver:
         return layout_digest(self.model)
 
     def copy_peer(self, send: bool, address: str, ports: list[int], digest: str | None, timeout_s: float) -> int:
-        return copy_parameters(self.model, send=send, address=address, port=ports[self.rank],
-                               device=self.device, digest=digest, timeout_s=timeout_s)
+        return copy_parameters(
+            self.model,
+            send=send,
+            address=address,
+            port=ports[self.rank],
+            device=self.device,
+            digest=digest,
+            timeout_s=timeout_s,
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -27,6 +28,8 @@ from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from rlserve.worker.weight_receiver import WeightReceiver
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from rlserve.model.lora import LoRAModel
 
 logger = logging.getLogger(__name__)
@@ -35,8 +38,14 @@ _CPU_KV_DEFAULT_BYTES = 1 << 30
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, hf_config, model_path: str, rank: int = 0,
-                 tp: TPGroup | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: PretrainedConfig,
+        model_path: str,
+        rank: int = 0,
+        tp: TPGroup | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.tp = tp or TPGroup()
@@ -48,19 +57,27 @@ class Worker:
         t0 = time.perf_counter()
         torch.manual_seed(config.seed)
         with tp_group_scope(self.tp):  # the layers take their shard of the model from it
-            self.model = build_model(hf_config, self.dtype, str(self.device), config.load_format,
-                                     model_path, seed=config.seed)
+            self.model = build_model(
+                hf_config, self.dtype, str(self.device), config.load_format, model_path, seed=config.seed
+            )
         if config.load_format == "dummy" and self.tp.world_size > 1:
             self._init_dummy_unsharded(config.seed)
-        self.lora = None
+        self.lora: LoRAModel | None = None
         if config.enable_lora:
             from rlserve.model.lora import attach_lora
+
             self.lora = attach_lora(self.model, config.max_loras, config.max_lora_rank)
         self.load_seconds = time.perf_counter() - t0
-        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size,
-                                  config.logprobs_mode, lora=self.lora,
-                                  kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype),
-                                  batch_invariant=config.batch_invariant)
+        self.runner = ModelRunner(
+            self.model,
+            self.device,
+            self.dtype,
+            config.block_size,
+            config.logprobs_mode,
+            lora=self.lora,
+            kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype),
+            batch_invariant=config.batch_invariant,
+        )
         if config.enable_return_routed_experts and self.rank == 0:
             # Rank 0 alone: every rank routes alike (the router is replicated), one copy is returned.
             self.runner.capture_routes(max(config.max_num_batched_tokens, min(config.max_num_seqs, 512)))
@@ -94,8 +111,13 @@ class Worker:
             return KVSizing(kv_cache_blocks(cfg.kv_cache_memory_bytes - states, per_block))
         if self.device.type != "cuda":
             return KVSizing(kv_cache_blocks(_CPU_KV_DEFAULT_BYTES - states, per_block))
-        limits = WorstSteps(cfg.max_num_batched_tokens, cfg.max_num_seqs, max_model_len, cfg.max_logprobs,
-                            capture_graphs=not cfg.enforce_eager)
+        limits = WorstSteps(
+            cfg.max_num_batched_tokens,
+            cfg.max_num_seqs,
+            max_model_len,
+            cfg.max_logprobs,
+            capture_graphs=not cfg.enforce_eager,
+        )
         profile = profile_memory(self.runner, limits)
         num_blocks = kv_cache_blocks(kv_cache_budget(profile, cfg.gpu_memory_utilization) - states, per_block)
         return KVSizing(num_blocks, msgspec.structs.replace(profile, kv_cache=num_blocks * per_block))
@@ -161,17 +183,16 @@ class Worker:
             self.runner.capture_cuda_graphs(*self._graph_args)
 
     # -- execution ---------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]]
-                      ) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]]) -> ModelRunnerOutput:
         """block_tables: the KV manager's int32 array (one rank) or lists (a step message)."""
         return self.runner.execute(sched, block_tables)
 
     # -- weights -----------------------------------------------------------------------
-    def load_weights(self, weights) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return self.model.load_weights(weights)
 
     # -- LoRA adapters -------------------------------------------------------------------
-    def load_lora(self, tensors: list, name: str, slot: int | None, config: dict) -> None:
+    def load_lora(self, tensors: list[tuple[str, torch.Tensor]], name: str, slot: int | None, config: dict) -> None:
         """Put an adapter's full PEFT tensors (this rank keeps its shards) in its host copy,
         and in `slot` if given."""
         lora = self._adapters()

@@ -23,7 +23,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -32,7 +32,11 @@ from rlserve.process import watch_parent
 from rlserve.worker.calls import AnyRankCall, AnyTensorCall, RankCall
 from rlserve.worker.channel import Channel, ChannelClosed, StepDecoder, error_reply
 
+if TYPE_CHECKING:
+    from rlserve.worker.worker import Worker
+
 logger = logging.getLogger(__name__)
+
 
 def _plain(value: Any) -> Any:
     """A call's result in msgpack's vocabulary."""
@@ -41,7 +45,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _start(init: dict[str, Any]):
+def _start(init: dict[str, Any]) -> Worker:
     from rlserve.config import EngineConfig
     from rlserve.distributed import TPGroup, tp_device
     from rlserve.model.loader import load_hf_config
@@ -60,7 +64,7 @@ def _start(init: dict[str, Any]):
 
 
 class WorkerLoop:
-    def __init__(self, worker, chan: Channel):
+    def __init__(self, worker: Worker, chan: Channel) -> None:
         self.worker = worker
         self.chan = chan
         self.steps = StepDecoder()
@@ -113,8 +117,9 @@ class WorkerLoop:
             return
         if self.background is not None:
             self.background.join()  # the executor sends one call at a time; belt and braces
-        self.background = threading.Thread(target=self._reply, args=(run, call),
-                                           name=f"rlserve-{type(call).__name__}", daemon=True)
+        self.background = threading.Thread(
+            target=self._reply, args=(run, call), name=f"rlserve-{type(call).__name__}", daemon=True
+        )
         self.background.start()
 
     def _reply(self, run: Callable[[], Any], call: RankCall) -> None:
@@ -127,9 +132,10 @@ class WorkerLoop:
         except TypeError as e:  # a result msgpack cannot carry: a bug, but answer anyway
             self.chan.send(error_reply(TypeError(f"{type(call).__name__} returned an unsendable result: {e}")))
 
-    def _receive_tensors(self, metas: list) -> list:
+    def _receive_tensors(self, metas: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
         """Tensors rank 0 broadcasts over the TP group, to load like a checkpoint."""
         from rlserve.weight_transfer.packing import DTYPES, as_bytes
+
         tensors = []
         for name, dtype, shape in metas:
             t = torch.empty(shape, dtype=DTYPES[dtype], device=self.worker.device)
@@ -154,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     except ChannelClosed:
         return 1
     rank = init["rank"]
-    logging.basicConfig(level=init.get("log_level", logging.INFO),
-                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=init.get("log_level", logging.INFO),
+        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     try:
         worker = _start(init)
     except Exception as e:
