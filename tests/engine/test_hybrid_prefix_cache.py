@@ -9,6 +9,7 @@ from __future__ import annotations
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.request import FinishReason, Request
 from rlserve.engine.scheduler import Scheduler
+from rlserve.engine.state import EngineState
 from rlserve.engine.state_pool import StateCache, StatePool
 from rlserve.sampling_params import SamplingParams
 
@@ -18,7 +19,7 @@ SEQS = 4
 
 def scheduler(num_blocks: int = 64, cache_slots: int = SEQS, budget: int = 64) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, True, StatePool(SEQS), StateCache(SEQS, cache_slots))
-    return Scheduler(kv, SEQS, budget)
+    return Scheduler(kv, SEQS, budget, EngineState())
 
 
 def run_prompt(s: Scheduler, rid: str, prompt: list[int]):
