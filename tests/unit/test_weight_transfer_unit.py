@@ -367,7 +367,10 @@ def test_trainer_killed_midway_then_fresh_init_works():
     with pytest.raises(WeightTransferError) as err:
         receive_weights(group, info, expected_params())
     assert time.monotonic() - started < TIMEOUT_S + 2
-    assert "bucket" in str(err.value)
+    # Gloo buffers small sends, so the trainer can set its go-ahead, send two buckets and die
+    # before a slow receiver reads the go-ahead: then the store's loss is what it notices.
+    message = str(err.value)
+    assert "bucket" in message or "closed the connection" in message, message
     proc.join(TIMEOUT_S)
     assert proc.exitcode == 17
     with pytest.raises(WeightTransferError, match="unusable"):
