@@ -51,6 +51,13 @@ class StateBatch:
         return len(self.spans) == (self.spans[-1][1] if self.spans else 0)
 
     @classmethod
+    def decode_rows(cls, slots: torch.Tensor, fresh: torch.Tensor) -> StateBatch:
+        """A decode step's rows given as device tensors (a CUDA graph's static buffers):
+        nothing here reads the host, so the step can be captured."""
+        n = slots.shape[0]
+        return cls(slots, fresh, [(i, i + 1) for i in range(n)], [], [])
+
+    @classmethod
     def build(cls, slots: list[int], query_start_loc: list[int], starts: list[int],
               device: torch.device) -> StateBatch:
         """`starts`: each sequence's first position this step."""
@@ -286,15 +293,25 @@ def state_bytes_per_sequence(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 def bind_states(model: nn.Module, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
-    """Give every linear-attention layer its state pool (num_slots = 0: free them)."""
+    """Give every linear-attention layer its state pool (num_slots = 0: free them): the
+    sequences' `num_slots`, and one more after them, `pad_slot`, where a decode graph's
+    padding rows read and write (their outputs are discarded)."""
     for layer in linear_attention_layers(model):
         s = layer.shape
         if num_slots == 0:
             layer.conv_state = layer.recurrent_state = None
             continue
-        layer.conv_state = torch.zeros(num_slots, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device)
-        layer.recurrent_state = torch.zeros(num_slots, s.num_v_heads, s.head_k_dim, s.head_v_dim,
+        total = num_slots + 1
+        layer.conv_state = torch.zeros(total, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device)
+        layer.recurrent_state = torch.zeros(total, s.num_v_heads, s.head_k_dim, s.head_v_dim,
                                             dtype=torch.float32, device=device)
+
+
+def pad_slot(layers: list[GatedDeltaNet]) -> int:
+    """The state slot of a decode graph's padding rows (bind_states' last)."""
+    state = layers[0].conv_state
+    assert state is not None, "bind_states first"
+    return state.shape[0] - 1
 
 
 def copy_states(layers: list[GatedDeltaNet], pairs: list[tuple[int, int]]) -> None:

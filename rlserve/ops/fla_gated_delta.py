@@ -32,11 +32,17 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     group = v.shape[1] // q.shape[1]
     if group > 1:  # a value head's key head, spelled out
         q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+    if decode:
+        # One token a sequence: a batch of N one-token sequences, so no lengths are read
+        # from the host and the step can be captured in a CUDA graph.
+        q, k, v = (x.unsqueeze(1).contiguous() for x in (q, k, v))
+        g, beta = g.float().unsqueeze(1).contiguous(), beta.to(q.dtype).unsqueeze(1).contiguous()
+        out, final = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial.contiguous(),
+                                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return out[:, 0], final.float()
     cu = torch.tensor([0] + [end for _, end in spans], dtype=torch.int32, device=q.device)
-    args = dict(initial_state=initial.contiguous(), output_final_state=True, cu_seqlens=cu,
-                use_qk_l2norm_in_kernel=True)
     q, k, v = (x.unsqueeze(0).contiguous() for x in (q, k, v))
     g, beta = g.float().unsqueeze(0).contiguous(), beta.to(q.dtype).unsqueeze(0).contiguous()
-    op = fused_recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
-    out, final = op(q, k, v, g=g, beta=beta, **args)
+    out, final = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial.contiguous(),
+                                        output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
     return out[0], final.float()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlserve.model.base import CausalLM
+from rlserve.model.gated_deltanet import StateBatch
 from rlserve.model.layers import AttentionMetadata
 from rlserve.ops.lora import LoRABatch
 
@@ -20,8 +21,9 @@ class CudaGraphs:
 
     Inputs are copied into static buffers (one kernel, ops/triton_graph_inputs.py); padded
     rows write nowhere (slot -1) and attend to one key of block 0, so their (discarded)
-    outputs cost almost nothing. Weight updates copy into the same parameter storage, so
-    the graphs stay valid across them.
+    outputs cost almost nothing. A hybrid model's graphs also read each row's state slot
+    from a buffer; padding rows use the pool's spare slot. Weight updates copy into the same
+    parameter storage, so the graphs stay valid across them.
     """
 
     def __init__(
@@ -33,9 +35,11 @@ class CudaGraphs:
         max_batch: int,
         max_model_len: int,
         largest_only: bool = False,
+        state_pad: int | None = None,
     ) -> None:
         """`lora`: the model's adapters, or None. `largest_only`: capture
-        the largest batch alone (memory profiling: the smaller graphs share its pool)."""
+        the largest batch alone (memory profiling: the smaller graphs share its pool).
+        `state_pad`: a hybrid model's padding state slot (gated_deltanet.pad_slot), else None."""
         self.model = model
         self.max_model_len = max_model_len
         self.sizes = (
@@ -54,6 +58,10 @@ class CudaGraphs:
         self.qsl = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=dev)
         self.order = torch.arange(b, dtype=torch.int32, device=dev)
+        self.state_pad = state_pad
+        if state_pad is not None:  # each row's state slot, and whether it starts from zero
+            self.state_slots = torch.full((b,), state_pad, dtype=torch.int64, device=dev)
+            self.state_fresh = torch.zeros(b, dtype=torch.bool, device=dev)
         # Graphs run only with the Triton kernel set (Kernels.graphs): triton imports here.
         from rlserve.ops.triton_graph_inputs import stage_graph_inputs
 
@@ -106,7 +114,7 @@ class CudaGraphs:
         return -(-n // 256) * 256
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             self.slots[:size],
             self.qsl[: size + 1],
             self.seq_lens[:size],
@@ -115,6 +123,9 @@ class CudaGraphs:
             self.max_model_len,
             self.order[:size],
         )
+        if self.state_pad is not None:
+            meta.states = StateBatch.decode_rows(self.state_slots[:size], self.state_fresh[:size])
+        return meta
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata, lora: LoRABatch | None
@@ -138,6 +149,12 @@ class CudaGraphs:
             self.tables,
             size,
         )
+        if self.state_pad is not None:
+            assert m.states is not None  # the runner gives a hybrid model's steps their slots
+            self.state_slots[:n].copy_(m.states.slots)
+            self.state_slots[n:size].fill_(self.state_pad)
+            self.state_fresh[:n].copy_(m.states.fresh)
+            self.state_fresh[n:size].fill_(False)
         if lora is not None:
             self.lora_tokens[:n].copy_(lora.sorted_tokens)
             self.lora_starts.copy_(lora.slot_starts)

@@ -23,6 +23,7 @@ from rlserve.model.gated_deltanet import (
     bind_states,
     copy_states,
     linear_attention_layers,
+    pad_slot,
     state_bytes_per_sequence,
 )
 from rlserve.model.layers import PagedAttention
@@ -152,12 +153,18 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int, largest_only: bool = False) -> None:
         """Capture decode steps for a ladder of batch sizes (or its largest alone); see CudaGraphs."""
-        if self.device.type != "cuda" or not self.kernels.graphs or self.state_layers:
-            # The torch reference ops read tensors on the host: not capturable; nor, yet, a
-            # hybrid model's step (its state slots are not among a graph's inputs).
-            return
+        if self.device.type != "cuda" or not self.kernels.graphs:
+            return  # the torch reference ops read tensors on the host: not capturable
+        state_pad = pad_slot(self.state_layers) if self.state_layers else None
         self.graphs = CudaGraphs(
-            self.model, self.device, self.block_size, self.lora, min(max_num_seqs, 512), max_model_len, largest_only
+            self.model,
+            self.device,
+            self.block_size,
+            self.lora,
+            min(max_num_seqs, 512),
+            max_model_len,
+            largest_only,
+            state_pad,
         )
 
     # -- inputs ------------------------------------------------------------------------

@@ -104,9 +104,9 @@ class Worker:
         if cfg.num_kv_blocks is not None:
             return KVSizing(cfg.num_kv_blocks)
         per_block = self.runner.kv_bytes_per_block()
-        # A hybrid model's state pool (a slot per sequence, and the prefix cache's) comes
-        # out of the same budget.
-        states = (cfg.max_num_seqs + cfg.state_cache_slots) * self.runner.state_bytes_per_sequence()
+        # A hybrid model's state pool (a slot per sequence, the prefix cache's, and the decode
+        # graphs' padding slot) comes out of the same budget.
+        states = (cfg.max_num_seqs + cfg.state_cache_slots + 1) * self.runner.state_bytes_per_sequence()
         if cfg.kv_cache_memory_bytes is not None:
             return KVSizing(kv_cache_blocks(cfg.kv_cache_memory_bytes - states, per_block))
         if self.device.type != "cuda":

@@ -75,3 +75,25 @@ def test_greedy_tokens_equal_transformers_on_gpu(arch, tmp_path):
         assert tokens == want, arch
         got_lp = [x.logprob for x in o.outputs[0].logprobs]
         assert max(abs(a - b) for a, b in zip(got_lp, want_lp)) < 1e-2, arch
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_decode_graphs_equal_eager_steps(arch, tmp_path):
+    """A hybrid model's decode steps replayed from CUDA graphs: each row reads and writes its
+    own state slot, and the padding rows only the pool's spare one. Five prompts with output
+    lengths from 8 to 40, so the batch shrinks through graph sizes it does not fill (5 and 3
+    padded to 8 and 4): the tokens equal those of eager steps, as do their logprobs (within
+    what the batch shape changes in float32)."""
+    hybrid_model(arch).save_pretrained(tmp_path)
+    ids = prompts(5)
+    params = [SamplingParams(max_tokens=8 * (i + 1), temperature=0, ignore_eos=True, logprobs=0) for i in range(5)]
+    got = {}
+    for eager in (True, False):
+        with LLM(str(tmp_path), device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=512,
+                 max_num_batched_tokens=256, gpu_memory_utilization=0.3, enforce_eager=eager) as llm:
+            assert (llm.engine.memory.cuda_graphs > 0) != eager, "graphs captured only when not eager"
+            outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        got[eager] = [(o.outputs[0].token_ids, [x.logprob for x in o.outputs[0].logprobs]) for o in outs]
+    for (want, want_lp), (tokens, lp) in zip(got[True], got[False]):
+        assert tokens == want, arch
+        assert max(abs(a - b) for a, b in zip(lp, want_lp)) < 1e-3, arch
