@@ -18,10 +18,14 @@ class RoutingSample:
         self.tokens = 0
         self.num_experts = blocks[0].gate.out_features if blocks else 0
         self.top_k = blocks[0].top_k if blocks else 0
-        self.hooks = [b.gate.register_forward_hook(self._hook(i, b.top_k)) for i, b in enumerate(blocks)]
+        # On the block, not its router: the block computes the router's GEMM itself (through
+        # its kernels), so the router module is never called. Eager steps only: graphs were
+        # captured before the hooks.
+        self.hooks = [b.register_forward_pre_hook(self._hook(i, b.top_k)) for i, b in enumerate(blocks)]
 
     def _hook(self, layer: int, k: int):
-        def record(module, inputs, logits) -> None:
+        def record(module, inputs) -> None:
+            logits = inputs[0] @ module.gate.weight.t()
             ids = torch.topk(logits, k, dim=-1).indices.flatten()
             counts = torch.bincount(ids, minlength=logits.shape[-1]).cpu()
             self.counts[layer] = counts if self.counts[layer] is None else self.counts[layer] + counts
@@ -35,6 +39,8 @@ class RoutingSample:
 
     def touched(self, batch: int) -> float:
         layers = [c.double() / self.tokens for c in self.counts if c is not None]
+        if not layers:
+            return float("nan")
         return sum(float((1 - (1 - share) ** batch).sum()) for share in layers) / len(layers)
 
     def report(self) -> None:

@@ -52,8 +52,7 @@ def _probe_in(llm, batch_size: int):
     batch = others[:batch_size // 2] + [probe] + others[batch_size // 2:batch_size - 1]
     out = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)[batch_size // 2]
     c = out.outputs[0]
-    return (list(c.token_ids), [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
-            [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], probe[1:])])
+    return (list(c.token_ids), [lp.logprob for lp in c.logprobs], [lp.logprob for lp in out.prompt_logprobs[1:]])
 
 
 @pytest.mark.parametrize("which", ["smollm2", "qwen3-0.6b-shaped"])
@@ -102,4 +101,4 @@ def test_trainer_forward_on_the_gpu_gives_the_servers_logprobs(demo_model):
         with torch.no_grad(), rbi.enabled():
             lp = model(ids).logits[0].float().log_softmax(-1)
         got = [lp[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids)]
-        assert got == [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+        assert got == [lp.logprob for lp in c.logprobs]
