@@ -24,9 +24,18 @@ class Generation:
     request's state; `close` ends whatever still runs (the client left, or an error).
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[Prompt],
-                 params: SamplingParams, arrival: float, stream: bool, cache_salt: str | None = None,
-                 lora_name: str | None = None, metrics: ServerMetrics | None = None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        arrival: float,
+        stream: bool,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        metrics: ServerMetrics | None = None,
+    ):
         for p in prompts:  # all checked before any is sent
             validate_prompt(p.token_ids, params, engine.max_model_len, engine.vocab_size, engine.max_logprobs)
         self.engine = engine
@@ -37,9 +46,19 @@ class Generation:
         self.states: list[RequestState] = []
         try:
             for p, rid in zip(prompts, ids):
-                self.states.append(engine.add_request(
-                    p.token_ids, params, request_id=rid, prompt=p.text, arrival=arrival,
-                    notify=self.changed.set, stream=stream, cache_salt=cache_salt, lora_name=lora_name))
+                self.states.append(
+                    engine.add_request(
+                        p.token_ids,
+                        params,
+                        request_id=rid,
+                        prompt=p.text,
+                        arrival=arrival,
+                        notify=self.changed.set,
+                        stream=stream,
+                        cache_salt=cache_salt,
+                        lora_name=lora_name,
+                    )
+                )
         except BaseException:
             self.close()
             raise

@@ -32,12 +32,13 @@ class PromptRenderer:
         for t in ids:
             if t >= self.vocab_size:
                 raise InvalidRequestError(
-                    f"{param}: token id {t} is out of vocabulary (ids 0 to {self.vocab_size - 1})",
-                    param)
+                    f"{param}: token id {t} is out of vocabulary (ids 0 to {self.vocab_size - 1})", param
+                )
 
     def _no_tokenizer(self, param: str) -> InvalidRequestError:
-        return InvalidRequestError(f"{param}: text needs the tokenizer, and this server runs with "
-                                   "--skip-tokenizer-init: send token ids", param)
+        return InvalidRequestError(
+            f"{param}: text needs the tokenizer, and this server runs with --skip-tokenizer-init: send token ids", param
+        )
 
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         if self.tokenizer is None:
@@ -67,15 +68,15 @@ class PromptRenderer:
         results and reasoning included), the tools, documents and template variables."""
         if body.add_generation_prompt and body.continue_final_message:
             raise InvalidRequestError(
-                "continue_final_message: cannot be combined with add_generation_prompt",
-                "continue_final_message")
+                "continue_final_message: cannot be combined with add_generation_prompt", "continue_final_message"
+            )
         if self.tokenizer is None:
             raise self._no_tokenizer("messages")
         template = self.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
-                "messages: this model has no chat template; start the server with "
-                "--chat-template", "messages")
+                "messages: this model has no chat template; start the server with --chat-template", "messages"
+            )
         conversation = [_template_message(m, i) for i, m in enumerate(body.messages)]
         kwargs = dict(body.chat_template_kwargs or {})
         if body.tools:
@@ -84,12 +85,15 @@ class PromptRenderer:
             kwargs["documents"] = body.documents
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, chat_template=template, tokenize=False,
+                conversation,
+                chat_template=template,
+                tokenize=False,
                 add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, **kwargs)
+                continue_final_message=body.continue_final_message,
+                **kwargs,
+            )
         except Exception as e:  # template errors are caused by the messages sent
-            raise InvalidRequestError(f"messages: the chat template failed: {e}",
-                                      "messages") from e
+            raise InvalidRequestError(f"messages: the chat template failed: {e}", "messages") from e
 
     def chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> Prompt:
         text = self.render_chat(body)
@@ -98,8 +102,10 @@ class PromptRenderer:
 
     async def chat_prompt_async(self, body: ChatCompletionRequest | TokenizeChatRequest) -> Prompt:
         """`chat_prompt`, on a thread when the messages are long."""
-        size = sum(len(m.content) if isinstance(m.content, str) else
-                   sum(len(p.text) for p in m.content or []) for m in body.messages)
+        size = sum(
+            len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or [])
+            for m in body.messages
+        )
         if size < LARGE_TEXT_CHARS:
             return self.chat_prompt(body)
         return await asyncio.to_thread(self.chat_prompt, body)
