@@ -26,9 +26,10 @@ lint:
 
 # The second run is the Triton kernels' CPU lane: the MoE and LoRA kernels under Triton's
 # interpreter against their torch references (the rest of tests/gpu/test_triton_ops.py takes
-# about five minutes there: run it with `make test-interpret`).
+# about five minutes there: run it with `make test-interpret`). The first run lists its 25
+# slowest tests, so a CI log shows where the suite's time goes.
 test: install
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=25 tests
 	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_lora_ops.py
 
 # The quick loop while editing: the unit tests and the engine on a tiny model (dummy weights),

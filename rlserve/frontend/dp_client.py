@@ -4,7 +4,8 @@
 calls, same callbacks). It holds one connection per replica (dp_replica.py) and
 
 - routes each new request to a replica (dp_router.py: least outstanding tokens, prompts
-  sharing a prefix kept together), and aborts go where their request went;
+  sharing a prefix kept together), and aborts go where their request went (the requests
+  in flight and what they owe: dp_requests.py);
 - fans control calls out to every replica: pause, resume, sleep and wake-up reach all;
   the weights' calls (the trainer's group, updates, a rejoining replica's copy) belong to
   `ReplicaWeights` (dp_weights.py);
@@ -24,7 +25,6 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -33,6 +33,7 @@ from rlserve.config import EngineConfig
 from rlserve.errors import EngineUnavailableError
 from rlserve.frontend.core_client import EngineAddresses, EngineCoreClient
 from rlserve.frontend.dp_replica import DOWN, STALE, STARTING, UP, Replica, call_all
+from rlserve.frontend.dp_requests import InFlightRequests, TrackedRequest
 from rlserve.frontend.dp_router import Router
 from rlserve.frontend.dp_sleep import ReplicaSleep
 from rlserve.frontend.dp_weights import ReplicaWeights
@@ -62,23 +63,6 @@ logger = logging.getLogger(__name__)
 _RESTART_DELAY_S = 0.5
 
 
-@dataclass
-class _Tracked:
-    """A request in flight on a replica, as the front end accounts for it."""
-
-    request_id: str
-    replica: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    cache_salt: str | None
-    hashes: list[int]
-    owed: int  # tokens the replica still owes the router's accounting
-    samples: set[str] = field(default_factory=set)
-    produced: int = 0
-    retried: bool = False
-
-
 class DPEngineClient:
     client_index = 0
 
@@ -88,8 +72,7 @@ class DPEngineClient:
         self.size = config.data_parallel_size
         self.tp = config.tensor_parallel_size
         self.router = Router(self.size, config.block_size)
-        self.tracked: dict[str, _Tracked] = {}
-        self.by_sample: dict[str, _Tracked] = {}
+        self.requests = InFlightRequests(self.router)
         self.dead: str | None = None
         self.closing = False
         self.on_outputs: Callable[[EngineCoreOutputs], None]  # the owner sets it before start()
@@ -146,9 +129,9 @@ class DPEngineClient:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is down: {self.dead}")
         hashes = self.router.block_hashes(prompt_token_ids, cache_salt)
-        self._send(_Tracked(request_id, -1, prompt_token_ids, params, stream, cache_salt, hashes, 0))
+        self._send(TrackedRequest(request_id, -1, prompt_token_ids, params, stream, cache_salt, hashes, 0))
 
-    def _send(self, t: _Tracked, exclude: int | None = None) -> None:
+    def _send(self, t: TrackedRequest, exclude: int | None = None) -> None:
         candidates = [r.index for r in self.replicas if r.state == UP and r.index != exclude]
         if not candidates:
             raise EngineUnavailableError("no data-parallel replica is serving now: "
@@ -164,16 +147,13 @@ class DPEngineClient:
         t.samples = set(sample_ids(t.request_id, t.params.n))
         self.replicas[i].client.add_request(t.request_id, t.prompt_token_ids, t.params, t.stream,
                                             t.cache_salt)
-        self.router.sent(i, t.hashes, t.owed)
+        self.requests.sent(t)
         self.replicas[i].requests_total += 1
-        self.tracked[t.request_id] = t
-        for sid in t.samples:
-            self.by_sample[sid] = t
 
     def abort(self, request_ids: list[str]) -> None:
         per_replica: dict[int, list[str]] = {}
         for sid in request_ids:
-            t = self.by_sample.get(sid)
+            t = self.requests.by_sample.get(sid)
             if t is not None:
                 per_replica.setdefault(t.replica, []).append(sid)
         for i, ids in per_replica.items():
@@ -181,43 +161,11 @@ class DPEngineClient:
             if r.alive:
                 r.client.abort(ids)
 
-    def _pay(self, t: _Tracked, tokens: int) -> None:
-        if t.produced == 0 and tokens:  # the prompt is computed once the first token is out
-            tokens += len(t.prompt_token_ids)
-        t.produced += tokens
-        tokens = min(tokens, t.owed)
-        t.owed -= tokens
-        self.router.done(t.replica, tokens)
-
-    def _forget(self, t: _Tracked) -> None:
-        self.router.done(t.replica, t.owed)
-        t.owed = 0
-        self.tracked.pop(t.request_id, None)
-        for sid in sample_ids(t.request_id, t.params.n):
-            self.by_sample.pop(sid, None)
-
     def _outputs(self, r: Replica, incarnation: int, out: EngineCoreOutputs) -> None:
         if incarnation != r.incarnation:
             return
         r.weight_version = out.version
-        by_sample = self.by_sample
-        for sid in out.request_ids:
-            t = by_sample.get(sid)
-            if t is not None:
-                self._pay(t, 1)
-        for f in out.finished:
-            t = by_sample.get(f.request_id)
-            if t is None:
-                continue
-            if f.final is not None:
-                self._pay(t, len(f.final.token_ids))
-            t.samples.discard(f.request_id)
-            if not t.samples:
-                self._forget(t)
-        for rej in out.rejected:
-            t = self.tracked.get(rej.request_id)
-            if t is not None:
-                self._forget(t)
+        self.requests.account(out)
         self.on_outputs(out)
 
     # -- faults --------------------------------------------------------------------------
@@ -226,10 +174,10 @@ class DPEngineClient:
             return
         logger.error("data-parallel replica %d is down: %s", r.index, reason)
         r.state, r.reason = DOWN, reason
-        lost = [t for t in self.tracked.values() if t.replica == r.index]
+        lost = self.requests.on_replica(r.index)
         retried = 0
         for t in lost:
-            self._forget(t)
+            self.requests.forget(t)
             error: BaseException = EngineDeadError(
                 f"data-parallel replica {r.index} died while running this request: {reason}")
             # Retry only what nothing has been said about yet: no token of it left the engine.
@@ -379,7 +327,7 @@ class DPEngineClient:
                  "weight_version": r.weight_version, "restarts": r.restarts,
                  "pid": r.info.pid if r.info is not None else None,
                  "requests_total": r.requests_total,
-                 "requests_in_flight": sum(1 for t in self.tracked.values() if t.replica == r.index),
+                 "requests_in_flight": len(self.requests.on_replica(r.index)),
                  "outstanding_tokens": self.router.load[r.index]} for r in self.replicas]
 
     def render_metrics(self) -> str:

@@ -154,9 +154,9 @@ async def tokenize(body: TokenizeRequest | TokenizeChatRequest, request: Request
     serving = request.app.state.chat
     serving.check_model(body.model)
     if isinstance(body, TokenizeChatRequest):
-        ids = (await serving.chat_prompt_async(body)).token_ids
+        ids = (await serving.prompts.chat_prompt_async(body)).token_ids
     else:
-        ids = await serving.encode_async(body.prompt, body.add_special_tokens, "prompt")
+        ids = await serving.prompts.encode_async(body.prompt, body.add_special_tokens, "prompt")
     strs = [serving.tokenizer.convert_ids_to_tokens(t) for t in ids] if body.return_token_strs else None
     return json_response(TokenizeResponse(count=len(ids), max_model_len=serving.engine.max_model_len,
                                           tokens=ids, token_strs=strs))
@@ -166,7 +166,7 @@ async def tokenize(body: TokenizeRequest | TokenizeChatRequest, request: Request
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     serving = request.app.state.chat
     serving.check_model(body.model)
-    return json_response(DetokenizeResponse(prompt=serving.decode(body.tokens, "tokens")))
+    return json_response(DetokenizeResponse(prompt=serving.prompts.decode(body.tokens, "tokens")))
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:

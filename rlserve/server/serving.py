@@ -1,29 +1,29 @@
-"""What completions and chat completions share: checks, prompts, sampling parameters, and
-`Generation`, the engine requests behind one HTTP request."""
+"""What completions and chat completions share: the request's checks, its sampling
+parameters, and the parts of the answer both build (usage, a choice's ending, prompt
+logprobs, the JSON body or the SSE stream). Prompts are prompts.py's; the engine requests
+behind one HTTP request, generation.py's `Generation`."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from rlserve import json_depth
 from rlserve.config import EngineConfig
 from rlserve.engine.structured_output import StructuredOutputCompiler
 from rlserve.errors import ModelNotFoundError, StatusError
 from rlserve.frontend.bad_words import convert_bad_words
 from rlserve.frontend.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError, SamplingParams, check_logprobs_limit
-from rlserve.server.limits import LARGE_TEXT_CHARS
+from rlserve.server.generation import Generation
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.options import ServeOptions
-from rlserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
+from rlserve.server.prompts import Prompt, PromptRenderer
+from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.responses import (
     APIError,
     ChatChoice,
@@ -39,16 +39,9 @@ from rlserve.server.routes_json import RoutesJSON, splice
 from rlserve.server.structured import as_user_field, constraint
 from rlserve.server.token_strings import TokenStrings, floor_logprob
 from rlserve.wire.outputs import version_spans
-from rlserve.wire.validation import validate_prompt
 
 if TYPE_CHECKING:
     from rlserve.frontend.async_engine import AsyncEngine
-
-
-@dataclass
-class Prompt:
-    token_ids: list[int]
-    text: str
 
 
 def json_response(model: BaseModel) -> Response:
@@ -91,77 +84,6 @@ def finish_choice(choice: CompletionStreamChoice | ChatChoice | ChatChunkChoice,
                                        for s in spans]
 
 
-class Generation:
-    """The engine requests behind one HTTP request: one per prompt, all n samples each.
-
-    Whoever serves the HTTP request waits on it (`wait`, `finished`) and reads each
-    request's state; `close` ends whatever still runs (the client left, or an error).
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, prompts: list[Prompt],
-                 params: SamplingParams, arrival: float, stream: bool, cache_salt: str | None = None,
-                 lora_name: str | None = None, metrics: ServerMetrics | None = None):
-        for p in prompts:  # all checked before any is sent
-            validate_prompt(p.token_ids, params, engine.max_model_len, engine.vocab_size, engine.max_logprobs)
-        self.engine = engine
-        self.metrics = metrics
-        self.closed = False
-        self.changed = asyncio.Event()
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        self.states: list[RequestState] = []
-        try:
-            for p, rid in zip(prompts, ids):
-                self.states.append(engine.add_request(
-                    p.token_ids, params, request_id=rid, prompt=p.text, arrival=arrival,
-                    notify=self.changed.set, stream=stream, cache_salt=cache_salt, lora_name=lora_name))
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.states)
-
-    def _raise_error(self) -> None:
-        for s in self.states:
-            if s.error is not None:
-                raise s.error
-
-    async def wait(self) -> None:
-        """Until some request changed; raises a request's error."""
-        await self.changed.wait()
-        self.changed.clear()
-        self._raise_error()
-
-    async def turns(self) -> AsyncIterator[None]:
-        """A streamed response's rhythm: once now, then once each time a request changed,
-        until every request has finished; each turn the caller sends what is new."""
-        while True:
-            yield
-            if self.finished:
-                return
-            await self.wait()
-
-    async def until_started(self) -> None:
-        """Until every request has produced something (or ended): an invalid request
-        then fails before a stream's 200 is sent."""
-        while not all(s.finished or any(x.token_ids for x in s.samples) for s in self.states):
-            await self.wait()
-        self._raise_error()
-
-    async def until_finished(self) -> None:
-        while not self.finished:
-            await self.wait()
-        self._raise_error()
-
-    def close(self) -> None:
-        for s in self.states:
-            self.engine.release(s)
-        if self.metrics is not None and not self.closed:
-            self.metrics.requests_done([s for s in self.states if s.finished and s.error is None])
-        self.closed = True
-
-
 class OpenAIServing:
     """Request handling shared by the routes: validation, prompts, sampling parameters."""
 
@@ -174,6 +96,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.tokens = TokenStrings(engine.tokenizer)
+        self.prompts = PromptRenderer(engine.tokenizer, engine.vocab_size, config.chat_template)
         self.created = int(time.time())
         self.vocab_size = engine.vocab_size
         assert engine.info is not None  # built at start-up, once the engine has started
@@ -193,7 +116,7 @@ class OpenAIServing:
             return None
         return os.path.basename(os.path.normpath(self.model_name)) or None
 
-    # ------------------------------------------------------------ checks and inputs
+    # ------------------------------------------------------------ checks
 
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names (None: the base model). With --enable-lora any
@@ -203,82 +126,6 @@ class OpenAIServing:
         if self.config.enable_lora:
             return model
         raise ModelNotFoundError(f"model: {model!r} does not exist; this server serves {self.model_name!r}")
-
-    def check_ids(self, ids: Sequence[int], param: str) -> None:
-        for t in ids:
-            if t >= self.vocab_size:
-                raise InvalidRequestError(
-                    f"{param}: token id {t} is out of vocabulary (ids 0 to {self.vocab_size - 1})",
-                    param)
-
-    def _no_tokenizer(self, param: str) -> InvalidRequestError:
-        return InvalidRequestError(f"{param}: text needs the tokenizer, and this server runs with "
-                                   "--skip-tokenizer-init: send token ids", param)
-
-    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        if self.tokenizer is None:
-            raise self._no_tokenizer(param)
-        try:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        except (TypeError, ValueError) as e:  # e.g. lone surrogates the tokenizer refuses
-            raise InvalidRequestError(f"{param}: cannot be tokenized ({e})", param) from e
-
-    async def encode_async(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        """`encode`, on a thread when the text is long: the event loop keeps serving."""
-        if len(text) < LARGE_TEXT_CHARS:
-            return self.encode(text, add_special_tokens, param)
-        return await asyncio.to_thread(self.encode, text, add_special_tokens, param)
-
-    def decode(self, ids: Sequence[int], param: str) -> str:
-        self.check_ids(ids, param)
-        if self.tokenizer is None:  # vLLM's --skip-tokenizer-init: token ids only, no text
-            return ""
-        try:
-            return self.tokenizer.decode(list(ids), skip_special_tokens=False)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise InvalidRequestError(f"{param}: cannot be decoded ({e})", param) from e
-
-    def render_chat(self, body: ChatCompletionRequest | TokenizeChatRequest) -> str:
-        """The conversation through the chat template: messages as given (tool calls, tool
-        results and reasoning included), the tools, documents and template variables."""
-        if body.add_generation_prompt and body.continue_final_message:
-            raise InvalidRequestError(
-                "continue_final_message: cannot be combined with add_generation_prompt",
-                "continue_final_message")
-        if self.tokenizer is None:
-            raise self._no_tokenizer("messages")
-        template = self.config.chat_template
-        if template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError(
-                "messages: this model has no chat template; start the server with "
-                "--chat-template", "messages")
-        conversation = [_template_message(m, i) for i, m in enumerate(body.messages)]
-        kwargs = dict(body.chat_template_kwargs or {})
-        if body.tools:
-            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
-        if body.documents is not None:
-            kwargs["documents"] = body.documents
-        try:
-            return self.tokenizer.apply_chat_template(
-                conversation, chat_template=template, tokenize=False,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, **kwargs)
-        except Exception as e:  # template errors are caused by the messages sent
-            raise InvalidRequestError(f"messages: the chat template failed: {e}",
-                                      "messages") from e
-
-    def chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> Prompt:
-        text = self.render_chat(body)
-        # The template already wrote the special tokens it wants (add_special_tokens: more).
-        return Prompt(self.encode(text, body.add_special_tokens, "messages"), text)
-
-    async def chat_prompt_async(self, body: ChatCompletionRequest | TokenizeChatRequest) -> Prompt:
-        """`chat_prompt`, on a thread when the messages are long."""
-        size = sum(len(m.content) if isinstance(m.content, str) else
-                   sum(len(p.text) for p in m.content or []) for m in body.messages)
-        if size < LARGE_TEXT_CHARS:
-            return self.chat_prompt(body)
-        return await asyncio.to_thread(self.chat_prompt, body)
 
     def check_request(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         """What the schema cannot say about a request on its own."""
@@ -292,7 +139,7 @@ class OpenAIServing:
             raise InvalidRequestError("logprob_token_ids: needs logprobs (the top-k it replaces) set",
                                       "logprob_token_ids")
         if body.logprob_token_ids is not None:
-            self.check_ids(body.logprob_token_ids, "logprob_token_ids")
+            self.prompts.check_ids(body.logprob_token_ids, "logprob_token_ids")
         if body.prompt_logprobs and body.stream:
             raise InvalidRequestError("prompt_logprobs: not available with stream (as in vLLM); "
                                       "send the request without stream", "prompt_logprobs")
@@ -455,36 +302,3 @@ class OpenAIServing:
             with anyio.CancelScope(shield=True):
                 await events.aclose()  # type: ignore[attr-defined]
                 generation.close()
-
-
-def _template_message(m: ChatMessage, index: int) -> dict[str, Any]:
-    """One message as chat templates read it. Tool-call arguments become objects, as
-    transformers' templates expect (OpenAI sends them as JSON text); `reasoning` (vLLM's
-    newer name) is also given as `reasoning_content`, which templates read."""
-    content = m.content
-    if isinstance(content, list):  # text parts only: the schema refuses others
-        content = "".join(p.text for p in content)
-    entry: dict[str, Any] = {"role": m.role, "content": content or ""}
-    if m.name is not None:
-        entry["name"] = m.name
-    if m.tool_calls is not None:
-        calls = []
-        for j, call in enumerate(m.tool_calls):
-            args = call.function.arguments
-            if isinstance(args, str):
-                param = f"messages.{index}.tool_calls.{j}.function.arguments"
-                try:
-                    args = json_depth.loads(args) if args.strip() else {}
-                except json_depth.JSONTooDeepError as e:
-                    raise InvalidRequestError(f"{param}: {e}", "messages") from None
-                except ValueError as e:
-                    raise InvalidRequestError(f"{param}: not valid JSON ({e})", "messages") from None
-            fn = {"name": call.function.name, "arguments": args}
-            calls.append({"type": "function", "function": fn, **({"id": call.id} if call.id else {})})
-        entry["tool_calls"] = calls
-    if m.tool_call_id is not None:
-        entry["tool_call_id"] = m.tool_call_id
-    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
-    if reasoning is not None:
-        entry["reasoning_content"] = entry["reasoning"] = reasoning
-    return entry

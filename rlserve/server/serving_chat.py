@@ -14,6 +14,8 @@ from rlserve.frontend.output_processor import RequestState, SampleDelta
 from rlserve.frontend.reasoning_parsers import REASONING_PARSERS, ThinkStream, split_whole
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
+from rlserve.server.generation import Generation
+from rlserve.server.prompts import Prompt
 from rlserve.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest
 from rlserve.server.responses import (
     AssistantMessage,
@@ -27,7 +29,7 @@ from rlserve.server.responses import (
     TokenLogprobEntry,
     TopLogprob,
 )
-from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage, usage_so_far
+from rlserve.server.serving import OpenAIServing, finish_choice, sse, usage, usage_so_far
 from rlserve.server.token_strings import floor_logprob
 from rlserve.server.tool_calls import ChoiceToolCalls
 
@@ -62,10 +64,10 @@ class ChatServing(OpenAIServing):
             raise InvalidRequestError("tool_choice: needs tools", "tool_choice")
         if isinstance(body, BatchChatCompletionRequest):
             _check_batch(body)
-            prompts = [self.truncate(await self.chat_prompt_async(body.model_copy(update={"messages": messages})),
-                                     body) for messages in body.messages]
+            prompts = [self.truncate(await self.prompts.chat_prompt_async(
+                body.model_copy(update={"messages": messages})), body) for messages in body.messages]
         else:
-            prompts = [self.truncate(await self.chat_prompt_async(body), body)]
+            prompts = [self.truncate(await self.prompts.chat_prompt_async(body), body)]
         k = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = self.sampling_params(body, max_tokens, k,

@@ -11,6 +11,8 @@ from fastapi.responses import Response
 from rlserve.frontend.output_processor import RequestState, SampleDelta
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.sequence import TokenLogprob
+from rlserve.server.generation import Generation
+from rlserve.server.prompts import Prompt
 from rlserve.server.protocol import CompletionRequest
 from rlserve.server.responses import (
     CompletionChoice,
@@ -19,7 +21,7 @@ from rlserve.server.responses import (
     CompletionStreamChoice,
     CompletionStreamResponse,
 )
-from rlserve.server.serving import Generation, OpenAIServing, Prompt, finish_choice, sse, usage, usage_so_far
+from rlserve.server.serving import OpenAIServing, finish_choice, sse, usage, usage_so_far
 from rlserve.server.token_strings import floor_logprob
 
 
@@ -62,11 +64,11 @@ class CompletionServing(OpenAIServing):
         prompts = []
         for item in items:
             if isinstance(item, str):
-                prompts.append(Prompt(await self.encode_async(item, add_special_tokens, "prompt"), item))
+                prompts.append(Prompt(await self.prompts.encode_async(item, add_special_tokens, "prompt"), item))
             elif detokenize:
-                prompts.append(Prompt(list(item), self.decode(item, "prompt")))
+                prompts.append(Prompt(list(item), self.prompts.decode(item, "prompt")))
             else:
-                self.check_ids(item, "prompt")
+                self.prompts.check_ids(item, "prompt")
                 prompts.append(Prompt(list(item), ""))
             prompts[-1] = self.truncate(prompts[-1], body)
             if not prompts[-1].token_ids:  # a string can tokenize to nothing
