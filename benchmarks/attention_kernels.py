@@ -161,6 +161,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from rlserve.ops import triton_attention as ta
+    from rlserve.ops import triton_kv_store
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name()}
 
@@ -247,7 +248,7 @@ def main() -> None:
         key = torch.randn(n, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
         slots = torch.randperm(kc.shape[0] * BLOCK, device="cuda")[:n]
         report(f"store_kv_cache {n} tokens triton",
-               bench(lambda: ta.store_kv_cache(key, key, kc, vc, slots)))
+               bench(lambda: triton_kv_store.store_kv_cache(key, key, kc, vc, slots)))
         report(f"store_kv_cache {n} tokens torch reference",
                bench(lambda: ref.store_kv_cache(key, key, kc, vc, slots)))
     try:

@@ -25,7 +25,7 @@ import torch
 from attention_kernels import bench_graph, check, make_batch, run_triton
 
 # (BLOCK_N, num_warps, num_stages). The default decode tile follows the batch size
-# (triton_attention._pick_config): (32, 2, 3) above 160 sequences, (64, 2, 3) above 96,
+# (triton_attention_tiling._pick_config): (32, 2, 3) above 160 sequences, (64, 2, 3) above 96,
 # (128, 4, 3) below; (64, 4, 2) with blocks of 128 tokens.
 CONFIGS = [(64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 2, 4), (64, 2, 4), (64, 4, 3), (64, 4, 4),
            (128, 2, 3), (128, 4, 3), (128, 8, 3)]

@@ -98,12 +98,19 @@ def _batch_invariant(device: torch.device) -> Kernels:
         fused_add_rms_norm=bi.fused_add_rms_norm, linear=bi.linear, fused_moe=bi.fused_moe, lora=bi.lora)
     if device.type != "cuda":
         return kernels
-    from rlserve.ops import triton_attention
-    return dataclasses.replace(kernels, store_kv_cache=triton_attention.store_kv_cache, graphs=True)
+    from rlserve.ops import triton_kv_store
+    return dataclasses.replace(kernels, store_kv_cache=triton_kv_store.store_kv_cache, graphs=True)
 
 
 def _triton() -> Kernels:
-    from rlserve.ops import triton_attention, triton_decode_gemm, triton_fused, triton_lora, triton_moe
+    from rlserve.ops import (
+        triton_attention,
+        triton_decode_gemm,
+        triton_fused,
+        triton_kv_store,
+        triton_lora,
+        triton_moe,
+    )
     from rlserve.ops.triton_rotary import rope_
     from rlserve.ops.triton_sampling import gumbel_sample
 
@@ -144,7 +151,7 @@ def _triton() -> Kernels:
             return triton_fused.silu_and_mul(F.linear(x, weight))
         return triton_decode_gemm.decode_gemm(x, weight, plan, gated=True)
 
-    return Kernels(name="triton", store_kv_cache=triton_attention.store_kv_cache,
+    return Kernels(name="triton", store_kv_cache=triton_kv_store.store_kv_cache,
                    paged_attention=paged_attention, rms_norm=rms_norm,
                    fused_add_rms_norm=triton_fused.fused_add_rms_norm,
                    silu_and_mul=triton_fused.silu_and_mul, lora=lora, rope=rope_,

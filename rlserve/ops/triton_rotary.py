@@ -6,7 +6,7 @@ Arithmetic is float32 with one rounding at the end (the torch path rounds after 
 so bf16 results agree within one or two ulps.
 
 Optionally the same program also writes the token's rotated key and its value into the
-paged KV cache (what triton_attention.store_kv_cache does next otherwise): decode steps
+paged KV cache (what triton_kv_store.store_kv_cache does next otherwise): decode steps
 are launch-bound, and this saves one launch per layer.
 """
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlserve.ops.triton_attention import fp8_limit, fp8_rows, fp8_scale, scale_args
+from rlserve.ops.triton_kv_store import fp8_limit, fp8_rows, fp8_scale, scale_args
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
     With v [T, Hkv, D], the paged caches [num_blocks, block_size, Hkv, D] and slot_mapping,
     also store each token's rotated key and its value at slot_mapping[t] (-1: skip), cast
     to the cache dtype (fp8 caches: quantized, scales in k_scale / v_scale): the same
-    result as triton_attention.store_kv_cache afterwards.
+    result as triton_kv_store.store_kv_cache afterwards.
     """
     num_tokens, nq, dim = q.shape
     nk = k.shape[1]

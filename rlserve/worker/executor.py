@@ -3,7 +3,8 @@
 Rank 0, the driver, lives in this process: one rank means no process hop. The engine
 reads what it needs of rank 0 through this class (`info`, `expected_weights`,
 `abort_transfer`, `lora`), never the driver itself. Ranks 1..N-1 are worker processes
-(worker_proc.py), each on a socket carrying msgpack messages (messages.py):
+(worker_proc.py; the executor's handle on each: worker_handle.py), each on a socket
+carrying msgpack messages (messages.py):
 
 - a step per engine step: the scheduler output as plain lists, and no reply. The step's
   collectives keep the ranks in lockstep; every rank gets the full logits and samples,
@@ -23,9 +24,6 @@ import contextlib
 import logging
 import os
 import queue
-import signal
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -40,12 +38,12 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.distributed import DEFAULT_TIMEOUT_S, TPGroup, host_store, tp_device
 from rlserve.model.moe import SparseMoeBlock
-from rlserve.process import spawn
 from rlserve.sequence import SchedulerOutput
 from rlserve.worker.calls import RankCall, TensorCall
-from rlserve.worker.channel import Channel, ChannelClosed, StepEncoder, error_from_reply, reply_error_text
+from rlserve.worker.channel import ChannelClosed, StepEncoder, error_from_reply, reply_error_text
 from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 from rlserve.worker.worker import Worker
+from rlserve.worker.worker_handle import WorkerProcess
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -59,75 +57,6 @@ _POLL_S = 0.2
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel rank is gone (or failed a step); the engine cannot go on."""
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "closed its connection"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-class WorkerProcess:
-    """The executor's handle on one worker process: its socket, its replies, its exit."""
-
-    def __init__(self, rank: int, init: dict[str, Any], on_lost: Callable[[WorkerProcess], None]):
-        self.rank = rank
-        self.on_lost = on_lost
-        ours, theirs = socket.socketpair()
-        self.proc = spawn(
-            "rlserve.worker.worker_proc",
-            "--fd",
-            str(theirs.fileno()),
-            pass_fds=(theirs.fileno(),),
-            parent_death=signal.SIGKILL,
-        )  # it ignores SIGTERM
-        theirs.close()
-        self.chan = Channel(ours)
-        self.replies: queue.Queue[dict | None] = queue.Queue()
-        self.fatal: str | None = None
-        self.chan.send(init)
-        self._reader = threading.Thread(target=self._read, name=f"rlserve-rank{rank}-reader", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        try:
-            while True:
-                msg = self.chan.recv()
-                if msg.get("op") == "fatal":
-                    self.fatal = msg.get("error")
-                else:
-                    self.replies.put(msg)
-        except (ChannelClosed, msgpack.UnpackException, ValueError):
-            pass
-        self.on_lost(self)
-        self.replies.put(None)  # wakes a caller waiting for a reply
-
-    def describe_exit(self) -> str:
-        try:
-            code = self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            code = None
-        what = f"tensor-parallel worker rank {self.rank} (pid {self.proc.pid}) {_describe_exit(code)}"
-        if self.fatal:
-            what += f": {self.fatal.strip().splitlines()[-1]}"
-        return what
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        try:
-            self.chan.send({"op": "shutdown"})
-        except ChannelClosed:
-            pass
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.chan.close()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ sample, collect the tokens.
     launch   the forward pass (eager, or a CUDA graph: cuda_graphs.py), the LM head on
              the rows that need logits, the sampler (sampler.py) unless a grammar mask
              must wait for the previous step's tokens (`sample`)
-    collect  the one wait of a step: its tokens and logprobs on the host
+    collect  the one wait of a step: its tokens and logprobs on the host (logprobs.py)
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from rlserve.model.layers import PagedAttention
 from rlserve.model.routed_experts import RoutedExpertsCapturer
 from rlserve.ops import kernels
 from rlserve.ops.attention import FP8_DTYPES
-from rlserve.sequence import NO_ALTERNATIVES, ScheduledRequest, SchedulerOutput, TokenLogprob, TopLogprobs
+from rlserve.sequence import SchedulerOutput, TokenLogprob
 from rlserve.worker import sampler as S
 from rlserve.worker.cuda_graphs import CudaGraphs
+from rlserve.worker.logprobs import pack_logprobs, prompt_logprobs, sampled_logprobs
 from rlserve.worker.sampling_inputs import SamplingInputs
 from rlserve.worker.step_inputs import BatchInputs, StepHandle, StepInputs
 
@@ -40,11 +41,6 @@ if TYPE_CHECKING:
     from rlserve.model.lora import LoRAModel
 
 logger = logging.getLogger(__name__)
-
-# Prompt logprobs: logits elements (rows x vocabulary) computed at once, about 256 MiB in float32.
-_PROMPT_LOGITS_ELEMENTS = 1 << 26
-
-_PromptRows = tuple[list[int], int, S.LogprobStats]  # a prompt's targets, k, and device stats
 
 
 @dataclass
@@ -59,15 +55,6 @@ class ModelRunnerOutput:
     # Routing capture: [tokens, num_hidden_layers, top_k] int32, a row per input token of
     # the step in schedule order (then any padding rows); None: not captured
     routes: np.ndarray | None = None
-
-
-def _chosen(whole: TopLogprobs, token_ids: list[int]) -> TopLogprobs:
-    """The logprobs of `token_ids`, in that order, out of the whole vocabulary's."""
-    ids, lps = whole.arrays()
-    by_id = np.empty(int(ids.max()) + 1, dtype=np.float32)
-    by_id[ids] = lps
-    wanted = np.asarray(token_ids, dtype=np.int32)
-    return TopLogprobs(wanted.tobytes(), by_id[wanted].tobytes())
 
 
 class ModelRunner:
@@ -219,7 +206,7 @@ class ModelRunner:
         if not n:
             return StepHandle([], None, {}, {}, routes=routes)
         if batch.prompt_rows:
-            rows_logits, prompt, prompt_start = self._prompt_logprobs(sched, batch, hidden)
+            rows_logits, prompt, prompt_start = prompt_logprobs(self.model, sched, batch, hidden)
         else:
             # A decode graph's rows are the padded rows the LM head wants: no gather.
             rows = (
@@ -241,39 +228,6 @@ class ModelRunner:
         if pending is None:
             self._copy_out(handle)
         return handle
-
-    def _prompt_logprobs(
-        self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, _PromptRows], dict[str, int]]:
-        """The sampling rows' logits, and each prompt's logprob stats computed in slices of
-        rows, so that a long chunk's logits never sit on the device whole (the memory
-        profile measures one slice)."""
-        index = batch.logits_indices[: batch.num_logits]
-        assert batch.sample_index is not None  # prompt rows are logits rows that do not sample
-        rows_logits = self.model.compute_logits(hidden[index[batch.sample_index]])
-        step = max(1, _PROMPT_LOGITS_ELEMENTS // self.model.config.vocab_size)
-        prompt: dict[str, _PromptRows] = {}
-        prompt_start: dict[str, int] = {}
-        for rid, (first, targets) in batch.prompt_rows.items():
-            req = next(it.request for it in sched.scheduled if it.request.request_id == rid)
-            k = req.sampling_params.prompt_logprobs
-            assert k is not None  # prompt_rows holds the requests that asked for prompt logprobs
-            ids = torch.tensor(targets, device=hidden.device)
-            parts = []
-            for s in range(0, len(targets), step):
-                rows = index[first + s : first + min(s + step, len(targets))]
-                parts.append(
-                    S.logprob_stats(S.raw_logprobs(self.model.compute_logits(hidden[rows])), ids[s : s + step], k)
-                )
-            stats = (
-                torch.cat([p[0] for p in parts]),
-                torch.cat([p[1] for p in parts]),
-                _cat([p[2] for p in parts]),
-                _cat([p[3] for p in parts]),
-            )
-            prompt[rid] = (targets, k, stats)
-            prompt_start[rid] = req.num_computed_tokens
-        return rows_logits, prompt, prompt_start
 
     def _copy_routes(self, num_tokens: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Queue the copy of the step's routes to the host, right behind its forward pass."""
@@ -342,10 +296,10 @@ class ModelRunner:
             ready.synchronize()
         if sampled is not None:
             token_ids = sampled.token_ids.tolist()
-            logprobs = self._to_logprobs(sampled, token_ids, handle.sample_requests)
+            logprobs = sampled_logprobs(sampled, token_ids, handle.sample_requests)
         # Every prompt row asked for logprobs (an int k): its list holds no None.
         prompt_lps = {
-            rid: cast(list[TokenLogprob], self._pack_logprobs(targets, *stats, [k] * len(targets)))
+            rid: cast(list[TokenLogprob], pack_logprobs(targets, *stats, [k] * len(targets)))
             for rid, (targets, k, stats) in prompt.items()
         }
         routes = None
@@ -369,52 +323,3 @@ class ModelRunner:
         handle = self.launch(sched, block_tables, sample=False)
         self.sample(handle, token_bitmask)
         return self.collect(handle)
-
-    def _to_logprobs(
-        self, out: S.SamplerOutput, tokens: list[int], items: list[ScheduledRequest]
-    ) -> list[TokenLogprob | None]:
-        if out.logprobs is None:
-            return [None] * len(tokens)
-        assert out.ranks is not None  # computed with the logprobs
-        params = [it.request.sampling_params for it in items]
-        ks = [-1 if p.logprob_token_ids else p.logprobs for p in params]
-        packed = self._pack_logprobs(tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs, ks)
-        for i, p in enumerate(params):
-            lp = packed[i]
-            if p.logprob_token_ids and lp is not None:
-                packed[i] = lp._replace(top=_chosen(lp.top, p.logprob_token_ids))
-        return packed
-
-    @staticmethod
-    def _pack_logprobs(
-        tokens: list[int],
-        chosen: torch.Tensor,
-        ranks: torch.Tensor,
-        top_ids: torch.Tensor | None,
-        top_lp: torch.Tensor | None,
-        ks: list[int | None],
-    ) -> list[TokenLogprob | None]:
-        """Each row's TokenLogprob; `ks`: per row, the alternatives it asked for (None: no
-        logprobs; -1: all the step computed, the whole vocabulary)."""
-        chosen_lps, chosen_ranks = chosen.tolist(), ranks.tolist()
-        width = 0 if top_ids is None else top_ids.shape[1]
-        if width:  # the step's alternatives packed once; each row takes its slice
-            assert top_ids is not None and top_lp is not None  # computed together
-            ids = top_ids.numpy().astype(np.int32).tobytes()
-            lps = top_lp.numpy().astype(np.float32, copy=False).tobytes()
-        result: list[TokenLogprob | None] = []
-        for i, (tok, k) in enumerate(zip(tokens, ks)):
-            if k is None:
-                result.append(None)
-                continue
-            top = NO_ALTERNATIVES
-            if k and width:
-                start = 4 * width * i
-                end = start + 4 * (width if k < 0 else min(k, width))
-                top = TopLogprobs(ids[start:end], lps[start:end])
-            result.append(TokenLogprob(tok, chosen_lps[i], chosen_ranks[i], top))
-        return result
-
-
-def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    return None if parts[0] is None else torch.cat(cast(list[torch.Tensor], parts))

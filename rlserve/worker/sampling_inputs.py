@@ -1,5 +1,6 @@
 """A batch's sampling inputs: the sampler's per-row parameters and the logits processors'
-arrays, built on the host and carried to the device in the step's one upload.
+arrays (processor_arrays.py), built on the host and carried to the device in the step's
+one upload.
 
 What depends only on a batch's requests (their SamplingRow and LogitsProcessors, fixed for
 their lives) is computed once and reused while the batch holds the same requests in the
@@ -22,49 +23,8 @@ import torch
 from rlserve.sequence import SamplingRow
 from rlserve.worker import sampler as S
 from rlserve.worker.penalties import HistoryArrays, PenaltyHistory, PenaltyPlan
+from rlserve.worker.processor_arrays import BanArrays, BatchProcessors, ProcessorArrays, batch_processors, step_bans
 from rlserve.worker.upload import ArrayT, upload_groups
-
-
-class AllowArrays(NamedTuple, Generic[ArrayT]):
-    """The allow-lists of a batch's rows (int64), in S.LogitsProcessing.allowed's order."""
-
-    rows: ArrayT  # rows with an allow-list
-    pair_rows: ArrayT  # (row, token) pairs that keep their logit
-    pair_tokens: ArrayT
-
-
-class BiasArrays(NamedTuple, Generic[ArrayT]):
-    """(row, token) int64, bias float32: added to that logit (S.LogitsProcessing.bias)."""
-
-    rows: ArrayT
-    tokens: ArrayT
-    values: ArrayT
-
-
-class PenaltyArrays(NamedTuple, Generic[ArrayT]):
-    """The penalty rows' parameters (S.Penalties)."""
-
-    repetition: ArrayT  # float32 per penalty row
-    frequency: ArrayT
-    presence: ArrayT
-    rows: ArrayT | None  # int64 rows with penalties; None: every row, in order
-
-
-class ProcessorArrays(NamedTuple, Generic[ArrayT]):
-    """A batch's logits-processor arrays that depend only on its requests; None where no
-    row uses that part."""
-
-    allowed: AllowArrays[ArrayT] | None
-    bias: BiasArrays[ArrayT] | None
-    penalties: PenaltyArrays[ArrayT] | None
-
-
-class BanArrays(NamedTuple, Generic[ArrayT]):
-    """The tokens masked this step (int64), see `_seeds_and_bans`."""
-
-    rows: ArrayT  # (row, token) masked
-    tokens: ArrayT
-    after: ArrayT | None  # per ban (see S.LogitsProcessing.ban_after); None: all hold
 
 
 class SamplingArrays(NamedTuple, Generic[ArrayT]):
@@ -86,20 +46,6 @@ class SamplingArrays(NamedTuple, Generic[ArrayT]):
         return self.processors is not None or self.bans is not None or self.history is not None
 
 
-class _Processors(NamedTuple):
-    """The logits processors of a batch's rows (Request.processors), as host arrays: what
-    depends only on the requests (see `_processors`)."""
-
-    arrays: ProcessorArrays[np.ndarray] | None  # uploaded with every step
-    banned_rows: np.ndarray  # int64, with banned_tokens: masked in every step
-    banned_tokens: np.ndarray
-    bad_word_rows: list[int]  # rows with bad words of several tokens (checked per step)
-    penalty_requests: list  # the Request of each penalty row
-    needs_prompt: np.ndarray  # bool per penalty row: it has a repetition penalty
-    any_frequency: bool
-    any_presence: bool
-
-
 class SamplingRows(NamedTuple):
     """A batch's sampling parameters that depend only on its requests, as host arrays
     and flags."""
@@ -117,7 +63,7 @@ class SamplingRows(NamedTuple):
     need_top_p: bool
     need_min_p: bool
     max_logprobs: int
-    processors: _Processors | None  # None: no row has logits processors
+    processors: BatchProcessors | None  # None: no row has logits processors
 
 
 class SamplingStep(NamedTuple):
@@ -149,7 +95,8 @@ class SamplingInputs:
         """Host half: this step's sampling arrays for the upload. `fused`: the kernel set
         samples plain temperature rows (Gumbel-max), which takes a noise key per row."""
         rows = self._rows(reqs)
-        seeds, bans = _seeds_and_bans(rows)
+        seeds = _seeds(rows)
+        bans = step_bans(rows.requests, rows.min_tokens_rows, rows.processors)
         noise = self._noise_keys(len(reqs), seeds) if fused else None
         plan = self._penalty_plan(rows)
         arrays = SamplingArrays(
@@ -243,7 +190,7 @@ class SamplingInputs:
             bool((col.top_p < 1).any()),
             bool((col.min_p > 0).any()),
             int(col.logprobs.max()),
-            _processors(reqs, processor_rows) if processor_rows else None,
+            batch_processors(reqs, processor_rows) if processor_rows else None,
         )
         return self._cache
 
@@ -267,8 +214,8 @@ class SamplingInputs:
     def _processing(
         self, step: SamplingStep, t: SamplingArrays[torch.Tensor], last_tokens: torch.Tensor
     ) -> S.LogitsProcessing:
-        """The step's LogitsProcessing from its uploaded arrays `t` (see _processors,
-        _seeds_and_bans and _penalty_plan); `last_tokens`: each row's newest token."""
+        """The step's LogitsProcessing from its uploaded arrays `t` (see batch_processors,
+        step_bans and _penalty_plan); `last_tokens`: each row's newest token."""
         out = S.LogitsProcessing(last_tokens=last_tokens)
         p = t.processors
         if p is not None:
@@ -298,105 +245,13 @@ class SamplingInputs:
         return out
 
 
-def _processors(reqs: list, rows: list[int]) -> _Processors:
-    """Batch the logits processors of `rows` (the rows whose request has any)."""
-
-    def rows_of(i: int, ids: np.ndarray) -> np.ndarray:
-        return np.full(ids.size, i, dtype=np.int64)
-
-    def cat(parts: list[np.ndarray], dtype: type[np.generic] = np.int64) -> np.ndarray:
-        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
-
-    allowed_rows, allowed_r, allowed_t, bias_r, bias_t, bias_v, ban_r, ban_t = ([] for _ in range(8))
-    bad_word_rows, penalty_rows, penalties = [], [], []
-    for i in rows:
-        proc = reqs[i].processors
-        if proc.allowed is not None:
-            allowed_rows.append(i)
-            allowed_r.append(rows_of(i, proc.allowed))
-            allowed_t.append(proc.allowed)
-        if proc.bias_ids.size:
-            bias_r.append(rows_of(i, proc.bias_ids))
-            bias_t.append(proc.bias_ids)
-            bias_v.append(proc.bias_values)
-        if proc.banned.size:
-            ban_r.append(rows_of(i, proc.banned))
-            ban_t.append(proc.banned)
-        if proc.bad_prefixes:
-            bad_word_rows.append(i)
-        if proc.penalties is not None:
-            penalty_rows.append(i)
-            penalties.append(proc.penalties)
-    allowed = (
-        AllowArrays(np.array(allowed_rows, dtype=np.int64), cat(allowed_r), cat(allowed_t)) if allowed_rows else None
-    )
-    bias = BiasArrays(cat(bias_r), cat(bias_t), cat(bias_v, np.float32)) if bias_r else None
-    pen = np.array(penalties, dtype=np.float32).reshape(-1, 3)  # repetition, frequency, presence
-    pen_arrays: PenaltyArrays[np.ndarray] | None = None
-    if penalty_rows:
-        pen_arrays = PenaltyArrays(
-            pen[:, 0].copy(),
-            pen[:, 1].copy(),
-            pen[:, 2].copy(),
-            np.array(penalty_rows, dtype=np.int64) if len(penalty_rows) < len(reqs) else None,
-        )
-    arrays = ProcessorArrays(allowed, bias, pen_arrays) if allowed_rows or bias_r or penalty_rows else None
-    return _Processors(
-        arrays,
-        cat(ban_r),
-        cat(ban_t),
-        bad_word_rows,
-        [reqs[i] for i in penalty_rows],
-        pen[:, 0] != 1,
-        bool((pen[:, 1] != 0).any()),
-        bool((pen[:, 2] != 0).any()),
-    )
-
-
-def _seeds_and_bans(rows: SamplingRows) -> tuple[list[tuple[int, int]], BanArrays[np.ndarray] | None]:
-    """What depends on the step: each seeded row's per-token seed, and the tokens masked
-    this step as (rows, tokens, after) (None: no ban): stop tokens in rows still below
-    min_tokens, and bad words. Only rows that have them are looked at.
-
-    A bad word of several tokens is masked when the output ends with all but its last
-    token. The newest of those may still be in flight (a placeholder): the host checks
-    the older ones and the device the newest (`ban_after`)."""
+def _seeds(rows: SamplingRows) -> list[tuple[int, int]]:
+    """What depends on the step besides its bans (processor_arrays.step_bans): each seeded
+    row's per-token seed."""
     seeds = []
     for i in rows.seeded_rows:
         req = rows.requests[i]
         seeds.append(
             (i, S.mix_seed(req.sampling_params.seed, req.sample_index, len(req.token_ids) - req.num_prompt_tokens))
         )
-    ban_rows: list[int] = []
-    toks: list[int] = []
-    after: list[int] = []
-    for i in rows.min_tokens_rows:
-        req = rows.requests[i]
-        if len(req.token_ids) - req.num_prompt_tokens < req.sampling_params.min_tokens:
-            ban_rows.extend(i for _ in req.stop_ids)  # what could end it too early
-            toks.extend(req.stop_ids)
-    proc = rows.processors
-    for i in proc.bad_word_rows if proc is not None else ():
-        req = rows.requests[i]
-        tokens, n = req.token_ids, len(req.token_ids)
-        num_output = n - req.num_prompt_tokens
-        for prefix, last in req.processors.bad_prefixes:
-            k = len(prefix)
-            if k <= num_output and tuple(tokens[n - k : n - 1]) == prefix[:-1]:
-                ban_rows.append(i)
-                toks.append(last)
-                after.append(prefix[-1])
-    static = proc if proc is not None and proc.banned_rows.size else None  # bans that hold every step
-    if not ban_rows and static is None:
-        return seeds, None
-    ban_r, ban_t = np.array(ban_rows, dtype=np.int64), np.array(toks, dtype=np.int64)
-    ban_after = None
-    if after:  # the unconditional ones first, then those that wait for the newest token
-        unconditional = len(ban_rows) - len(after)
-        ban_after = np.array([-1] * unconditional + after, dtype=np.int64)
-    if static is not None:
-        ban_r = np.concatenate([static.banned_rows, ban_r])
-        ban_t = np.concatenate([static.banned_tokens, ban_t])
-        if after:
-            ban_after = np.concatenate([np.full(static.banned_rows.size, -1, dtype=np.int64), ban_after])
-    return seeds, BanArrays(ban_r, ban_t, ban_after)
+    return seeds

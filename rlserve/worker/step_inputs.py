@@ -5,7 +5,7 @@ This runs for every request every step, so the per-request Python is one short l
 (`_gather_rows`); the rest is numpy over the whole batch. The host half lays the tokens out
 (prefill chunks and decodes alike), finds the tokens still being sampled by the step in
 flight (overlapped scheduling: filled in on the device, without waiting for it) and the
-rows that need logits; `StepArrays` and the sampling rows' SamplingArrays
+rows that need logits (logits_rows.py); `StepArrays` and the sampling rows' SamplingArrays
 (rlserve/worker/sampling_inputs.py) then travel in one page-locked copy
 (rlserve/worker/upload.py), and the device half assembles a BatchInputs from them.
 """
@@ -24,6 +24,7 @@ from rlserve.ops.lora import LoRABatch, group_tokens
 from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput, Sequence
 from rlserve.worker import sampler as S
 from rlserve.worker.cuda_graphs import CudaGraphs
+from rlserve.worker.logits_rows import LogitsPlan, logits_plan
 from rlserve.worker.sampling_inputs import SamplingInputs
 from rlserve.worker.upload import ArrayT, upload_groups
 
@@ -116,19 +117,6 @@ class _InFlightFill(NamedTuple):
     tokens: torch.Tensor | None  # the in-flight step's sampled tokens, on the device; None: nothing to fill
 
 
-class _LogitsPlan(NamedTuple):
-    """The rows that need logits, and those that sample (see StepInputs._logits_plan)."""
-
-    logits_indices: np.ndarray  # int64 rows of the hidden states, padded (see CudaGraphs.lm_head_rows)
-    num_logits: int  # the rows that need logits: the first num_logits of logits_indices
-    identity: bool  # the rows needing logits are the hidden states' first num_logits
-    sample_rows: list[int]  # index into logits_indices of each sampling request
-    sample_requests: list  # ScheduledRequest that sample, aligned with sample_rows
-    requests: list  # the Sequence of each sample_requests item
-    prompt_rows: dict[str, tuple[int, list[int]]]  # req id -> (first logits row, target ids)
-    sample_index: np.ndarray | None  # sample_rows, when not every logits row samples
-
-
 class StepInputs:
     """Builds each step's BatchInputs from the scheduler's batch."""
 
@@ -155,7 +143,7 @@ class StepInputs:
         reqs, input_ids, starts, counts, totals, any_prompt_logprobs = _gather_rows(items)
         lay = self._layout(input_ids, starts, counts, block_tables)
         fill = self._in_flight(lay, reqs, prev)
-        plan = self._logits_plan(items, reqs, lay, totals, any_prompt_logprobs, graphs)
+        plan = logits_plan(items, reqs, lay.qsl, lay.seq_lens, lay.ids.size, totals, any_prompt_logprobs, graphs)
         step = self.sampling.host_step(plan.requests, fused) if plan.requests else None
         arrays, lora_segments = self._arrays(lay, fill, plan, reqs)
         t, sampling = upload_groups((arrays, step.arrays if step is not None else None), self.device)
@@ -219,46 +207,8 @@ class StepInputs:
             )
         return _InFlightFill(fill_at, fill_from, fill_all, prev.sampled.token_ids)
 
-    @staticmethod
-    def _logits_plan(
-        items: list[ScheduledRequest],
-        reqs: list[Sequence],
-        lay: _Layout,
-        totals: list[int],
-        any_prompt_logprobs: bool,
-        graphs: CudaGraphs | None,
-    ) -> _LogitsPlan:
-        """The rows of the hidden states that need logits, and which of them sample."""
-        num_seqs = len(reqs)
-        # The chunk reaches the end of the sequence's tokens.
-        samples = lay.seq_lens == np.fromiter(totals, dtype=np.int64, count=num_seqs)
-        sample_index = None  # rows of the logits that sample, when not all of them do
-        if any_prompt_logprobs:
-            logits_indices, sample_rows, sample_requests, prompt_rows = _logits_rows(
-                items, lay.qsl.tolist(), samples.tolist()
-            )
-            sample_reqs = [item.request for item in sample_requests]
-            if len(sample_rows) != len(logits_indices):
-                sample_index = np.array(sample_rows, dtype=np.int64)
-        else:  # only the sampling rows need logits: each chunk's last token
-            logits_indices = lay.qsl[1:][samples] - 1
-            if len(logits_indices) == num_seqs:
-                sample_requests, sample_reqs = items, reqs
-            else:
-                rows = np.flatnonzero(samples).tolist()
-                sample_requests, sample_reqs = [items[i] for i in rows], [reqs[i] for i in rows]
-            sample_rows = list(range(len(sample_requests)))
-            prompt_rows = {}
-        indices = np.asarray(logits_indices, dtype=np.int64)
-        n = indices.size
-        identity = n == lay.ids.size and bool((indices == np.arange(n)).all())
-        padded = n if graphs is None else graphs.lm_head_rows(n)
-        if padded > n:  # repeats of a real row: computed, then dropped
-            indices = np.concatenate([indices, np.full(padded - n, indices[-1], dtype=np.int64)])
-        return _LogitsPlan(indices, n, identity, sample_rows, sample_requests, sample_reqs, prompt_rows, sample_index)
-
     def _arrays(
-        self, lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, reqs: list
+        self, lay: _Layout, fill: _InFlightFill, plan: LogitsPlan, reqs: list
     ) -> tuple[StepArrays[np.ndarray], tuple[tuple[int, int, int], ...] | None]:
         """The step's arrays for the upload, and the LoRA segments (None without LoRA)."""
         # Attention starts the longest sequences first (see triton_attention.paged_attention).
@@ -290,7 +240,7 @@ class StepInputs:
 
     @staticmethod
     def _device_batch(
-        lay: _Layout, fill: _InFlightFill, plan: _LogitsPlan, t: StepArrays[torch.Tensor], lora_segments: tuple | None
+        lay: _Layout, fill: _InFlightFill, plan: LogitsPlan, t: StepArrays[torch.Tensor], lora_segments: tuple | None
     ) -> BatchInputs:
         """The device half: tokens from the in-flight step, attention metadata."""
         if fill.tokens is not None:
@@ -373,29 +323,3 @@ def table_array(block_tables: np.ndarray | list[list[int]]) -> np.ndarray:
     table = np.zeros((len(block_tables), int(lens.max())), dtype=np.int32)
     table[np.arange(table.shape[1]) < lens[:, None]] = flat  # row-major, as `flat`
     return table
-
-
-def _logits_rows(
-    items: list[ScheduledRequest], qsl: list[int], samples: list[bool]
-) -> tuple[list[int], list[int], list[ScheduledRequest], dict[str, tuple[int, list[int]]]]:
-    """Which rows need logits when some request wants prompt logprobs: its prompt
-    positions (position p predicts token p + 1), then each sampling row."""
-    logits_indices: list[int] = []
-    sample_rows: list[int] = []
-    sample_requests: list[ScheduledRequest] = []
-    prompt_rows: dict[str, tuple[int, list[int]]] = {}
-    for row, item in enumerate(items):
-        req = item.request
-        start, flat = req.num_computed_tokens, qsl[row]
-        end = start + item.num_new_tokens
-        if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens:
-            # The prompt's first token has no logprob.
-            last = min(end, req.num_prompt_tokens - 1)
-            if last > start:
-                prompt_rows[req.request_id] = (len(logits_indices), req.token_ids[start + 1 : last + 1])
-                logits_indices.extend(range(flat, flat + last - start))
-        if samples[row]:
-            sample_rows.append(len(logits_indices))
-            sample_requests.append(item)
-            logits_indices.append(qsl[row + 1] - 1)
-    return logits_indices, sample_rows, sample_requests, prompt_rows

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from rlserve.memory import GiB, MemoryProfile
+from rlserve.worker import logprobs
 from rlserve.worker import memory_profile as mp
-from rlserve.worker import model_runner
 
 MAX_MODEL_LEN = 512
 
@@ -76,7 +76,7 @@ def test_prompt_logprobs_computed_in_slices_match_one_pass(demo_model, monkeypat
     whole = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
     llm.engine.kv.reset_prefix_cache()
     vocab = llm.engine.vocab_size
-    monkeypatch.setattr(model_runner, "_PROMPT_LOGITS_ELEMENTS", 7 * vocab)  # 7 rows a slice
+    monkeypatch.setattr(logprobs, "_PROMPT_LOGITS_ELEMENTS", 7 * vocab)  # 7 rows a slice
     sliced = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
     assert len(sliced) == len(whole) > 7 * 3
     for a, b in zip(whole[1:], sliced[1:]):

@@ -45,6 +45,18 @@ def _ops():
     return triton_attention
 
 
+def _store_kv_cache(*args, **kwargs) -> None:
+    """The Triton KV store (rlserve.ops.triton_kv_store)."""
+    from rlserve.ops import triton_kv_store
+    triton_kv_store.store_kv_cache(*args, **kwargs)
+
+
+def _tiling(*args):
+    """How a paged_attention call is cut into programs (rlserve.ops.triton_attention_tiling)."""
+    from rlserve.ops import triton_attention_tiling
+    return triton_attention_tiling.tiling(*args)
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Worst relative error over the head vectors (a whole-tensor norm hides one bad row)."""
     a, b = a.float(), b.float()
@@ -148,8 +160,8 @@ def test_store_and_paged_attention_mixed(group, head_dim, block_size):
     # Store kernel: bit-exact against the reference store.
     kc_ref, vc_ref = batch["k_cache"].clone(), batch["v_cache"].clone()
     ref.store_kv_cache(batch["key"], batch["value"], kc_ref, vc_ref, batch["slot_mapping"])
-    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
-                       batch["slot_mapping"])
+    _store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                    batch["slot_mapping"])
     assert torch.equal(batch["k_cache"].nan_to_num(7.0), kc_ref.nan_to_num(7.0))
     assert torch.equal(batch["v_cache"].nan_to_num(7.0), vc_ref.nan_to_num(7.0))
 
@@ -177,8 +189,8 @@ def test_paged_attention_dtypes_no_hints(dtype):
     batch = _make_batch(MIXED, 8, 2, 64, 16, dtype, gen)
     scale = 0.125
     expected = _reference(batch, scale)
-    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
-                       batch["slot_mapping"])
+    _store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                    batch["slot_mapping"])
     out = ops.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
                               batch["query_start_loc"], batch["seq_lens"],
                               batch["block_tables"], scale)
@@ -192,15 +204,16 @@ def test_paged_attention_dtypes_no_hints(dtype):
     (40, 16, torch.float32, 128)])  # a narrower key tile, so its stages fit in shared memory
 def test_decode_tile_for_each_batch_size(num_seqs, block_size, dtype, head_dim):
     """The decode tile follows the batch size, the block size and the bytes of a key row
-    (_pick_config): each choice against the reference, contexts across several key tiles."""
+    (triton_attention_tiling._pick_config): each choice against the reference, contexts
+    across several key tiles."""
     ops = _ops()
     gen = torch.Generator().manual_seed(num_seqs + block_size + head_dim)
     seqs = [(int(p), 1) for p in torch.randint(0, 300, (num_seqs,), generator=gen)]
     batch = _make_batch(seqs, 4, 2, head_dim, block_size, dtype, gen)
     scale = 0.125
     expected = _reference(batch, scale)
-    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
-                       batch["slot_mapping"])
+    _store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                    batch["slot_mapping"])
     out = ops.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
                               batch["query_start_loc"], batch["seq_lens"], batch["block_tables"],
                               scale, max_query_len=1, max_seq_len=batch["max_seq_len"])
@@ -215,16 +228,16 @@ def test_decode_loop_matches_the_general_path(splits):
     ops = _ops()
     gen = torch.Generator().manual_seed(5)
     batch = _make_batch([(63, 1), (0, 1), (200, 1), (31, 1), (95, 1)], 8, 2, 64, 16, torch.float32, gen)
-    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
-                       batch["slot_mapping"])
+    _store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                    batch["slot_mapping"])
     cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=2, num_stages=2)
     outs = [ops.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
                                 batch["query_start_loc"], batch["seq_lens"], batch["block_tables"],
                                 0.125, max_query_len=hint, max_seq_len=batch["max_seq_len"],
                                 num_kv_splits=splits, _config=cfg)
             for hint in (1, None)]
-    assert ops._tiling(batch["query"], batch["k_cache"], 5, 1, 256, splits, cfg).constants["DECODE"]
-    assert not ops._tiling(batch["query"], batch["k_cache"], 5, 5, 256, splits, cfg).constants["DECODE"]
+    assert _tiling(batch["query"], batch["k_cache"], 5, 1, 256, splits, cfg).constants["DECODE"]
+    assert not _tiling(batch["query"], batch["k_cache"], 5, 5, 256, splits, cfg).constants["DECODE"]
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     assert _rel_err(outs[0], _reference(batch, 0.125)) < TOL[torch.float32]
 
@@ -248,14 +261,13 @@ def _fp8_batch(seqs, cache_dtype, query_dtype, seed):
 def test_fp8_cache_store(cache_dtype, query_dtype):
     """The store kernel writes the reference's bytes and scales: each head row divided by
     max|row| / the format's largest value, rounded to nearest even."""
-    ops = _ops()
     batch = _fp8_batch(MIXED, cache_dtype, query_dtype, 21)
     kc_ref, vc_ref = batch["k_cache"].clone(), batch["v_cache"].clone()
     scales_ref = {name: t.clone() for name, t in batch["scales"].items()}
     ref.store_kv_cache(batch["key"], batch["value"], kc_ref, vc_ref, batch["slot_mapping"],
                        **scales_ref)
-    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
-                       batch["slot_mapping"], **batch["scales"])
+    _store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                    batch["slot_mapping"], **batch["scales"])
     assert torch.equal(batch["k_cache"].view(torch.uint8), kc_ref.view(torch.uint8))
     assert torch.equal(batch["v_cache"].view(torch.uint8), vc_ref.view(torch.uint8))
     for name, t in batch["scales"].items():
@@ -307,11 +319,12 @@ def test_fp8_values_widened_by_asm_match_the_cast(monkeypatch, cache_dtype, seqs
             batch["seq_lens"], batch["block_tables"], 128 ** -0.5)
     kw = dict(max_query_len=max_query_len or batch["max_query_len"],
               max_seq_len=batch["max_seq_len"], **batch["scales"])
-    tiling = ops._tiling(batch["query"], batch["k_cache"], len(seqs), kw["max_query_len"], 256, 1, None)
+    tiling = _tiling(batch["query"], batch["k_cache"], len(seqs), kw["max_query_len"], 256, 1, None)
     if not tiling.constants["V_ASM"]:
         pytest.skip("no fp8 conversion instruction before sm_89")
     with_asm = ops.paged_attention(*args, **kw)
-    monkeypatch.setattr(ops, "_fp8_cvt", lambda device: False)
+    from rlserve.ops import triton_attention_tiling
+    monkeypatch.setattr(triton_attention_tiling, "_fp8_cvt", lambda device: False)
     with_cast = ops.paged_attention(*args, **kw)
     # The dots see the same operands; only the order of a tile's products may differ, which
     # can move a bf16 output by one unit in the last place. Bytes misread are far off.
@@ -329,8 +342,8 @@ def test_paged_attention_split_kv(seqs, splits):
     batch = _make_batch(seqs, 8, 2, 128, 16, dtype, gen)
     scale = 128 ** -0.5
     expected = _reference(batch, scale)
-    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
-                       batch["slot_mapping"])
+    _store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                    batch["slot_mapping"])
     # A strided output view, as when attention writes into a wider buffer.
     wide = torch.full((batch["query"].shape[0], 8, 256), float("nan"), dtype=dtype,
                       device=DEVICE)
@@ -355,8 +368,8 @@ def test_paged_attention_program_order_changes_nothing(heads_first, splits):
     batch = _make_batch(seqs, 8, 2, 64, 16, torch.float32, gen)
     scale = 64 ** -0.5
     expected = _reference(batch, scale)
-    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
-                       batch["slot_mapping"])
+    _store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                    batch["slot_mapping"])
     lens = batch["seq_lens"].cpu()
     order = torch.argsort(-lens, stable=True).to(torch.int32).to(DEVICE)
     cfg = dict(BLOCK_M=16 if splits > 1 else 64, BLOCK_N=32, num_warps=2, num_stages=2,
@@ -390,7 +403,7 @@ def test_paged_attention_block64_strided_query():
     v = qkv[:, (h + kvh) * d:].view(n, kvh, d)
     assert not q.is_contiguous()
     expected = _reference(batch, 0.1)
-    ops.store_kv_cache(k, v, batch["k_cache"], batch["v_cache"], batch["slot_mapping"])
+    _store_kv_cache(k, v, batch["k_cache"], batch["v_cache"], batch["slot_mapping"])
     out = ops.paged_attention(q, batch["k_cache"], batch["v_cache"], batch["query_start_loc"],
                               batch["seq_lens"], batch["block_tables"], 0.1,
                               max_query_len=64)
@@ -398,7 +411,6 @@ def test_paged_attention_block64_strided_query():
 
 
 def test_store_kv_cache_skips_negative_slots():
-    ops = _ops()
     gen = torch.Generator().manual_seed(3)
     key = torch.randn(6, 2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
     value = torch.randn(6, 2, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
@@ -406,7 +418,7 @@ def test_store_kv_cache_skips_negative_slots():
     kc = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16, device=DEVICE)
     vc = torch.zeros_like(kc)
     kr, vr = kc.clone(), vc.clone()
-    ops.store_kv_cache(key, value, kc, vc, slots)
+    _store_kv_cache(key, value, kc, vc, slots)
     ref.store_kv_cache(key, value, kr, vr, slots)
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
 
@@ -424,8 +436,8 @@ def test_decode_cuda_graph_replay(splits):
     q, out = batch["query"].clone(), torch.empty_like(batch["query"])
     qsl, sl, bt = (batch["query_start_loc"].clone(), batch["seq_lens"].clone(),
                    batch["block_tables"].clone())
-    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
-                       batch["slot_mapping"])
+    _store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                    batch["slot_mapping"])
 
     def step():
         ops.paged_attention(q, batch["k_cache"], batch["v_cache"], qsl, sl, bt, scale,
@@ -495,8 +507,8 @@ def test_paged_attention_head_dim_not_power_of_two(splits):
     gen = torch.Generator().manual_seed(96)
     batch = _make_batch([(10, 5), (40, 1), (0, 20)], 6, 2, 96, 16, dtype, gen)
     expected = _reference(batch, 0.1)
-    ops.store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
-                       batch["slot_mapping"])
+    _store_kv_cache(batch["key"], batch["value"], batch["k_cache"], batch["v_cache"],
+                    batch["slot_mapping"])
     out = ops.paged_attention(batch["query"], batch["k_cache"], batch["v_cache"],
                               batch["query_start_loc"], batch["seq_lens"],
                               batch["block_tables"], 0.1, max_query_len=20,
@@ -652,7 +664,6 @@ def _norms(d: int, dtype: torch.dtype, gen: torch.Generator):
 @pytest.mark.parametrize("d", [64, 128])
 def test_rope_store_matches_rope_then_store(dtype, norm, block_size, hk, d):
     from rlserve.model.layers import RotaryEmbedding, _rotate
-    from rlserve.ops import triton_attention
     from rlserve.ops.triton_rotary import rope_
     gen = torch.Generator().manual_seed(block_size * 1000 + hk * 100 + d + norm)
     t, hq = 7, 2 * hk
@@ -669,7 +680,7 @@ def test_rope_store_matches_rope_then_store(dtype, norm, block_size, hk, d):
     q_sep, k_sep, v_sep = _qkv_views(qkv_sep, hq, hk, d)
     kc_sep, vc_sep = _nan_cache(block_size, hk, d, dtype), _nan_cache(block_size, hk, d, dtype)
     rope_(q_sep, k_sep, positions, rope.cos, rope.sin, qw, kw, 1e-6)
-    triton_attention.store_kv_cache(k_sep, v_sep, kc_sep, vc_sep, slots)
+    _store_kv_cache(k_sep, v_sep, kc_sep, vc_sep, slots)
 
     kc, vc = _nan_cache(block_size, hk, d, dtype), _nan_cache(block_size, hk, d, dtype)
     out_q, out_k = rope_(q, k, positions, rope.cos, rope.sin, qw, kw, 1e-6,
@@ -708,7 +719,6 @@ def test_rope_store_matches_rope_then_store(dtype, norm, block_size, hk, d):
 def test_rope_store_casts_to_the_cache_dtype():
     """Float32 activations into a bf16 cache, as the separate store kernel casts them."""
     from rlserve.model.layers import RotaryEmbedding
-    from rlserve.ops import triton_attention
     from rlserve.ops.triton_rotary import rope_
     gen = torch.Generator().manual_seed(5)
     t, hq, hk, d, block_size = 5, 4, 2, 64, 16
@@ -720,7 +730,7 @@ def test_rope_store_casts_to_the_cache_dtype():
     q_sep, k_sep, v_sep = _qkv_views(qkv_sep, hq, hk, d)
     kc_sep, vc_sep = (_nan_cache(block_size, hk, d, torch.bfloat16) for _ in range(2))
     rope_(q_sep, k_sep, positions, rope.cos, rope.sin)
-    triton_attention.store_kv_cache(k_sep, v_sep, kc_sep, vc_sep, slots)
+    _store_kv_cache(k_sep, v_sep, kc_sep, vc_sep, slots)
     kc, vc = (_nan_cache(block_size, hk, d, torch.bfloat16) for _ in range(2))
     rope_(q, k, positions, rope.cos, rope.sin, v=v, k_cache=kc, v_cache=vc, slot_mapping=slots)
     torch.testing.assert_close(qkv, qkv_sep, **SAME)
@@ -733,7 +743,6 @@ def test_rope_store_into_an_fp8_cache(cache_dtype):
     """The fused rotary store writes the same bytes and scales as rotary, then the store
     kernel."""
     from rlserve.model.layers import RotaryEmbedding
-    from rlserve.ops import triton_attention
     from rlserve.ops.triton_rotary import rope_
     gen = torch.Generator().manual_seed(11)
     t, hq, hk, d, block_size = 9, 8, 2, 128, 16
@@ -752,7 +761,7 @@ def test_rope_store_into_an_fp8_cache(cache_dtype):
     kc_sep, vc_sep = (_nan_cache(block_size, hk, d, cache_dtype) for _ in range(2))
     sc_sep = scales()
     rope_(q_sep, k_sep, positions, rope.cos, rope.sin, qw, kw, 1e-6)
-    triton_attention.store_kv_cache(k_sep, v_sep, kc_sep, vc_sep, slots, **sc_sep)
+    _store_kv_cache(k_sep, v_sep, kc_sep, vc_sep, slots, **sc_sep)
     kc, vc = (_nan_cache(block_size, hk, d, cache_dtype) for _ in range(2))
     sc = scales()
     rope_(q, k, positions, rope.cos, rope.sin, qw, kw, 1e-6,
