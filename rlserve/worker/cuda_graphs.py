@@ -70,7 +70,11 @@ class CudaGraphs:
             self.lora_tokens = torch.zeros(b, dtype=torch.int32, device=dev)
             self.lora_starts = torch.zeros(lora.max_loras + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = None
+        self._capture(lora, dev)
+        torch.cuda.synchronize(dev)
+
+    def _capture(self, lora: LoRAModel | None, dev: torch.device) -> None:
+        model, pool = self.model, None
         with torch.inference_mode():
             for size in reversed(self.sizes):  # largest first: smaller ones reuse its pool
                 meta = self._meta(size)
@@ -88,7 +92,6 @@ class CudaGraphs:
             if lora is not None:
                 lora.context.batch = None
             self._first_replays()
-        torch.cuda.synchronize(dev)
 
     def _first_replays(self) -> None:
         """Replay every graph once, on the padding rows the buffers hold (they write
