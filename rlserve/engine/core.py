@@ -22,8 +22,9 @@ import torch
 
 from rlserve.config import EngineConfig
 from rlserve.engine.grammar_wait import GrammarWait
-from rlserve.engine.kv_cache import RouteStore, kv_manager
+from rlserve.engine.kv_cache import kv_manager
 from rlserve.engine.request import FinishReason, Request, RequestStatus
+from rlserve.engine.route_store import RouteStore
 from rlserve.engine.scheduler import Scheduler
 from rlserve.engine.state import PAUSE_MODES, EngineState
 from rlserve.errors import ConflictError, EngineUnavailableError, ModelNotFoundError
