@@ -1,5 +1,6 @@
-"""The engine core: the step loop (schedule -> execute -> update), request admission,
-pause modes, sleep, and the weight version (live updates: weight_updates.py).
+"""The engine core: the step loop (schedule -> execute -> update), request admission, and
+the weight version (live updates: weight_updates.py). Pausing (pause.py), sleep mode
+(sleep.py) and the LoRA adapter calls (lora_adapters.py) are its mixins.
 
 It speaks token ids only: each step returns an EngineCoreOutputs (outputs.py), and the
 front end (the offline LLM in process, the API server over ZeroMQ) detokenizes and
@@ -14,19 +15,23 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
-import msgspec
 import numpy as np
 import torch
 
 from rlserve.config import EngineConfig
 from rlserve.engine.grammar_wait import GrammarWait
-from rlserve.engine.kv_cache import RouteStore, kv_manager
+from rlserve.engine.kv_cache import kv_manager
+from rlserve.engine.kv_sizing import init_kv_cache
+from rlserve.engine.lora_adapters import EngineLoRA
+from rlserve.engine.pause import EnginePause
 from rlserve.engine.request import FinishReason, Request, RequestStatus
+from rlserve.engine.route_store import RouteStore
 from rlserve.engine.scheduler import Scheduler
-from rlserve.engine.state import PAUSE_MODES, EngineState
-from rlserve.errors import ConflictError, EngineUnavailableError, ModelNotFoundError
+from rlserve.engine.sleep import EngineSleep
+from rlserve.engine.state import EngineState
+from rlserve.errors import EngineUnavailableError, ModelNotFoundError
 from rlserve.memory import GiB, MemoryProfile
 from rlserve.model.loader import (
     eos_token_ids,
@@ -38,7 +43,6 @@ from rlserve.model.loader import (
 from rlserve.model.moe import config_value
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
 from rlserve.sequence import SchedulerOutput
-from rlserve.wire.control import Paused
 from rlserve.wire.outputs import (
     EngineCoreOutputs,
     EngineStats,
@@ -51,11 +55,10 @@ from rlserve.wire.outputs import (
 from rlserve.wire.validation import sample_ids, validate_prompt
 from rlserve.worker import calls as rank
 from rlserve.worker.executor import Executor
-from rlserve.worker.memory_profile import KVSizing
 from rlserve.worker.model_runner import StepHandle
 
 if TYPE_CHECKING:
-    from rlserve.engine.lora import LoRAManager, ReadAdapter
+    from rlserve.engine.lora import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,7 @@ class _InFlight:
     slots: np.ndarray | None = None  # routing capture: the KV slot of each of its tokens
 
 
-class EngineCore:
+class EngineCore(EnginePause, EngineSleep, EngineLoRA):
     def __init__(self, config: EngineConfig):
         self.config = config
         t0 = time.perf_counter()
@@ -90,7 +93,9 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, self.model_path)
 
         self.executor = Executor(config, hf_config, self.model_path)
-        num_blocks = self._init_kv_cache()
+        sizing = init_kv_cache(self.executor, config, self.max_model_len)
+        self.memory: MemoryProfile | None = sizing.profile
+        num_blocks = sizing.num_blocks
         self.lora: LoRAManager | None = None  # with enable_lora
         if config.enable_lora:
             from rlserve.engine.lora import LoRAManager
@@ -143,22 +148,6 @@ class EngineCore:
                 100 * self.config.gpu_memory_utilization,
                 self.memory.describe(self.kv.capacity_tokens),
             )
-
-    def _init_kv_cache(self) -> int:
-        """Size the KV cache on every rank (the smallest decides: a rank's shard of the KV heads
-        is the same size everywhere, the memory beside it may not be), allocate it, then
-        capture the decode graphs over it. Returns its blocks."""
-        sizes = [
-            msgspec.convert(r, KVSizing) for r in self.executor.collective_rpc(rank.SizeKVCache(self.max_model_len))
-        ]
-        sizing = min(sizes, key=lambda s: s.num_blocks)
-        self.memory: MemoryProfile | None = sizing.profile
-        self.executor.collective_rpc(rank.InitKVCache(sizing.num_blocks))
-        if not self.config.enforce_eager:
-            t = time.perf_counter()
-            self.executor.collective_rpc(rank.CaptureCudaGraphs(self.config.max_num_seqs, self.max_model_len))
-            logger.info("captured CUDA graphs in %.1fs", time.perf_counter() - t)
-        return sizing.num_blocks
 
     @property
     def world_size(self) -> int:
@@ -331,6 +320,12 @@ class EngineCore:
             return self.kv.block_table_array([item.request for item in sched.scheduled])
         return [self.kv.block_table(item.request) for item in sched.scheduled]
 
+    def _process_inflight(self) -> EngineCoreOutputs | None:
+        """Process the step still on the device, if any: the engine stops stepping."""
+        outputs = self._process(self.inflight) if self.inflight is not None else None
+        self.inflight = None
+        return outputs
+
     def _process(self, inflight: _InFlight) -> EngineCoreOutputs | None:
         """Bring a launched step's tokens back; the scheduler turns them into request
         state and outputs."""
@@ -341,171 +336,11 @@ class EngineCore:
             result, inflight.handle.prompt_start, inflight.index, inflight.first, inflight.version
         )
 
-    # -- pause / resume ----------------------------------------------------------------
-    def pause(self, mode: str = "abort", clear_cache: bool = False) -> list[Finished]:
-        """Stop producing tokens. `abort` ends in-flight requests now; `keep` freezes them
-        with their KV cache; `wait` lets them run on (the caller waits for `drained`).
-        A later pause replaces the mode of an earlier one, except `wait` after `keep`
-        with requests frozen: refused (ConflictError) at once, since draining them would
-        first resume what the keep-pause froze, and its caller would wait as long as they
-        run."""
-        if mode not in PAUSE_MODES:
-            raise InvalidRequestError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
-        if mode == "wait" and self.state.pause_mode == "keep" and self.has_unfinished():
-            from rlserve.wire.messages import ConflictError
-
-            raise ConflictError(
-                f"mode: wait: generation is paused with mode keep and {len(self.unfinished_ids())} "
-                "requests are frozen, so waiting for them would never end; POST /resume first "
-                "(then /pause?mode=wait drains them), or /pause?mode=abort to end them"
-            )
-        self.state.pause(mode)
-        outputs: list[Finished] = []
-        if mode == "abort":
-            outputs = self.abort(self.unfinished_ids())
-            if clear_cache:  # keep: below; wait: once drained (settled_waits)
-                self.kv.reset_prefix_cache()
-        elif mode == "keep" and clear_cache:
-            for req in reversed(list(self.scheduler.running)):
-                self.scheduler.drop_kv(req)
-            self.kv.reset_prefix_cache()
-        return outputs
-
-    @property
-    def drained(self) -> bool:
-        """Every request that was in flight when generation was paused has finished."""
-        return not self.has_unfinished()
-
-    def settled_waits(self) -> list[tuple[Any, Paused | ConflictError]]:
-        """The pause(wait) calls (state.waits) whose condition holds now, each with its
-        answer; they leave `waits`. One holds once the requests in flight have finished, or
-        can no longer run (a later keep-pause, or sleep: they are kept, and the answer says
-        so), or generation was resumed meanwhile (an error)."""
-        state = self.state
-        settled: list[tuple[Any, Paused | ConflictError]] = []
-        for call in list(state.waits):
-            answer: Paused | ConflictError
-            if not state.paused:
-                answer = ConflictError("mode: generation was resumed before the requests in flight finished")
-            elif self.drained:
-                if call.body.clear_cache:
-                    self.reset_prefix_cache()
-                answer = Paused("wait")
-            elif state.pause_mode == "keep" or state.sleeping:
-                answer = Paused("keep", self.scheduler.num_unfinished)
-            else:
-                continue
-            state.waits.remove(call)
-            settled.append((call, answer))
-        return settled
-
-    def resume(self) -> None:
-        self.state.resume()
-        for req in self.held:
-            self.scheduler.add(req)
-        self.held.clear()
-
-    # -- sleep / wake --------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> EngineCoreOutputs | None:
-        """Give the device memory back (see Worker.sleep). Running requests keep their
-        tokens and recompute their KV after wake-up; requests that arrive meanwhile wait.
-        Level 2 drops the weights: nothing runs again until a full update arrives (the
-        caller ends the requests in flight first). Level 0, as vLLM's, only stops
-        scheduling: nothing is given back."""
-        if level not in (0, 1, 2):
-            raise InvalidRequestError(f"level: must be 0, 1 or 2, got {level!r}", "level")
-        state = self.state
-        if state.sleeping and (level == 0 or (state.weights_asleep and (level == 1 or state.no_weights))):
-            return None  # as deep already
-        # Deeper than now: from level 0, from weights woken alone, or level 1 to 2.
-        outputs = self._process(self.inflight) if self.inflight is not None else None
-        self.inflight = None
-        state.sleeping = True
-        if level == 0:
-            state.asleep = frozenset({"scheduling"})
-            return outputs
-        for req in reversed(list(self.scheduler.running)):  # keeps their order in the queue
-            self.scheduler.drop_kv(req)
-        self.kv.reset_prefix_cache()
-        self.executor.collective_rpc(rank.Sleep(level))
-        state.asleep = frozenset({"weights", "kv_cache"})
-        if level == 2:
-            state.no_weights = True
-        return outputs
-
-    def release_kv_cache(self) -> EngineCoreOutputs | None:
-        """Give the KV cache back, the weights kept (vLLM's release_kv_cache_memory): the
-        requests in flight keep their tokens and recompute after /wake_up (tags kv_cache)."""
-        if self.state.sleeping:
-            asleep = ", ".join(sorted(self.state.asleep))
-            raise ConflictError(
-                f"release_kv_cache_memory: the engine is asleep already ({asleep}); POST /wake_up first"
-            )
-        outputs = self._process(self.inflight) if self.inflight is not None else None
-        self.inflight = None
-        for req in reversed(list(self.scheduler.running)):
-            self.scheduler.drop_kv(req)
-        self.kv.reset_prefix_cache()
-        self.executor.collective_rpc(rank.ReleaseKVCache())
-        self.state.asleep = frozenset({"kv_cache"})
-        self.state.sleeping = True
-        return outputs
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake what `tags` names ("weights", "kv_cache"; None: everything). The engine
-        sleeps until everything is awake: an RL loop wakes the weights, updates them, then
-        wakes the KV cache (vLLM's order)."""
-        wanted = set(tags) if tags else {"weights", "kv_cache", "scheduling"}
-        unknown = sorted(wanted - {"weights", "kv_cache", "scheduling"})
-        if unknown:
-            raise InvalidRequestError(
-                f"tags: unknown tag(s) {', '.join(map(repr, unknown))} (known: 'weights', 'kv_cache')", "tags"
-            )
-        state = self.state
-        waking = sorted(state.asleep & wanted - {"scheduling"})
-        if waking:
-            self.executor.collective_rpc(rank.WakeUp(waking))
-        state.asleep = frozenset(state.asleep - wanted - {"scheduling"})  # any wake ends a level-0 sleep
-        state.sleeping = bool(state.asleep)
-
     # -- weights -----------------------------------------------------------------------
     def apply_weights(self, weights: list[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         """Copy tensors into the model now (offline use; the caller owns the engine thread)."""
         self.executor.load_tensors(rank.LoadWeights(), weights)
         return self.new_weight_version(version)
-
-    # -- LoRA adapters (rlserve/engine/lora.py) ------------------------------------------
-    def require_lora(self) -> LoRAManager:
-        if self.lora is None:
-            raise InvalidRequestError("lora_name: LoRA adapters need a server started with --enable-lora", "lora_name")
-        return self.lora
-
-    def load_lora_adapter(self, name: str, path: str, load_inplace: bool = False) -> dict:
-        """Load a PEFT adapter directory as `name`. In place (load_inplace), the requests
-        running with it continue on the new weights, which is a new weight version."""
-        return self.install_lora_adapter(self.require_lora().read(name, path, load_inplace))
-
-    def install_lora_adapter(self, read: ReadAdapter) -> dict:
-        """An adapter read off the engine thread (LoRAManager.read), put in place now."""
-        adapter, replaced = self.require_lora().install(read)
-        if replaced:
-            self.new_weight_version(None)
-        return adapter.info()
-
-    def unload_lora_adapter(self, name: str) -> None:
-        """Refused (ConflictError) while requests use the adapter: its slot may be reused."""
-        lora = self.require_lora()
-        lora.resolve(name, "lora_name")
-        users = sum(r.lora_name == name for r in (*self.scheduler.requests.values(), *self.held))
-        if users:
-            raise ConflictError(
-                f"lora_name: {users} request(s) still run with {name!r}; let them "
-                "finish (or /pause?mode=abort) before unloading it"
-            )
-        lora.unload(name)
-
-    def list_lora_adapters(self) -> list[dict]:
-        return [] if self.lora is None else self.lora.list()
 
     def new_weight_version(self, version: int | str | None, reset_prefix_cache: bool = True) -> int:
         """The weights changed (between two steps): number them (`version`, or the next;

@@ -6,8 +6,8 @@
 The API server (server/) parses HTTP, tokenizes and detokenizes; this process only
 schedules and steps, so none of that front-end work takes the GIL from the loop that
 feeds the device. The loop (`EngineCoreProc.run`) reads whatever messages have arrived,
-takes one engine step, and hands the step's outputs to a sender thread, which encodes
-them and sends one message per step to each API server.
+takes one engine step, and hands the step's outputs to a sender thread (output_sender.py),
+which encodes them and sends one message per step to each API server.
 
 Control calls run between two steps, so none ever sees a half-applied change; each is one
 typed message (messages.py), answered through `_answer`. Weight updates belong to
@@ -44,6 +44,7 @@ import zmq
 
 from rlserve import envs
 from rlserve.engine.core import EngineCore
+from rlserve.engine.output_sender import OutputSender, split_by_client
 from rlserve.engine.weight_updates import LATER, Handler, WeightUpdates
 from rlserve.errors import EngineUnavailableError
 from rlserve.process import profiled, watch_parent
@@ -88,11 +89,7 @@ class EngineCoreProc:
         self.input.bind(input_address)
         self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.num_clients = len(output_addresses)
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.sender = threading.Thread(
-            target=self._send_loop, args=(output_addresses,), name="rlserve-engine-sender", daemon=True
-        )
-        self.sender.start()
+        self.sender = OutputSender(self.ctx, output_addresses)  # output_sender.py
         # start() sets these, before anything else reads them.
         self.core: EngineCore
         self.updates: WeightUpdates  # live weight updates (weight_updates.py)
@@ -101,66 +98,17 @@ class EngineCoreProc:
         self.stopping = False
 
     # -- output ------------------------------------------------------------------------
-    def _send_loop(self, addresses: list[str]) -> None:
-        sockets = []
-        for address in addresses:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the API server keeps up
-            sock.setsockopt(zmq.LINGER, 2000)
-            sock.connect(address)
-            sockets.append(sock)
-        encode = msgspec.msgpack.Encoder().encode
-        while True:
-            item = self.outbox.get()
-            if item is None:
-                break
-            client, message = item
-            if client is None:
-                for sock in sockets:
-                    sock.send(encode(message), copy=False)
-            else:
-                sockets[client].send(encode(message), copy=False)
-        for sock in sockets:
-            sock.close()
-
     def _send(self, client: int | None, message: Any) -> None:
         if isinstance(message, EngineCoreOutputs):  # the label the tokens' weights were served under
             message.label = self.core.weight_labels.get(message.version)
-        self.outbox.put((client, message))
+        self.sender.send(client, message)
 
     def _emit(self, out: EngineCoreOutputs) -> None:
         if self.num_clients == 1:
             self._send(0, out)
             return
-        for client, part in self._split(out).items():
+        for client, part in split_by_client(out, self.owners).items():
             self._send(client, part)
-
-    def _split(self, out: EngineCoreOutputs) -> dict[int, EngineCoreOutputs]:
-        """One step's outputs, per API server (by the owner of each sample)."""
-        owners = self.owners
-        parts: dict[int, EngineCoreOutputs] = {}
-
-        def part(rid: str) -> EngineCoreOutputs:
-            client = owners.get(rid, 0)
-            p = parts.get(client)
-            if p is None:
-                p = parts[client] = EngineCoreOutputs(
-                    out.version, [], [], [] if out.logprobs is not None else None, timestamp=out.timestamp
-                )
-            return p
-
-        for i, (rid, token) in enumerate(zip(out.request_ids, out.token_ids)):
-            p = part(rid)
-            p.request_ids.append(rid)
-            p.token_ids.append(token)
-            if p.logprobs is not None and out.logprobs is not None:  # both or neither
-                p.logprobs.append(out.logprobs[i])
-        for st in out.started:
-            part(st.request_id).started.append(st)
-        for f in out.finished:
-            part(f.request_id).finished.append(f)
-            owners.pop(f.request_id, None)
-        return parts
 
     def _answer(self, call: Call, value: Any = None, error: BaseException | None = None) -> None:
         """Answer a control call (thread-safe: the sender thread sends it)."""
@@ -377,8 +325,7 @@ class EngineCoreProc:
         self._send(None, EngineDead(reason))
 
     def close(self) -> None:
-        self.outbox.put(None)
-        self.sender.join(timeout=5)
+        self.sender.close()
         self.input.close(linger=0)
         self.ctx.term()
 

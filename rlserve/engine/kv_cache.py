@@ -1,15 +1,12 @@
-"""Block pool and prefix cache for the paged KV cache.
+"""The paged KV cache's manager: each request's blocks, and the prefix cache over them.
 
 A request owns a list of block ids; token i of the request lives in slot
 `blocks[i // block_size] * block_size + i % block_size`. A block full of computed tokens is
 registered under a chained key (a 128-bit BLAKE2b of the previous block's key and this
 block's token bytes; the first block's parent is the request's `cache_salt`, if any), so a
-later request whose prompt starts the same way, with the same salt, reuses it. Freed blocks
-keep their key until they are reallocated, least recently freed first.
-
-A key only finds a candidate: a hit is served only if the block holds the same tokens and
-was computed after the very block (or salt) the request's previous hit is, so even a
-collision of keys never serves another prompt's KV cache.
+later request whose prompt starts the same way, with the same salt, reuses it. The blocks,
+and what a registered one holds, are the BlockPool's (block_pool.py): a key only finds a
+candidate, checked there against the tokens and the parent.
 
 The block lists are mirrored in one 2-D array (BlockTables), kept up to date as blocks
 are added and freed, which is what each step hands to the model runner.
@@ -25,24 +22,21 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from rlserve.config import EngineConfig
+from rlserve.engine.block_pool import BlockPool, Parent
 from rlserve.engine.block_tables import BlockTables
 from rlserve.engine.request import Request
 from rlserve.engine.state_pool import StateCache, StatePool
 
 if TYPE_CHECKING:
+    from rlserve.engine.route_store import RouteStore
     from rlserve.sequence import ScheduledRequest, Sequence
     from rlserve.worker.executor import ModelInfo
-
-# What a cached block was computed after: the id of its parent block's contents (an int,
-# see BlockPool.content_id), or for a request's first block its salt (None: no salt).
-Parent = int | str | None
 
 
 def block_key(parent_key: bytes, token_bytes: bytes) -> bytes:
@@ -55,109 +49,6 @@ def root_key(cache_salt: str | None) -> bytes:
     if cache_salt is None:
         return b""
     return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"rlserve-salt").digest()
-
-
-class BlockPool:
-    def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise ValueError("the KV cache has no blocks: raise the memory budget")
-        self.num_blocks = num_blocks
-        self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}  # key -> block id
-        # What each registered block holds, checked on every hit: its token bytes, what it
-        # was computed after, and an id for its contents that its children name as parent.
-        self.block_tokens: list[bytes | None] = [None] * num_blocks
-        self.block_parent: list[Parent] = [None] * num_blocks
-        self.content_id: list[int] = [0] * num_blocks
-        self._next_content_id = 1
-        # Blocks with ref_cnt 0, in eviction order (oldest first).
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
-
-    def allocate(self) -> int:
-        block, _ = self.free_queue.popitem(last=False)
-        h = self.block_hash[block]
-        if h is not None:  # evict its cached contents
-            if self.cached.get(h) == block:
-                del self.cached[h]
-            self.block_hash[block] = None
-            self.block_tokens[block] = None
-            self.content_id[block] = 0  # its cached children can no longer match
-        self.ref_cnt[block] = 1
-        return block
-
-    def touch(self, block: int) -> None:
-        if self.ref_cnt[block] == 0:
-            del self.free_queue[block]
-        self.ref_cnt[block] += 1
-
-    def free(self, block: int) -> None:
-        self.ref_cnt[block] -= 1
-        if self.ref_cnt[block] == 0:
-            self.free_queue[block] = None
-
-    def lookup(self, key: bytes, token_bytes: bytes, parent: Parent) -> int | None:
-        """The cached block under `key` if it holds `token_bytes` computed after `parent`."""
-        block = self.cached.get(key)
-        if block is None or self.block_tokens[block] != token_bytes or self.block_parent[block] != parent:
-            return None
-        return block
-
-    def register(self, block: int, key: bytes, token_bytes: bytes, parent: Parent) -> int:
-        """Cache `block`'s contents under `key`; the id its children name as their parent.
-
-        A key already cached for the same contents keeps the first block, and the id is that
-        block's (so later hits chain through it). A key cached for other contents (a
-        collision) leaves the cache as it is: the block gets an id no cached block has.
-        """
-        other = self.cached.get(key)
-        if other is not None and self.block_tokens[other] == token_bytes and self.block_parent[other] == parent:
-            return self.content_id[other]
-        cid = self._next_content_id
-        self._next_content_id += 1
-        if other is None:
-            self.cached[key] = block
-            self.block_hash[block] = key
-            self.block_tokens[block] = token_bytes
-            self.block_parent[block] = parent
-            self.content_id[block] = cid
-        return cid
-
-    def reset_hashes(self) -> None:
-        # Only registered blocks carry a key (each is its key's entry in `cached`): the
-        # cost is the cache's size, not the pool's (tens of thousands of blocks on a GPU).
-        for block in self.cached.values():
-            self.block_hash[block] = None
-            self.block_tokens[block] = None
-            self.content_id[block] = 0
-        self.cached.clear()
-
-
-class RouteStore:
-    """Routing replay: each KV slot's routes (its token's experts at every layer), kept
-    beside the KV cache as vLLM keeps them per slot, so a prefix-cache hit returns the rows
-    of the tokens it skips. Held on the host, int16 where the expert ids fit (half of
-    vLLM's int32), handed out as int32. A slot's rows are those of the last step that
-    computed its token, so recomputed tokens (preemption) and tokens after a weight update
-    carry the routes of the weights that made their KV."""
-
-    def __init__(self, num_slots: int, num_layers: int, top_k: int, num_experts: int):
-        dtype = np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32
-        self.rows = np.full((num_slots, num_layers, top_k), -1, dtype=dtype)
-
-    def record(self, slots: np.ndarray, routes: np.ndarray) -> None:
-        """A step's routes: row i of `routes` is the token of KV slot `slots[i]`."""
-        self.rows[slots] = routes[: len(slots)]
-
-    def gather(self, blocks: list[int], block_size: int, num_tokens: int) -> np.ndarray:
-        """The routes of a request's first `num_tokens` tokens: [num_tokens, layers, k] int32."""
-        pos = np.arange(num_tokens)
-        slots = np.asarray(blocks, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
-        return self.rows[slots].astype(np.int32)
 
 
 class _Chain:

@@ -1,6 +1,6 @@
 """Sleep across data-parallel replicas, answered as one engine would (vLLM's semantics).
 
-Each replica's engine keeps its own per-tag state (engine/core.py: "weights", "kv_cache",
+Each replica's engine keeps its own per-tag state (engine/sleep.py: "weights", "kv_cache",
 or "scheduling" for a level-0 sleep); together they sleep while any replica has any tag
 asleep. The front end records what they sleep with after every /sleep, /wake_up and
 /release_kv_cache_memory (from the replicas themselves, so a partial wake is never taken

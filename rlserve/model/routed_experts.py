@@ -8,7 +8,7 @@ captured into CUDA graphs like the rest of a decode step. Columns of dense layer
 MoE's `mlp_only_layers`, `decoder_sparse_step`) hold -1 for their whole life.
 
 The model runner copies the step's rows to the host with the step's other results; the
-engine stores them beside the KV blocks (engine/kv_cache.py: RouteStore).
+engine stores them beside the KV blocks (engine/route_store.py: RouteStore).
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, tag="step"):
 
 
 class StepOut:
-    """What a step produced, gathered as its tokens are accepted (scheduler.py)."""
+    """What a step produced, gathered as its tokens are accepted (engine/step_tokens.py)."""
 
     __slots__ = ("ids", "tokens", "logprobs", "any_logprobs", "started", "finished", "rejected")
 
