@@ -4,10 +4,8 @@ and the first part that failed."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from rlserve.errors import ConflictError
 
@@ -37,16 +35,3 @@ class Transaction:
                 f"{what}: transaction_id {transaction_id!r:.80} is not the open one: "
                 f"{self.describe()} is open; it is left as it was"
             )
-
-
-def announced_elements(update_info: Any) -> int:
-    """The elements an update_info's shapes announce (0 for shapes that do not parse: the
-    receiver refuses those by name)."""
-    shapes = update_info.get("shapes") if isinstance(update_info, dict) else None
-    if not isinstance(shapes, list):
-        return 0
-    total = 0
-    for shape in shapes:
-        if isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            total += math.prod(shape)
-    return total

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlserve.engine.weight_checker import WeightChecker
-from rlserve.engine.weight_transaction import Transaction, announced_elements
+from rlserve.engine.weight_transaction import Transaction
 from rlserve.errors import ConflictError, PayloadTooLargeError
 from rlserve.model.base import skipped
 from rlserve.sampling_params import InvalidRequestError
 from rlserve.weight_transfer.errors import InvalidUpdateError
+from rlserve.weight_transfer.info import UpdateInfo
 from rlserve.wire.control import (
     PeerCopied,
     TransferShutDown,
@@ -183,13 +184,13 @@ class WeightUpdates:
             refusal = asleep_refusal(self.core) or self._transaction_refusal(txn)
             if refusal is None and txn is not None:
                 refusal = self._staging_refusal(txn, update_info)
-            if refusal is None and isinstance(update_info, dict) and update_info.get("lora_name") is not None:
+            if refusal is None and update_info is not None and update_info.lora_name is not None:
                 if txn is not None:
                     raise InvalidRequestError(
                         "update_info.lora_name: an adapter is updated in one /update_weights, outside a transaction",
                         "update_info",
                     )
-                lora = (update_info["lora_name"], self.core.require_lora().update_config(update_info))
+                lora = (update_info.lora_name, self.core.require_lora().update_config(update_info))
         except (InvalidRequestError, ConflictError) as e:
             refusal = e
         self.transfer = call
@@ -199,10 +200,11 @@ class WeightUpdates:
                 txn.failure = refusal
         if refusal is not None:
             drop = txn is not None  # it commits nothing now: free what it staged
-            self.beside("refuse-update", lambda: self._refuse(call, update_info, refusal, drop))
+            self.beside("refuse-update", lambda: self._refuse(call, refusal, drop))
             return LATER
+        assert update_info is not None  # None comes with the API server's refusal, answered above
         if txn is not None:
-            txn.num_elements += announced_elements(update_info)
+            txn.num_elements += update_info.num_elements()
         transfer = self.core.config.weight_transfer
         if transfer is not None and transfer.backend == "ipc":
             # An IPC receive opens handles to the trainer's memory and waits on nobody: done
@@ -213,10 +215,10 @@ class WeightUpdates:
             self.beside("receive-update", lambda: self._receive(call, update_info, version, lora))
         return LATER
 
-    def _staging_refusal(self, txn: Transaction, update_info: Any) -> InvalidRequestError | None:
+    def _staging_refusal(self, txn: Transaction, update_info: UpdateInfo | None) -> InvalidRequestError | None:
         """A transaction stages at most the model's size (a trainer resending whole parts
         would otherwise grow the server's memory without bound): a 413, before any byte moves."""
-        elements = announced_elements(update_info)
+        elements = 0 if update_info is None else update_info.num_elements()
         model = self.model_elements
         if txn.num_elements + elements <= model:
             return None
@@ -245,7 +247,7 @@ class WeightUpdates:
             return InvalidRequestError(f"update_info: {self.expired}; /start_weight_update again", "update_info")
         return None
 
-    def _refuse(self, call: Call, update_info: Any, refusal: Exception, drop: bool) -> None:
+    def _refuse(self, call: Call, refusal: Exception, drop: bool) -> None:
         """Refused before any byte moved: a trainer sending it hears so at once, and the
         group stays in step."""
         try:
@@ -257,7 +259,7 @@ class WeightUpdates:
             self.answer(call, error=refusal)
 
     def _receive(
-        self, call: Call, update_info: Any, version: WeightVersion | None, lora: _AdapterUpdate | None
+        self, call: Call, update_info: UpdateInfo, version: WeightVersion | None, lora: _AdapterUpdate | None
     ) -> None:
         """Receive into staging (on the thread), then hand it, or the failure, to the loop."""
         t0 = time.perf_counter()
@@ -276,11 +278,10 @@ class WeightUpdates:
             _Received(call, version, sizes[0], time.perf_counter() - t0, lora, skipped=self._skipped(update_info, lora))
         )
 
-    def _skipped(self, update_info: Any, lora: _AdapterUpdate | None) -> int:
-        names = update_info.get("names") if isinstance(update_info, dict) and lora is None else None
-        if not isinstance(names, list):
+    def _skipped(self, update_info: UpdateInfo, lora: _AdapterUpdate | None) -> int:
+        if lora is not None:
             return 0
-        return skipped([n for n in names if isinstance(n, str)], self.core.executor.expected_weights)
+        return skipped(update_info.names, self.core.executor.expected_weights)
 
     def apply_received(self) -> None:
         """Between two steps (the loop's thread): apply what the threads received, and
