@@ -21,9 +21,10 @@ trainer/ (what a training process imports): engine, gloo, nccl, ipc_sender, http
 client, factory;
 server/ (what the server's ranks run): receiver, ipc_receiver, peer;
 shared, here: info (init_info and update_info, parsed once), group (store + data plane,
-bounded and abortable), handshake (pairing each push with each rank's request), pipeline
-(packing, overlap, checksums), tcp (the CPU data plane), packing (the bucket plan),
-checksum, ipc (the CUDA IPC wire format), address (master_address), errors.
+bounded and abortable), store_keys (the control keys, and failures told to the peers),
+handshake (pairing each push with each rank's request), pipeline (packing, overlap,
+checksums), tcp (the CPU data plane), packing (the bucket plan), checksum, ipc (the CUDA
+IPC wire format), address (master_address), errors.
 """
 
 from __future__ import annotations
