@@ -24,8 +24,20 @@ from .address import address_problem
 from .errors import InvalidUpdateError
 
 # The dtype names a trainer writes (str(dtype).split(".")[-1]); packing.DTYPES maps them to torch's.
-DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2",
-               "int8", "int16", "int32", "int64", "uint8", "bool")
+DTYPE_NAMES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+)
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 512 << 20  # large enough to saturate NVLink, small next to a model
 DEFAULT_PACKED_NUM_BUFFERS = 2  # pack/unpack bucket i+1 while bucket i is on the wire
 MAX_NUM_BUFFERS = 8
@@ -47,8 +59,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _field_problems(data: Mapping[str, Any], required: Sequence[str], known: Sequence[str],
-                    missing: str) -> list[str]:
+def _field_problems(data: Mapping[str, Any], required: Sequence[str], known: Sequence[str], missing: str) -> list[str]:
     """The required fields `data` lacks (each worded as `missing`), then those it has that
     are not `known`."""
     problems = [missing.format(k) for k in required if k not in data]
@@ -83,12 +94,13 @@ class InitInfo(msgspec.Struct, frozen=True):
         if not (_is_int(offset) and offset >= 1):
             problems.append(f"rank_offset must be an integer >= 1 (rank 0 is the trainer), got {offset!r}")
         if not (_is_int(world) and world <= max_world_size):
-            limit = ("" if max_world_size == MAX_WORLD_SIZE
-                     else " (weight-transfer-config max_world_size)")
+            limit = "" if max_world_size == MAX_WORLD_SIZE else " (weight-transfer-config max_world_size)"
             problems.append(f"world_size must be an integer up to {max_world_size}{limit}, got {world!r:.40}")
         elif _is_int(offset) and offset + num_workers > world:
-            problems.append(f"world_size {world} is too small: this server has {num_workers} worker(s) "
-                            f"at ranks {offset}..{offset + num_workers - 1}")
+            problems.append(
+                f"world_size {world} is too small: this server has {num_workers} worker(s) "
+                f"at ranks {offset}..{offset + num_workers - 1}"
+            )
         if problems:
             raise InvalidUpdateError("init_info: " + "; ".join(problems))
         return cls(addr, port, offset, world)
@@ -117,8 +129,18 @@ class UpdateInfo(msgspec.Struct, frozen=True):
             raise InvalidUpdateError("update_info must be a JSON object")
         if references and is_reference(data):
             return cls._reference(data)
-        known = ("names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes",
-                 "packed_num_buffers", "weight_version", "ipc_handles", "lora_name", "lora_config")
+        known = (
+            "names",
+            "dtype_names",
+            "shapes",
+            "packed",
+            "packed_buffer_size_bytes",
+            "packed_num_buffers",
+            "weight_version",
+            "ipc_handles",
+            "lora_name",
+            "lora_config",
+        )
         problems = _field_problems(data, _TENSOR_LISTS, known, "{} is required")
         if problems:
             raise InvalidUpdateError("update_info: " + "; ".join(problems))
@@ -130,8 +152,10 @@ class UpdateInfo(msgspec.Struct, frozen=True):
         if problems:
             raise InvalidUpdateError("update_info: " + "; ".join(problems))
         if not len(names) == len(dtypes) == len(shapes):
-            raise InvalidUpdateError(f"update_info: names, dtype_names and shapes must have the same length, "
-                                     f"got {len(names)}, {len(dtypes)} and {len(shapes)}")
+            raise InvalidUpdateError(
+                f"update_info: names, dtype_names and shapes must have the same length, "
+                f"got {len(names)}, {len(dtypes)} and {len(shapes)}"
+            )
         problems += _tensor_list_problems(names, dtypes, shapes)
         return cls._with_options(data, problems, tuple(names), tuple(dtypes), tuple(map(tuple, shapes)))
 
@@ -140,17 +164,24 @@ class UpdateInfo(msgspec.Struct, frozen=True):
         """`ipc_handles: {"same_as": id}`: the receiver finds the document it names."""
         handles = data["ipc_handles"]
         if len(handles) != 1:
-            raise InvalidUpdateError("update_info.ipc_handles: same_as comes alone "
-                                     f"(got {', '.join(sorted(handles))})")
+            raise InvalidUpdateError(f"update_info.ipc_handles: same_as comes alone (got {', '.join(sorted(handles))})")
         extra = [k for k in _TENSOR_LISTS if k in data]
         if extra:
-            raise InvalidUpdateError(f"update_info: {', '.join(extra)} and ipc_handles.same_as exclude each "
-                                     "other (a reference repeats the document it names)")
+            raise InvalidUpdateError(
+                f"update_info: {', '.join(extra)} and ipc_handles.same_as exclude each "
+                "other (a reference repeats the document it names)"
+            )
         return cls._with_options(data, [], (), (), ())
 
     @classmethod
-    def _with_options(cls, data: Mapping[str, Any], problems: list[str], names: tuple[str, ...],
-                      dtypes: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> UpdateInfo:
+    def _with_options(
+        cls,
+        data: Mapping[str, Any],
+        problems: list[str],
+        names: tuple[str, ...],
+        dtypes: tuple[str, ...],
+        shapes: tuple[tuple[int, ...], ...],
+    ) -> UpdateInfo:
         """The fields beside the tensor lists, checked; `problems`, the lists', come first."""
         packed = data.get("packed", False)
         size = data.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
@@ -171,8 +202,18 @@ class UpdateInfo(msgspec.Struct, frozen=True):
             problems.append("lora_config must be an object (PEFT's adapter_config), and comes with lora_name")
         if problems:
             raise InvalidUpdateError("update_info: " + "; ".join(problems))
-        return cls(names, dtypes, shapes, packed, size, nbuf, version, data.get("ipc_handles"), lora_name,
-                   None if lora_config is None else dict(lora_config))
+        return cls(
+            names,
+            dtypes,
+            shapes,
+            packed,
+            size,
+            nbuf,
+            version,
+            data.get("ipc_handles"),
+            lora_name,
+            None if lora_config is None else dict(lora_config),
+        )
 
     @property
     def is_reference(self) -> bool:
@@ -197,9 +238,15 @@ def _tensor_list_problems(names: list, dtypes: list, shapes: list) -> list[str]:
     if set(map(type, names)) <= {str} and set(map(type, dtypes)) <= {str} and set(map(type, shapes)) <= {list}:
         dims = list(itertools.chain.from_iterable(shapes))
         unique = set(names)
-        if (set(dtypes) <= _KNOWN_DTYPES and set(map(type, dims)) <= {int} and len(unique) == len(names)
-                and "" not in unique and min(dims, default=0) >= 0 and max(dims, default=0) <= MAX_DIM
-                and max(map(len, shapes), default=0) <= MAX_RANK):
+        if (
+            set(dtypes) <= _KNOWN_DTYPES
+            and set(map(type, dims)) <= {int}
+            and len(unique) == len(names)
+            and "" not in unique
+            and min(dims, default=0) >= 0
+            and max(dims, default=0) <= MAX_DIM
+            and max(map(len, shapes), default=0) <= MAX_RANK
+        ):
             return []
     problems = []
     bad_names = [f"[{i}] {n!r}" for i, n in enumerate(names) if not (isinstance(n, str) and n)]
@@ -208,14 +255,16 @@ def _tensor_list_problems(names: list, dtypes: list, shapes: list) -> list[str]:
     label = [n if isinstance(n, str) else f"[{i}]" for i, n in enumerate(names)]
     bad_dtypes = [f"{label[i]} ({d!r})" for i, d in enumerate(dtypes) if not (type(d) is str and d in _KNOWN_DTYPES)]
     if bad_dtypes:
-        problems.append(f"dtype_names: unknown dtype for {listing(bad_dtypes)} "
-                        f"(known: {', '.join(DTYPE_NAMES)})")
-    bad_shapes = [f"{label[i]} ({s!r})"[:200] for i, s in enumerate(shapes)
-                  if not (isinstance(s, list) and len(s) <= MAX_RANK
-                          and all(_is_int(d) and 0 <= d <= MAX_DIM for d in s))]
+        problems.append(f"dtype_names: unknown dtype for {listing(bad_dtypes)} (known: {', '.join(DTYPE_NAMES)})")
+    bad_shapes = [
+        f"{label[i]} ({s!r})"[:200]
+        for i, s in enumerate(shapes)
+        if not (isinstance(s, list) and len(s) <= MAX_RANK and all(_is_int(d) and 0 <= d <= MAX_DIM for d in s))
+    ]
     if bad_shapes:
-        problems.append(f"shapes must be lists of at most {MAX_RANK} int64 non-negative integers: "
-                        f"{listing(bad_shapes)}")
+        problems.append(
+            f"shapes must be lists of at most {MAX_RANK} int64 non-negative integers: {listing(bad_shapes)}"
+        )
     counts = Counter(n for n in label if isinstance(n, str))
     dups = sorted(n for n, count in counts.items() if count > 1)
     if dups:
