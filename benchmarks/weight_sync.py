@@ -233,8 +233,9 @@ def host_planning(path: str, repeats: int) -> bool:
 
     from rlserve.model.loader import load_hf_config
     from rlserve.model.registry import model_class
+    from rlserve.weight_transfer.info import UpdateInfo
     from rlserve.weight_transfer.server import receiver
-    from rlserve.weight_transfer.server.receiver import ExpectedParam, UpdateInfo, vet
+    from rlserve.weight_transfer.server.receiver import ExpectedParam, vet
     config = load_hf_config(path)
     with torch.device("meta"):
         model = model_class(config)(config)

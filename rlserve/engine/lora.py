@@ -26,6 +26,7 @@ from rlserve.worker import calls as rank
 
 if TYPE_CHECKING:
     from rlserve.engine.request import Request
+    from rlserve.weight_transfer.info import UpdateInfo
     from rlserve.worker.executor import Executor
 
 
@@ -162,11 +163,11 @@ class LoRAManager:
         return [a.info() for a in self.adapters.values()]
 
     # -- live updates (engine/weight_updates.py) ------------------------------------------
-    def update_config(self, update_info: Mapping[str, Any]) -> dict[str, Any]:
+    def update_config(self, update_info: UpdateInfo) -> dict[str, Any]:
         """An adapter update's config for the workers: the one it brings, else the loaded
         adapter's. Refuses what cannot be applied before any byte moves."""
-        name = check_lora_name(update_info.get("lora_name"), "update_info.lora_name")
-        data = update_info.get("lora_config")
+        name = check_lora_name(update_info.lora_name, "update_info.lora_name")
+        data = update_info.lora_config
         if data is None:
             if name not in self.adapters:
                 raise InvalidRequestError(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlserve.sampling_params import InvalidRequestError
+
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
@@ -53,3 +55,15 @@ class EngineState:
     @property
     def sleep_level(self) -> int:
         return (2 if self.no_weights else 1) if self.sleeping else 0
+
+
+def asleep_refusal(state: EngineState) -> InvalidRequestError | None:
+    """The one rule for an asleep engine and a weight update: wake the weights first (their
+    storage is given back); the KV cache may stay asleep (vLLM's /wake_up?tags=weights,
+    update, then kv_cache)."""
+    if state.weights_asleep:
+        return InvalidRequestError(
+            "the server's weights are asleep: POST /wake_up (or /wake_up?tags=weights) before updating weights",
+            "update_info",
+        )
+    return None

@@ -14,10 +14,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rlserve.config import EngineConfig
+from rlserve.errors import InvalidUpdateError
 from rlserve.frontend.core_client import EngineAddresses, EngineCoreClient
 from rlserve.frontend.output_processor import LatencyObserver, OutputProcessor, RequestState
 from rlserve.frontend.request_output import RequestOutput
 from rlserve.sampling_params import InvalidRequestError, SamplingParams
+from rlserve.weight_transfer.info import InitInfo, UpdateInfo
 from rlserve.wire.control import (
     Paused,
     TransferShutDown,
@@ -263,28 +265,29 @@ class AsyncEngine:
 
     # -- weight updates (rlserve/engine/weight_updates.py) ----------------------------------
     async def init_weight_transfer(self, init_info: dict) -> None:
-        """Join the trainer's group; answers once the group has formed."""
-        from rlserve.weight_transfer import InitInfo
+        """Join the trainer's group; answers once the group has formed. init_info is parsed
+        here, once: the engine and every rank get the typed value."""
         from rlserve.weight_transfer.ipc import parse_ipc_init_info
         cfg = self.config.weight_transfer
         if cfg is None:
             raise InvalidRequestError("no weight-transfer backend is configured", "init_info")
+        info = None  # the ipc backend forms no group
         if cfg.backend == "ipc":
             parse_ipc_init_info(init_info)
         else:
-            InitInfo.parse(init_info, num_workers=self.world_size,
-                           max_world_size=cfg.max_world_size)  # a 400 before anything blocks
-        await self.call(InitWeightTransfer(cfg.backend, init_info, cfg.timeout_s))
+            info = InitInfo.parse(init_info, num_workers=self.world_size,
+                                  max_world_size=cfg.max_world_size)  # a 400 before anything blocks
+        await self.call(InitWeightTransfer(cfg.backend, info, cfg.timeout_s))
 
     async def update_weights(self, update_info: dict) -> WeightsUpdated:
         """Receive a whole update into staging, then swap it in between two steps (inside a
         transaction: stage it until /finish_weight_update).
 
+        update_info is parsed here, once: the engine and every rank get the typed value.
         Generation goes on while the bytes arrive (unless paused); a failed or refused
         transfer leaves the previous weights serving.
         """
-        transaction_id, refusal, param = None, None, None
-        sent: Any = update_info
+        transaction_id, refusal, param, info = None, None, None, None
         try:
             if isinstance(update_info, dict):
                 transaction_id = update_info.pop("transaction_id", None)
@@ -294,11 +297,13 @@ class AsyncEngine:
             version = parse_version(update_info.get("weight_version") if isinstance(update_info, dict) else None,
                                     "update_info.weight_version")
             check_int_range(update_info, "update_info")
-        except InvalidRequestError as e:
+            backend = self.config.weight_transfer.backend if self.config.weight_transfer else None
+            info = UpdateInfo.parse(update_info, references=backend == "ipc")
+        except (InvalidRequestError, InvalidUpdateError) as e:
             # Refused here, it still goes to the engine, so a trainer that is sending hears
             # the refusal at once instead of waiting out its timeout for the server's answer.
-            version, refusal, param, sent, transaction_id = None, str(e), e.param, None, None
-        result: WeightsUpdated = await self.call(UpdateWeights(sent, version, transaction_id, refusal, param))
+            version, refusal, param, info, transaction_id = None, str(e), e.param, None, None
+        result: WeightsUpdated = await self.call(UpdateWeights(info, version, transaction_id, refusal, param))
         logger.info("weights %s version %d: %.1f MB received in %.3fs, applied in %.3fs",
                     "staged at" if result.staged else "updated to", result.weight_version,
                     result.num_bytes / 1e6, result.receive_seconds, result.apply_seconds)

@@ -82,9 +82,9 @@ class ReplicaWeights:
                     + ": retry once /health reports it up")
 
             def joining(r: Replica) -> InitWeightTransfer:
-                info = dict(body.init_info)
-                if body.backend != "ipc":
-                    info["rank_offset"] = body.init_info["rank_offset"] + r.index * front.tp
+                info = body.init_info  # None: the ipc backend forms no group
+                if info is not None:
+                    info = msgspec.structs.replace(info, rank_offset=info.rank_offset + r.index * front.tp)
                 return InitWeightTransfer(body.backend, info, body.timeout_s)
 
             self.group = None

@@ -20,10 +20,11 @@ Modules, by side (imports run from the sides to the shared layer, never back, ne
 trainer/ (what a training process imports): engine, gloo, nccl, ipc_sender, http_client,
 client, factory;
 server/ (what the server's ranks run): receiver, ipc_receiver, peer;
-shared, here: group (store + data plane, bounded and abortable), handshake (pairing each push
-with each rank's request), pipeline (packing, overlap, checksums), tcp (the CPU data
-plane), packing (the bucket plan), checksum, ipc (the CUDA IPC wire format), address
-(master_address), errors.
+shared, here: info (init_info and update_info, parsed once), group (store + data plane,
+bounded and abortable), store_keys (the control keys, and failures told to the peers),
+handshake (pairing each push with each rank's request), pipeline (packing, overlap,
+checksums), tcp (the CPU data plane), packing (the bucket plan), checksum, ipc (the CUDA
+IPC wire format), address (master_address), errors.
 """
 
 from __future__ import annotations
@@ -36,10 +37,9 @@ if TYPE_CHECKING:
     from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
     from .group import DEFAULT_TIMEOUT_S, TransferGroup
     from .handshake import refuse
+    from .info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, InitInfo, UpdateInfo
     from .ipc import IPCHandles
     from .packing import (
-        DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-        DEFAULT_PACKED_NUM_BUFFERS,
         Bucket,
         Slot,
         TensorMeta,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
         plan_digest,
     )
     from .server.ipc_receiver import IPCReceiver
-    from .server.receiver import ExpectedParam, ExpectedWeights, InitInfo, UpdateInfo, receive_weights, receiver_init
+    from .server.receiver import ExpectedParam, ExpectedWeights, receive_weights, receiver_init
     from .trainer.client import PushResult, WeightSyncClient
     from .trainer.engine import GlooTrainerSendWeightsArgs, NCCLTrainerSendWeightsArgs
     from .trainer.factory import (
@@ -86,8 +86,6 @@ _NAMES = {
     "IPCReceiver": "server.ipc_receiver",
     "ExpectedParam": "server.receiver",
     "ExpectedWeights": "server.receiver",
-    "InitInfo": "server.receiver",
-    "UpdateInfo": "server.receiver",
     "receive_weights": "server.receiver",
     "receiver_init": "server.receiver",
     # shared
@@ -102,8 +100,10 @@ _NAMES = {
     "refuse": "handshake",
     "IPCHandles": "ipc",
     "Bucket": "packing",
-    "DEFAULT_PACKED_BUFFER_SIZE_BYTES": "packing",
-    "DEFAULT_PACKED_NUM_BUFFERS": "packing",
+    "DEFAULT_PACKED_BUFFER_SIZE_BYTES": "info",
+    "DEFAULT_PACKED_NUM_BUFFERS": "info",
+    "InitInfo": "info",
+    "UpdateInfo": "info",
     "Slot": "packing",
     "TensorMeta": "packing",
     "plan_buckets": "packing",

@@ -10,10 +10,8 @@ Every wait is bounded by `timeout_s`, forming the group included: the connect ru
 helper thread and the caller gives up at the deadline whatever the master does (accepts
 and never answers, speaks HTTP, ...), or at once when `abort()` is called from another
 thread. After a transport failure the group is marked broken and must be initialised
-again; the failing side also writes the failure into the keys its peers wait on next,
-so they fail at once instead of at their timeout. A receiver also writes it into one key
-the trainer watches in all its waits: the trainer may be waiting on another rank (one
-that will never answer, e.g. a data-parallel replica that restarted) when it fails.
+again; the failing side also writes the failure into the keys its peers wait on next
+(store_keys.py), so they fail at once instead of at their timeout.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from rlserve.distributed import abort_process_group
 
 from .address import get_ip, get_open_port, resolve, wait_listening  # noqa: F401 (get_*: re-exported)
 from .errors import InvalidUpdateError, WeightTransferError
+from .store_keys import BROKEN, POLL_S, RECEIVER_FAILURE_KEY, broken_key, poll_key, store_lost, tell_peers
 from .tcp import Frames, TcpHub, TcpLink
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -41,9 +40,6 @@ PROTOCOL = 4  # the control protocol between trainer and receivers (handshake.py
 CONNECT_MARGIN_S = 1.0  # a connect gives up this long after timeout_s at the latest
 _SESSION_KEY = "rlserve/session"
 _DATA_PORT_KEY = "data_port"
-VOID = "void"  # a turn one side gave up on (handshake.py)
-BROKEN = "broken:"  # prefix of a value that says the writer's group failed
-_POLL_S = 0.2  # how often a long wait looks at the store for a peer's failure
 
 T = TypeVar("T")
 
@@ -54,17 +50,6 @@ def _attached(part: T | None, what: str) -> T:
     if part is None:
         raise WeightTransferError(f"the group's {what} is closed")
     return part
-
-
-RECEIVER_FAILURE_KEY = "broken/receiver"  # the first receiver's failure: the trainer watches it
-
-
-def broken_key(rank: int) -> str:
-    return f"broken/{rank}"
-
-
-def key(rank: int, turn: int, what: str) -> str:
-    return f"r{rank}/t{turn}/{what}"
 
 
 class TransferGroup:
@@ -254,7 +239,7 @@ class TransferGroup:
         started = time.monotonic()
         deadline = started + timeout_s
         while True:
-            slice_s = min(_POLL_S, max(0.0, deadline - time.monotonic()))
+            slice_s = min(POLL_S, max(0.0, deadline - time.monotonic()))
             try:
                 if isinstance(work, Frames):
                     finished = work.wait(slice_s)
@@ -301,7 +286,7 @@ class TransferGroup:
         try:
             store = _attached(self._store, "store")
             if self.rank == 0:
-                value = self._poll(store, key, started + timeout_s)
+                value = poll_key(store, key, started + timeout_s)
             else:
                 store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
                 value = store.get(key).decode(errors="replace")
@@ -312,28 +297,13 @@ class TransferGroup:
                 raise self.fail(f"waiting for {what}: {self.broken}") from e
             if isinstance(e, dist.DistNetworkError):
                 raise self.fail(f"waiting for {what} after {time.monotonic() - started:.1f}s: "
-                                f"{self._store_lost(e)}") from e
+                                f"{store_lost(self.master, e)}") from e
             raise self.fail(f"waiting for {what} failed after {time.monotonic() - started:.1f}s: {e}") from e
         if value is None:
             return None
         if value.startswith(BROKEN):
             raise self.fail(f"waiting for {what}: {value[len(BROKEN):]}")
         return value
-
-    @staticmethod
-    def _poll(store, key: str, deadline: float) -> str | None:
-        """Trainer: the key's value, None at the deadline, or (as a BROKEN value) the first
-        receiver's failure if it comes first: a store wait would see only the one key."""
-        pause = 0.0005  # a verdict or confirmation on its way comes within milliseconds
-        while not store.check([key]):
-            if store.check([RECEIVER_FAILURE_KEY]):
-                return BROKEN + store.get(RECEIVER_FAILURE_KEY).decode(errors="replace")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, _POLL_S / 4)
-        return store.get(key).decode(errors="replace")
 
     def peer_failure(self) -> str | None:
         """A peer's reported failure, if any (one store round trip): the trainer's, for a
@@ -344,15 +314,8 @@ class TransferGroup:
             if store.check([failure]):
                 return store.get(failure).decode(errors="replace")
         except Exception as e:
-            return self._store_lost(e)
+            return store_lost(self.master, e)
         return None
-
-    def _store_lost(self, e: Exception) -> str:
-        if isinstance(e, dist.DistNetworkError):
-            # The store's host closed its group: an end of stream or, with bytes in flight,
-            # a reset; both mean the same to the caller.
-            return f"the group's store at {self.master} closed the connection ({e})"
-        return f"the group's store at {self.master} is gone: {e}"
 
     def delete(self, key: str) -> None:
         try:
@@ -386,7 +349,7 @@ class TransferGroup:
             store.set(broken_key(self.rank), message)
             if self.rank != 0:
                 store.compare_set(RECEIVER_FAILURE_KEY, "", f"receiver rank {self.rank}: {message}")
-            tell_peers(self, store, BROKEN + message)
+            tell_peers(store, self.rank, self.turn, self.turns, BROKEN + message)
         except Exception:
             pass  # the store is gone: the peers find out from that
 
@@ -428,20 +391,3 @@ def _poll_nccl(work, timeout_s: float) -> bool:
         time.sleep(0.0005)
     return True
 
-
-def tell_peers(group: TransferGroup, store, value: str) -> None:
-    """Write `value` (a failure) into the keys this rank's peers wait on next, so they stop
-    waiting at once: the trainer's next plan for each rank (and a pending go), or this
-    receiver's next verdict. Turns the peer has voided are stepped over."""
-    def first_open(rank: int, turn: int, what: str) -> None:
-        for t in range(turn, turn + 64):
-            if store.compare_set(key(rank, t, what), "", value).decode(errors="replace") != VOID:
-                return
-
-    if group.rank == 0:
-        for r, t in group.turns.items():
-            first_open(r, t, "plan")
-            store.compare_set(key(r, t - 1, "go"), "", value)
-    else:
-        store.compare_set(key(group.rank, group.turn - 1, "done"), "", value)
-        first_open(group.rank, group.turn, "verdict")

@@ -41,7 +41,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from .errors import InvalidUpdateError, UpdateRefusedError, WeightTransferError
-from .group import BROKEN, VOID, TransferGroup, key
+from .group import TransferGroup
+from .store_keys import BROKEN, VOID, key
 
 REFUSAL_GRACE_S = 2.0  # how long a refusal waits for a trainer to tell
 GO_MARGIN_S = 2.0

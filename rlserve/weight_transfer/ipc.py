@@ -227,8 +227,3 @@ def view_of(storage: torch.UntypedStorage, meta: TensorMeta, t: SharedTensor) ->
     """The tensor `meta` at (offset, stride) in `storage`; IPCHandles.parse checked the bounds."""
     view = torch.empty(0, dtype=meta.dtype, device=storage.device)
     return view.set_(storage, t.offset, meta.shape, t.stride)
-
-
-def is_reference(info: Mapping[str, Any]) -> bool:
-    handles = info.get("ipc_handles")
-    return isinstance(handles, Mapping) and "same_as" in handles

@@ -19,20 +19,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .info import DTYPE_NAMES, UpdateInfo
+
 ALIGN_BYTES = 256  # every tensor starts 256-byte aligned: a valid view for any dtype, coalesced copies
-DEFAULT_PACKED_BUFFER_SIZE_BYTES = 512 << 20  # large enough to saturate NVLink, small next to a model
-DEFAULT_PACKED_NUM_BUFFERS = 2  # pack/unpack bucket i+1 while bucket i is on the wire
 PLAN_VERSION = 3  # bump when the layout rules or the digest change (3: the digest hashes the lists' bytes)
 
 # Names as the trainer writes them: str(p.dtype).split(".")[-1].
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2",
-        "int8", "int16", "int32", "int64", "uint8", "bool",
-    )
-    if hasattr(torch, name)
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES if hasattr(torch, name)}
 
 
 _ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
@@ -62,6 +55,12 @@ class TensorMeta(NamedTuple):
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * _ITEMSIZE[self.dtype_name]
+
+
+def tensor_metas(info: UpdateInfo) -> list[TensorMeta]:
+    """update_info's tensors, one TensorMeta each, in order."""
+    # tuple.__new__ straight from C: TensorMeta._make costs a Python frame per name
+    return list(map(tuple.__new__, itertools.repeat(TensorMeta), zip(info.names, info.dtype_names, info.shapes)))
 
 
 class Slot(NamedTuple):

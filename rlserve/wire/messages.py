@@ -32,6 +32,7 @@ from rlserve.errors import (  # noqa: F401 (re-exported)
 )
 from rlserve.memory import MemoryProfile
 from rlserve.sampling_params import SamplingParams
+from rlserve.weight_transfer.info import InitInfo, UpdateInfo
 from rlserve.wire.control import (  # noqa: F401 (LoRAAdapterInfo re-exported)
     Checksums,
     LoRAAdapterInfo,
@@ -127,19 +128,21 @@ class UnloadLoRAAdapter(ControlCall):
 
 # Weight updates (engine/weight_updates.py owns them).
 
+# init_info and update_info arrive parsed (the API server parsed them: rlserve.weight_transfer.info).
 class InitWeightTransfer(ControlCall):
     backend: str
-    init_info: dict
+    init_info: InitInfo | None  # None: the ipc backend, which forms no group
     timeout_s: float
 
 
 class UpdateWeights(ControlCall):
     reply = WeightsUpdated
-    update_info: Any
+    update_info: UpdateInfo | None = None  # None: refused by the API server
     weight_version: int | str | None = None  # parsed by rlserve.wire.weight_version
     transaction_id: str | None = None  # the open transaction this part belongs to (checked if given)
-    # Refused already by the API server (a field out of range): the engine only passes the
-    # refusal to the trainer, which would otherwise wait its whole timeout for a plan's answer.
+    # Refused already by the API server (a field out of range, an update_info that does not
+    # parse): the engine only passes the refusal to the trainer, which would otherwise wait
+    # its whole timeout for a plan's answer.
     refusal: str | None = None
     refusal_param: str | None = None
 

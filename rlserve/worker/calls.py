@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
+from rlserve.weight_transfer.info import InitInfo, UpdateInfo
+
 if TYPE_CHECKING:
     import torch
 
@@ -97,7 +99,7 @@ class SwapLoRA(RankCall):
 class JoinTransfer(RankCall):
     background: ClassVar[bool] = True
     backend: str
-    init_info: dict
+    init_info: InitInfo | None  # None: the ipc backend
     timeout_s: float
 
     def run(self, worker: Worker) -> None:
@@ -106,7 +108,7 @@ class JoinTransfer(RankCall):
 
 class ReceiveWeights(RankCall):
     background: ClassVar[bool] = True
-    update_info: Any
+    update_info: UpdateInfo
     lora_config: dict | None = None
     part: bool = False  # one part of a transaction (/start_weight_update)
 

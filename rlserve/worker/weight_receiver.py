@@ -25,9 +25,11 @@ from rlserve.model.peft import LoRAConfig, pair_tensors, peft_name
 from rlserve.weight_transfer import (
     ExpectedParam,
     ExpectedWeights,
+    InitInfo,
     InvalidUpdateError,
     TensorMeta,
     TransferGroup,
+    UpdateInfo,
     WeightTransferError,
     receive_weights,
     receiver_init,
@@ -72,7 +74,7 @@ class WeightReceiver:
         self._lock = threading.Lock()  # one receive (or refusal) at a time
 
     # -- the group -----------------------------------------------------------------------
-    def join(self, backend: str, init_info: dict, timeout_s: float) -> None:
+    def join(self, backend: str, init_info: InitInfo | None, timeout_s: float) -> None:
         """Join the trainer's group at rank rank_offset + this rank (ipc: nothing to join;
         the trainer's handles arrive with each update). Returns within about timeout_s
         whatever the master does; a newer join (or `abort`, from any thread) stops it."""
@@ -81,6 +83,7 @@ class WeightReceiver:
         if backend == "ipc":
             self.ipc = IPCReceiver(self.device)
             return
+        assert init_info is not None  # parsed by the API server: only the ipc backend sends none
         group = receiver_init(
             backend, init_info, worker_rank=self.rank, device=self.device, timeout_s=timeout_s, connect=False
         )
@@ -145,7 +148,7 @@ class WeightReceiver:
             self._lock.release()
 
     # -- receive -------------------------------------------------------------------------
-    def receive(self, update_info: dict, lora_config: dict | None = None, part: bool = False) -> int:
+    def receive(self, update_info: UpdateInfo, lora_config: dict | None = None, part: bool = False) -> int:
         """Receive a whole update (or, with `part`, one part of a transaction) into staging;
         the model is untouched until `apply`. Returns the number of bytes received.
 
@@ -162,8 +165,8 @@ class WeightReceiver:
                 expected = self._optional if part else self.expected
             if self.ipc is not None:
                 receiver = self.ipc
-                if lora_config is not None:  # each adapter keeps its own handles open
-                    receiver = self.lora_ipc.setdefault(update_info["lora_name"], IPCReceiver(self.device))
+                if update_info.lora_name is not None:  # each adapter keeps its own handles open
+                    receiver = self.lora_ipc.setdefault(update_info.lora_name, IPCReceiver(self.device))
                 staged = receiver.receive(update_info, expected, validate)
                 if part:
                     staged = [(n, t.clone()) for n, t in staged]

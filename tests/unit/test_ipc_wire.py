@@ -15,6 +15,7 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.weight_transfer import InvalidUpdateError, TensorMeta, UpdateInfo
 from rlserve.weight_transfer.ipc import IPCHandles, SharedTensor, parse_ipc_init_info, view_of
+from rlserve.weight_transfer.packing import tensor_metas
 
 METAS = [TensorMeta("model.embed_tokens.weight", "bfloat16", (8, 4)),
          TensorMeta("model.norm.weight", "float32", (4,))]
@@ -105,7 +106,7 @@ def test_update_info_carries_the_handles_through():
                              "dtype_names": [m.dtype_name for m in METAS],
                              "shapes": [list(m.shape) for m in METAS],
                              "ipc_handles": valid_doc()})
-    assert IPCHandles.parse(info.ipc_handles, info.metas()).device_uuid == "GPU-0f0f"
+    assert IPCHandles.parse(info.ipc_handles, tensor_metas(info)).device_uuid == "GPU-0f0f"
 
 
 def test_views_at_offset_and_stride_read_the_right_elements():

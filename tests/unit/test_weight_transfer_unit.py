@@ -37,7 +37,7 @@ from rlserve.weight_transfer import (
     rendezvous_address,
 )
 from rlserve.weight_transfer.address import is_loopback, local_ip_towards
-from rlserve.weight_transfer.packing import ALIGN_BYTES
+from rlserve.weight_transfer.packing import ALIGN_BYTES, tensor_metas
 
 TIMEOUT_S = 8.0  # per blocking call; a hang fails the test within this
 BUCKET = 4096  # small, so the test model spans several packed buckets
@@ -212,7 +212,7 @@ def test_plan_buckets_follows_the_greedy_rule_on_random_lists():
 def test_plan_is_the_same_on_both_sides():
     params = make_params()
     trainer_metas = metas_of(params)  # from real tensors
-    server_metas = UpdateInfo.parse(update_info(params, packed=True)).metas()  # from the JSON
+    server_metas = tensor_metas(UpdateInfo.parse(update_info(params, packed=True)))  # from the JSON
     assert trainer_metas == server_metas
     for packed in (True, False):
         assert plan_buckets(trainer_metas, packed, BUCKET) == plan_buckets(server_metas, packed, BUCKET)

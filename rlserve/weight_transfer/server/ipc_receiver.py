@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import msgspec
 import torch
 
 from ..errors import InvalidUpdateError
-from ..ipc import IPCHandles, device_uuid, is_reference, view_of
-from ..packing import TensorMeta
-from .receiver import UpdateInfo, check_against_model
+from ..info import UpdateInfo
+from ..ipc import IPCHandles, device_uuid, view_of
+from ..packing import TensorMeta, tensor_metas
+from .receiver import check_against_model
 
 
 class IPCReceiver:
@@ -28,23 +30,20 @@ class IPCReceiver:
         self._storages: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
         # The last accepted update (less its version), its views, its tensors' metadata and
         # the checks it passed: a trainer pushing the same parameters again sends the same
-        # document (or a reference to it), which then needs no parsing.
-        self._last: tuple[dict, list, list[TensorMeta], tuple] | None = None
+        # document (or a reference to it), which then needs no opening or checking again.
+        self._last: tuple[UpdateInfo, list, list[TensorMeta], tuple] | None = None
 
-    def receive(self, update_info: Mapping[str, Any], expected: Mapping[str, Any],
+    def receive(self, info: UpdateInfo, expected: Mapping[str, Any],
                 validate: Callable[[Sequence[TensorMeta]], None] | None = None
                 ) -> list[tuple[str, torch.Tensor]]:
-        """Validate update_info (the NCCL fields + ipc_handles) against the model (and with
+        """Check the update (the NCCL fields + ipc_handles) against the model (and with
         `validate`, as receiver.receive_weights does) and open it."""
-        if not isinstance(update_info, Mapping):
-            raise InvalidUpdateError("update_info must be a JSON object")
-        if is_reference(update_info):
-            return self._reference(update_info, expected, validate)
-        body = {k: v for k, v in update_info.items() if k != "weight_version"}
+        if info.is_reference:
+            return self._reference(info, expected, validate)
+        body = msgspec.structs.replace(info, weight_version=None)
         if self._last is not None and self._last[0] == body:
             return self._vetted(expected, validate)
-        info = UpdateInfo.parse(update_info)
-        metas = info.metas()
+        metas = tensor_metas(info)
         check_against_model(metas, expected)
         if validate is not None:
             validate(metas)
@@ -63,21 +62,15 @@ class IPCReceiver:
             self._last = (body, views, metas, (expected, validate))
         return views
 
-    def _reference(self, update_info: Mapping[str, Any], expected: Mapping[str, Any],
+    def _reference(self, info: UpdateInfo, expected: Mapping[str, Any],
                    validate: Callable | None) -> list[tuple[str, torch.Tensor]]:
-        """The views of the last accepted document, which `handles.same_as` names."""
-        where = "update_info.ipc_handles"
-        handles = update_info["ipc_handles"]
-        if len(handles) != 1:
-            raise InvalidUpdateError(f"{where}: same_as comes alone (got {', '.join(sorted(handles))})")
-        extra = [k for k in ("names", "dtype_names", "shapes") if k in update_info]
-        if extra:
-            raise InvalidUpdateError(f"update_info: {', '.join(extra)} and ipc_handles.same_as exclude each "
-                                     "other (a reference repeats the document it names)")
-        last_id = None if self._last is None else self._last[0]["ipc_handles"].get("id")
-        if last_id is None or handles["same_as"] != last_id:
+        """The views of the last accepted document, which `handles.same_as` names (its
+        form, alone and without tensor lists, was checked with the rest of update_info)."""
+        same_as = info.ipc_handles["same_as"]
+        last_id = None if self._last is None else self._last[0].ipc_handles.get("id")
+        if last_id is None or same_as != last_id:
             raise InvalidUpdateError(
-                f"{where}.same_as: this server holds no document {handles['same_as']!r} (it restarted, "
+                f"update_info.ipc_handles.same_as: this server holds no document {same_as!r} (it restarted, "
                 "or took another document since): send the whole document")
         return self._vetted(expected, validate)
 

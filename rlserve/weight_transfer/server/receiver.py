@@ -12,10 +12,8 @@ bool tensors are refused, since a model's weights are floating point.
 
 from __future__ import annotations
 
-import itertools
 import operator
 import re
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -27,176 +25,12 @@ from rlserve.model.base import (  # the model says what it accepts; an update is
     ExpectedWeights,
 )
 
-from ..address import address_problem
 from ..errors import InvalidUpdateError
 from ..group import DEFAULT_TIMEOUT_S, TransferGroup
 from ..handshake import TrainerPlan, fetch_plan, receiver_handshake, report_done
-from ..packing import (
-    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-    DEFAULT_PACKED_NUM_BUFFERS,
-    DTYPES,
-    TensorMeta,
-    plan_buckets,
-    plan_digest,
-    plan_json,
-)
+from ..info import InitInfo, UpdateInfo, listing
+from ..packing import DTYPES, TensorMeta, plan_buckets, plan_digest, plan_json, tensor_metas
 from ..pipeline import receive_buckets
-
-MAX_NUM_BUFFERS = 8
-MAX_WORLD_SIZE = (1 << 31) - 1  # NCCL's and torch.distributed's rank count is a 32-bit int
-MAX_DIM = (1 << 63) - 1  # a tensor dimension is an int64 everywhere it goes
-MAX_RANK = 64  # torch's limit on a tensor's dimensions
-_LIST_CAP = 10
-
-
-def _listing(items: Sequence[str]) -> str:
-    """At most _LIST_CAP items, then how many more: messages stay readable for big models."""
-    shown = ", ".join(items[:_LIST_CAP])
-    return shown + (f" (and {len(items) - _LIST_CAP} more)" if len(items) > _LIST_CAP else "")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-@dataclass(frozen=True)
-class InitInfo:
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-
-    @classmethod
-    def parse(cls, data: Mapping[str, Any], num_workers: int = 1, max_world_size: int = MAX_WORLD_SIZE) -> InitInfo:
-        """Validate the trainer's init_info for a server with `num_workers` receiving ranks, in
-        a group of at most `max_world_size` (the server's weight-transfer-config)."""
-        if not isinstance(data, Mapping):
-            raise InvalidUpdateError("init_info must be a JSON object")
-        fields = ("master_address", "master_port", "rank_offset", "world_size")
-        problems = [f"missing {k}" for k in fields if k not in data]
-        unknown = sorted(set(data) - set(fields))
-        if unknown:
-            problems.append(f"unknown field(s) {', '.join(unknown)} (known: {', '.join(fields)})")
-        if problems:
-            raise InvalidUpdateError("init_info: " + "; ".join(problems))
-        addr, port, offset, world = (data[k] for k in fields)
-        bad_address = address_problem(addr)
-        if bad_address:
-            problems.append(f"master_address {bad_address}")
-        if not (_is_int(port) and 0 < port < 65536):
-            problems.append(f"master_port must be an integer in 1..65535, got {port!r}")
-        if not (_is_int(offset) and offset >= 1):
-            problems.append(f"rank_offset must be an integer >= 1 (rank 0 is the trainer), got {offset!r}")
-        if not (_is_int(world) and world <= max_world_size):
-            limit = ("" if max_world_size == MAX_WORLD_SIZE
-                     else " (weight-transfer-config max_world_size)")
-            problems.append(f"world_size must be an integer up to {max_world_size}{limit}, got {world!r:.40}")
-        elif _is_int(offset) and offset + num_workers > world:
-            problems.append(f"world_size {world} is too small: this server has {num_workers} worker(s) "
-                            f"at ranks {offset}..{offset + num_workers - 1}")
-        if problems:
-            raise InvalidUpdateError("init_info: " + "; ".join(problems))
-        return cls(addr, port, offset, world)
-
-
-@dataclass(frozen=True)
-class UpdateInfo:
-    names: tuple[str, ...]
-    dtype_names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    packed: bool = False
-    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
-    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    weight_version: int | str | None = None
-    ipc_handles: Any = None  # the ipc backend's handles, validated by ipc.IPCHandles.parse
-    # A LoRA update: the tensors are this adapter's PEFT weights (rlserve.model.peft);
-    # lora_config (PEFT's adapter_config fields) is required for an adapter not yet loaded.
-    lora_name: str | None = None
-    lora_config: Mapping[str, Any] | None = None
-
-    @classmethod
-    def parse(cls, data: Mapping[str, Any]) -> UpdateInfo:
-        """Validate the trainer's update_info JSON; every problem found is reported at once."""
-        if not isinstance(data, Mapping):
-            raise InvalidUpdateError("update_info must be a JSON object")
-        known = ("names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes",
-                 "packed_num_buffers", "weight_version", "ipc_handles", "lora_name", "lora_config")
-        problems = [f"{k} is required" for k in known[:3] if k not in data]
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            problems.append(f"unknown field(s) {', '.join(unknown)} (known: {', '.join(known)})")
-        if problems:
-            raise InvalidUpdateError("update_info: " + "; ".join(problems))
-
-        names, dtypes, shapes = data["names"], data["dtype_names"], data["shapes"]
-        for key, value in (("names", names), ("dtype_names", dtypes), ("shapes", shapes)):
-            if not isinstance(value, list):
-                problems.append(f"{key} must be a list, got {type(value).__name__}")
-        if problems:
-            raise InvalidUpdateError("update_info: " + "; ".join(problems))
-        if not len(names) == len(dtypes) == len(shapes):
-            raise InvalidUpdateError(f"update_info: names, dtype_names and shapes must have the same length, "
-                                     f"got {len(names)}, {len(dtypes)} and {len(shapes)}")
-        problems += _tensor_list_problems(names, dtypes, shapes)
-
-        packed = data.get("packed", False)
-        size = data.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
-        nbuf = data.get("packed_num_buffers", DEFAULT_PACKED_NUM_BUFFERS)
-        version = data.get("weight_version")
-        if not isinstance(packed, bool):
-            problems.append(f"packed must be true or false, got {packed!r}")
-        if not (_is_int(size) and size > 0):
-            problems.append(f"packed_buffer_size_bytes must be a positive integer, got {size!r}")
-        if not (_is_int(nbuf) and 1 <= nbuf <= MAX_NUM_BUFFERS):
-            problems.append(f"packed_num_buffers must be an integer in 1..{MAX_NUM_BUFFERS}, got {nbuf!r}")
-        if not (version is None or _is_int(version) or isinstance(version, str)):
-            problems.append(f"weight_version must be an integer, a string or null, got {version!r}")
-        lora_name, lora_config = data.get("lora_name"), data.get("lora_config")
-        if lora_name is not None and not (isinstance(lora_name, str) and lora_name):
-            problems.append(f"lora_name must be a non-empty string, got {lora_name!r}")
-        if lora_config is not None and (lora_name is None or not isinstance(lora_config, Mapping)):
-            problems.append("lora_config must be an object (PEFT's adapter_config), and comes with lora_name")
-        if problems:
-            raise InvalidUpdateError("update_info: " + "; ".join(problems))
-        return cls(tuple(names), tuple(dtypes), tuple(map(tuple, shapes)), packed, size, nbuf, version,
-                   data.get("ipc_handles"), lora_name, lora_config)
-
-    def metas(self) -> list[TensorMeta]:
-        # tuple.__new__ straight from C: TensorMeta._make costs a Python frame per name
-        return list(map(tuple.__new__, itertools.repeat(TensorMeta), zip(self.names, self.dtype_names, self.shapes)))
-
-
-def _tensor_list_problems(names: list, dtypes: list, shapes: list) -> list[str]:
-    """What is wrong with update_info's three parallel lists. A model with many experts
-    sends tens of thousands of names every step, so the common case (nothing wrong) is
-    checked in bulk, and only a failure is examined item by item."""
-    if set(map(type, names)) <= {str} and set(map(type, dtypes)) <= {str} and set(map(type, shapes)) <= {list}:
-        dims = list(itertools.chain.from_iterable(shapes))
-        unique = set(names)
-        if (set(dtypes) <= DTYPES.keys() and set(map(type, dims)) <= {int} and len(unique) == len(names)
-                and "" not in unique and min(dims, default=0) >= 0 and max(dims, default=0) <= MAX_DIM
-                and max(map(len, shapes), default=0) <= MAX_RANK):
-            return []
-    problems = []
-    bad_names = [f"[{i}] {n!r}" for i, n in enumerate(names) if not (isinstance(n, str) and n)]
-    if bad_names:
-        problems.append(f"names must be non-empty strings: {_listing(bad_names)}")
-    label = [n if isinstance(n, str) else f"[{i}]" for i, n in enumerate(names)]
-    bad_dtypes = [f"{label[i]} ({d!r})" for i, d in enumerate(dtypes) if not (type(d) is str and d in DTYPES)]
-    if bad_dtypes:
-        problems.append(f"dtype_names: unknown dtype for {_listing(bad_dtypes)} "
-                        f"(known: {', '.join(DTYPES)})")
-    bad_shapes = [f"{label[i]} ({s!r})"[:200] for i, s in enumerate(shapes)
-                  if not (isinstance(s, list) and len(s) <= MAX_RANK
-                          and all(_is_int(d) and 0 <= d <= MAX_DIM for d in s))]
-    if bad_shapes:
-        problems.append(f"shapes must be lists of at most {MAX_RANK} int64 non-negative integers: "
-                        f"{_listing(bad_shapes)}")
-    counts = Counter(n for n in label if isinstance(n, str))
-    dups = sorted(n for n, count in counts.items() if count > 1)
-    if dups:
-        problems.append(f"names: duplicates {_listing(dups)}")
-    return problems
 
 
 class _ModelIndex(NamedTuple):
@@ -254,21 +88,18 @@ def check_against_model(metas: Sequence[TensorMeta], expected: Mapping[str, Expe
     missing = index.required.difference(covered)
     problems = []
     if unknown:
-        problems.append(f"unknown parameter names: {_listing(unknown)}")
+        problems.append(f"unknown parameter names: {listing(unknown)}")
     if wrong_shape:
-        problems.append(f"wrong shapes: {_listing(wrong_shape)}")
+        problems.append(f"wrong shapes: {listing(wrong_shape)}")
     if not_float:
-        problems.append(f"non-floating dtypes (weights must be floating point): {_listing(not_float)}")
+        problems.append(f"non-floating dtypes (weights must be floating point): {listing(not_float)}")
     if twice:
-        problems.append(f"sent twice: {_listing(twice)}")
+        problems.append(f"sent twice: {listing(twice)}")
     if missing:
         ordered = [n for n in expected if n in missing]
-        problems.append(f"missing required parameters: {_listing(ordered)}{_stacked_hint(ordered, expected)}")
+        problems.append(f"missing required parameters: {listing(ordered)}{_stacked_hint(ordered, expected)}")
     if problems:
         raise InvalidUpdateError("update_info refused: " + "; ".join(problems))
-
-
-listing = _listing
 
 
 _name_of, _dtype_of, _shape_of = (operator.itemgetter(i) for i in range(3))  # TensorMeta's fields
@@ -289,7 +120,7 @@ def _stacked_hint(missing: Sequence[str], expected: Mapping[str, ExpectedParam])
     """Say which stacked tensors could carry missing per-expert names, when any could."""
     want = set(missing)
     stacked = [n for n, p in expected.items() if p.covers and not want.isdisjoint(p.covers)]
-    return f" (or stacked: {_listing(stacked)})" if stacked else ""
+    return f" (or stacked: {listing(stacked)})" if stacked else ""
 
 
 @dataclass(frozen=True)
@@ -317,7 +148,7 @@ def vet(info: UpdateInfo, expected: Mapping[str, ExpectedParam],
     last = _last_vetted[0] if _last_vetted else None
     if validate is None and last is not None and last.expected is expected and last.key == key:
         return last
-    metas = info.metas()
+    metas = tensor_metas(info)
     check_against_model(metas, expected)
     if validate is not None:
         validate(metas)
@@ -359,7 +190,8 @@ def receiver_init(backend: str, init_info: Mapping[str, Any] | InitInfo, worker_
                   connect: bool = True) -> TransferGroup:
     """Join the trainer's group at rank `rank_offset + worker_rank`; blocks (at most about
     timeout_s) until every rank is in. With connect=False the caller gets the group first
-    (so another thread can `abort()` it) and calls `connect()` itself."""
+    (so another thread can `abort()` it) and calls `connect()` itself. `init_info`: parsed
+    already (the server's ranks get it so), or the trainer's JSON, parsed here."""
     info = init_info if isinstance(init_info, InitInfo) else InitInfo.parse(init_info, worker_rank + 1)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
@@ -376,8 +208,9 @@ def receive_weights(
     validate: Callable[[Sequence[TensorMeta]], None] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """Vet the update, then receive every tensor into fresh staging tensors on `device`.
-    `validate`: a further check of the tensor list (raising InvalidUpdateError), made with
-    the others, before any byte moves.
+    `update_info`: parsed already (the server's ranks get it so), or the trainer's JSON,
+    parsed here. `validate`: a further check of the tensor list (raising
+    InvalidUpdateError), made with the others, before any byte moves.
 
     Raises InvalidUpdateError (HTTP 400; the trainer raises the same message) on a
     refusal, WeightTransferError (HTTP 502) if no trainer came or the transfer failed:

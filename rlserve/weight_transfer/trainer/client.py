@@ -27,8 +27,7 @@ import torch
 
 from rlserve.weight_transfer.address import get_open_port, rendezvous_address
 from rlserve.weight_transfer.errors import UpdateRefusedError, WeightTransferError
-from rlserve.weight_transfer.ipc import is_reference
-from rlserve.weight_transfer.packing import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
+from rlserve.weight_transfer.info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, is_reference
 from rlserve.weight_transfer.trainer.http_client import BackgroundCall, answer, post_update
 
 

@@ -22,9 +22,8 @@ import torch
 from ..errors import InvalidUpdateError
 from ..group import DEFAULT_TIMEOUT_S, TransferGroup
 from ..handshake import await_done, cancel, post_plan, trainer_handshake
+from ..info import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 from ..packing import (
-    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-    DEFAULT_PACKED_NUM_BUFFERS,
     TensorMeta,
     plan_buckets,
     plan_digest,
