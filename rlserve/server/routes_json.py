@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 import weakref
 from typing import Annotated, Any
 
@@ -29,6 +30,23 @@ _NONCE = os.urandom(12).hex()
 _OPEN_JSON = f'"\\u0000{_NONCE}:'
 _CLOSE_JSON = '"'
 _MAX_SPAN = 1 << 16  # ids spread wider than this (never expert ids) take json.dumps
+
+
+class _Scratch(threading.local):
+    """Buffers kept between calls, per thread: fresh multi-megabyte arrays cost a page fault
+    every 4 KB on first touch, more than the gathers that fill them."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, n: int, dtype: np.dtype) -> np.ndarray:
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.size < n:
+            buf = self.buffers[name] = np.empty(n, dtype)
+        return buf[:n]
+
+
+_SCRATCH = _Scratch()
 
 
 def _words(values: range, width: int, sep: str, dtype: np.dtype) -> np.ndarray:
@@ -54,16 +72,16 @@ def encode(routes: np.ndarray) -> str:
     index = routes - lo if lo else routes
     # Gathers into contiguous arrays, then one copy past the prefix words (numpy gathers
     # into a strided output several times slower).
-    body = np.take(mid, index, mode="clip")
+    body = np.take(mid, index, mode="clip", out=_SCRATCH.get("body", t * layers * k, dtype).reshape(t, layers, k))
     body[..., -1] = np.take(last, index[..., -1], mode="clip")
-    flat = np.empty(t * layers * (k + 1) + 1, dtype)  # and a last word: the closing "]]"
+    flat = _SCRATCH.get("flat", t * layers * (k + 1) + 1, dtype)  # and a last word: the closing "]]"
     words = flat[:-1].reshape(t, layers, k + 1)
     words[..., 1:] = body
     words[:, :, 0] = layer
     words[:, 0, 0] = token
     words[0, 0, 0] = first
     flat[-1] = np.frombuffer("]]".rjust(size).encode(), dtype)[0]
-    return str(flat.data, "ascii")  # decoded in place: no bytes copy
+    return str(flat.data, "ascii")  # decoded from the buffer: no bytes copy
 
 
 class RoutesJSON:
