@@ -48,6 +48,15 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+def _signal_state(pid: int) -> str:
+    """Whether `pid` ignores, blocks or catches SIGINT (/proc's masks): an ignored SIGINT is
+    inherited from whoever started the process."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    bit = 1 << (signal.SIGINT - 1)
+    return ", ".join(f"SIGINT {name} {bool(int(fields[key], 16) & bit)}"
+                     for key, name in (("SigIgn", "ignored"), ("SigBlk", "blocked"), ("SigCgt", "caught")))
+
+
 def _children(pid: int) -> set[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return {int(p) for p in out.split()}
@@ -76,9 +85,15 @@ def test_sigint_stops_pytest_and_its_servers_within_seconds(tmp_path, when):
             server_pid = min(_children(proc.pid))
         assert server_pid is not None, "".join(lines)
         time.sleep(1)
+        signals = _signal_state(proc.pid)
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        rest, _ = proc.communicate(timeout=30)
+        try:
+            rest, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rest, _ = proc.communicate()
+            pytest.fail(f"pytest did not stop within 30 s of SIGINT ({signals}):\n{''.join(lines)}{rest}")
         elapsed = time.monotonic() - t0
     finally:
         if proc.poll() is None:
