@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections.abc import Iterable, Sequence
@@ -269,11 +270,31 @@ class LLM:
         return version
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers and release the engine (also on `with LLM(...)` exit)."""
-        self.engine.shutdown()
+        """Stop tensor-parallel workers and release the engine (also on `with LLM(...)` exit):
+        its weights, KV cache and CUDA graphs are freed and the allocator's cache given back,
+        so a second LLM in the same process (the next experiment, a trainer's next stage) can
+        size its cache from the whole device again. Any later use says it was shut down."""
+        engine = self.engine
+        if isinstance(engine, _ShutDown):
+            return
+        engine.shutdown()
+        device = engine.device
+        self.engine = _ShutDown()  # type: ignore[assignment]
+        del engine
+        gc.collect()  # the engine's reference cycles hold the model
+        if device.type == "cuda":
+            import torch
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+class _ShutDown:
+    """Where a shut-down LLM's engine was."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"this LLM was shut down (engine.{name}); start a new LLM to generate again")

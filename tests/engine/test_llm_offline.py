@@ -128,3 +128,21 @@ def test_trust_remote_code_runs_the_config_code_a_model_ships(tmp_path):
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}],
                            SamplingParams(max_tokens=2, temperature=0, detokenize=False), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_shutdown_frees_the_model_for_the_next_llm():
+    """After shutdown() the engine's weights are gone even while the LLM object lives (on a GPU
+    that is what lets a second LLM in the process size its cache from the whole device), and
+    using it again says it was shut down."""
+    import gc
+    import weakref
+    llm = LLM(model_dir("tiny"), load_format="dummy", tokenizer=demo_model_path(), device="cpu",
+              dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    weight = weakref.ref(next(llm.engine.executor.local_runner.model.parameters()))
+    assert llm.generate(PROMPT, SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    llm.shutdown()
+    gc.collect()
+    assert weight() is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=2))
+    llm.shutdown()  # a second shutdown is a no-op, as with `with LLM(...)` after a shutdown
