@@ -19,6 +19,10 @@ covers the workload's ids) so detokenization costs what it costs.
     python benchmarks/rollout.py --model qwen3-0.6b --data-parallel-size 2 --num-seqs 512   # 2 GPUs
     python benchmarks/rollout.py --model tiny --device cpu --num-seqs 128 --max-len 256 \\
         --max-model-len 1024 --modes nonstream
+    python benchmarks/rollout.py --model qwen3-30b-a3b --modes notext --return-routed-experts
+
+--return-routed-experts starts both engines with the capture on: every completion then carries
+its `routed_experts` (each served response is checked for them), as vLLM's flag does.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ MODES = ("nonstream", "stream", "notext")
 def engine_flags(args) -> dict:
     return dict(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                gpu_memory_utilization=args.gpu_memory_utilization)
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enable_return_routed_experts=args.return_routed_experts)
 
 
 def offline(args, path: str, queue) -> None:
@@ -77,7 +82,7 @@ def sync() -> None:
 # ------------------------------------------------------------------ load generation
 
 
-def client(base_url: str, items: list, mode: str, temperature: float, ready, go, queue) -> None:
+def client(base_url: str, items: list, mode: str, temperature: float, routes: bool, ready, go, queue) -> None:
     """Child process: once `go` is set, send `items` ((prompt ids, max_tokens)) all at once."""
     import httpx
 
@@ -90,7 +95,10 @@ def client(base_url: str, items: list, mode: str, temperature: float, ready, go,
         if mode != "stream":
             r = await http.post("/v1/completions", json=body)
             r.raise_for_status()
-            return {"tokens": r.json()["usage"]["completion_tokens"], "start": t0, "end": time.time(),
+            end, answer = time.time(), r.json()
+            if routes and not answer["choices"][0].get("routed_experts"):
+                raise RuntimeError("a completion came without its routed_experts")
+            return {"tokens": answer["usage"]["completion_tokens"], "start": t0, "end": end,
                     "ttft": None, "itl": []}
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -124,7 +132,8 @@ def run_mode(url: str, mode: str, prompts, out_lens, args) -> dict:
     queue, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     items = list(zip(prompts, out_lens))
     n = max(1, min(args.client_procs, len(items)))
-    procs = [ctx.Process(target=client, args=(url, items[i::n], mode, args.temperature, ready, go, queue))
+    procs = [ctx.Process(target=client, args=(url, items[i::n], mode, args.temperature, args.return_routed_experts,
+                                              ready, go, queue))
              for i in range(n)]
     for p in procs:
         p.start()
@@ -160,6 +169,8 @@ def serve_and_measure(args, path: str, tokenizer: str, prompts, out_lens) -> lis
              "--weight-transfer-config", '{"backend": "gloo"}', "--log-level", "warning"]
     if args.api_server_count > 1:
         flags += ["--api-server-count", str(args.api_server_count)]
+    if args.return_routed_experts:
+        flags += ["--enable-return-routed-experts"]
     if args.data_parallel_size > 1:
         flags += ["--data-parallel-size", str(args.data_parallel_size)]
     warm, _ = nano_vllm_draw(32, args.min_len, args.max_len, args.max_len, seed=1)
@@ -234,6 +245,8 @@ def main() -> None:
                    help="cProfile the engine loop and the API server's event loop (every mode "
                         "of the run together) and print their top functions")
     p.add_argument("--json", default=None, help="also write every figure here")
+    p.add_argument("--return-routed-experts", action="store_true",
+                   help="capture every token's experts (a mixture of experts), offline and served")
     args = p.parse_args()
     path = model_dir(args.model)
     if args.tokenizer is None:

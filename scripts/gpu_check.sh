@@ -14,6 +14,8 @@
 #   scripts/gpu_check.sh features         what the RL features cost: Qwen3-30B-A3B with routed experts
 #                                         returned, Qwen3-0.6B in the batch-invariant mode (each
 #                                         beside its plain run)
+#   scripts/gpu_check.sh served           Qwen3-30B-A3B offline against served (token ids), with and
+#                                         without routed experts returned
 #   scripts/gpu_check.sh hybrid           the hybrid presets (Qwen3.5-0.8B, Qwen3-Next): throughput
 #                                         and the colocated push
 #
@@ -91,6 +93,15 @@ case "${1:-suite}" in
       # shellcheck disable=SC2086
       TAIL=8 run "throughput-qwen3-0.6b${mode:+-invariant}" "$here" python3 benchmarks/throughput.py \
         --model qwen3-0.6b $mode
+    done
+    ;;
+  served)
+    # Qwen3-30B-A3B offline and served (token ids, nothing decoded), then both with every token's
+    # experts returned.
+    for routes in "" --return-routed-experts; do
+      # shellcheck disable=SC2086
+      STEP_TIMEOUT=${STEP_TIMEOUT:-280} TAIL=4 run "rollout-qwen3-30b-a3b${routes:+-routes}" "$here" \
+        python3 benchmarks/rollout.py --model qwen3-30b-a3b --modes notext $routes
     done
     ;;
   hybrid)
