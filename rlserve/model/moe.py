@@ -27,7 +27,6 @@ from rlserve.distributed import current_tp_group, split_evenly
 from rlserve.model.base import Piece, WeightSlot
 from rlserve.model.parallel import ColumnParallelLinear, RowParallelLinear, Shard
 from rlserve.ops.kernels import TORCH, Kernels
-from rlserve.ops.moe import route
 
 
 def config_value(config, *names: str, default=None):
@@ -193,7 +192,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = route(self.kernels.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        routing = self.kernels.route(self.kernels.linear(x, self.gate.weight), self.top_k, self.renormalize)
         if self.capture is not None:
             self.capture[:x.shape[0]].copy_(routing.ids)
         out = self.experts(x, routing.weights, routing.ids)

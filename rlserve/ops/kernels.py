@@ -46,6 +46,8 @@ class Kernels:
     fused_moe: Callable[..., torch.Tensor]
     # x @ weight.T + bias for every projection and the LM head: (x, weight, bias)
     linear: Callable[..., torch.Tensor] = F.linear
+    # The MoE router: (logits [T, E], top_k, renormalize) -> Routing (float32 weights, int32 ids)
+    route: Callable[..., moe_ref.Routing] = moe_ref.route
     # Fused rotary embedding (with the q/k norms and the KV store folded in); None: torch rotary.
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     # Decode-sized projections with the op after them fused (ops/triton_decode_gemm.py);
@@ -110,6 +112,7 @@ def _triton() -> Kernels:
         triton_kv_store,
         triton_lora,
         triton_moe,
+        triton_router,
     )
     from rlserve.ops.triton_rotary import rope_
     from rlserve.ops.triton_sampling import gumbel_sample
@@ -155,7 +158,7 @@ def _triton() -> Kernels:
                    paged_attention=paged_attention, rms_norm=rms_norm,
                    fused_add_rms_norm=triton_fused.fused_add_rms_norm,
                    silu_and_mul=triton_fused.silu_and_mul, lora=lora, rope=rope_,
-                   fused_moe=triton_moe.fused_moe,
+                   fused_moe=triton_moe.fused_moe, route=triton_router.route,
                    linear_add_rms_norm=linear_add_rms_norm, linear_silu_and_mul=linear_silu_and_mul,
                    sample=gumbel_sample, graphs=True)
 

@@ -6,26 +6,13 @@ interpreter (small shapes).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-from rlserve import envs
+from helpers.triton_lane import DEVICE, INTERPRET, KERNEL_MARKS
 from rlserve.ops import moe as ref
 
-INTERPRET = envs.RLSERVE_TRITON_INTERPRET.get()
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit decorates the kernels
-DEVICE = "cpu" if INTERPRET else "cuda"
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
-    pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                       reason="needs CUDA (or RLSERVE_TRITON_INTERPRET=1)"),
-]
+pytestmark = KERNEL_MARKS
 
 
 def _kernel():
