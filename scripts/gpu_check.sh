@@ -16,6 +16,8 @@
 #                                         beside its plain run)
 #   scripts/gpu_check.sh served           Qwen3-30B-A3B offline against served (token ids), with and
 #                                         without routed experts returned
+#   scripts/gpu_check.sh tune             the fused MoE's launch shapes tuned for this card (Qwen3-30B-A3B,
+#                                         Qwen3-Next), tables to $OUT/moe_configs; then `memory` again
 #   scripts/gpu_check.sh hybrid           the hybrid presets (Qwen3.5-0.8B, Qwen3-Next): throughput
 #                                         and the colocated push
 #
@@ -103,6 +105,14 @@ case "${1:-suite}" in
       STEP_TIMEOUT=${STEP_TIMEOUT:-280} TAIL=4 run "rollout-qwen3-30b-a3b${routes:+-routes}" "$here" \
         python3 benchmarks/rollout.py --model qwen3-30b-a3b --modes notext $routes
     done
+    ;;
+  tune)
+    # The fused MoE's launch shapes for this card, per shipped MoE preset (moe_configs.py reads
+    # the tables); the tables come back under $OUT/moe_configs, to commit.
+    for model in qwen3-30b-a3b qwen3-next-80b-a3b; do
+      STEP_TIMEOUT=${STEP_TIMEOUT:-290} TAIL=20 run "moe-tune-$model" "$here" python3 benchmarks/moe_tune.py --model "$model"
+    done
+    cp -r rlserve/ops/moe_configs "$OUT/" 2>/dev/null
     ;;
   hybrid)
     for model in qwen3.5-0.8b qwen3-next-80b-a3b-12l; do

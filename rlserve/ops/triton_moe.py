@@ -22,13 +22,14 @@ throughput depends on; the spare rows cost tensor-core time, which decode has to
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from rlserve import envs
+from rlserve.ops import moe_configs
 
 
 class ExpertBlocks(NamedTuple):
@@ -220,13 +221,22 @@ def block_m_for(num_pairs: int, num_experts: int) -> int:
     return min(128, max(16, triton.next_power_of_2(-(-3 * num_pairs // num_experts))))
 
 
-# Launch shapes; `fused_moe(config=...)` overrides them (benchmarks/moe_kernels.py).
-# BLOCK_M None: block_m_for; BLOCK_K None: by BLOCK_M; in_order: each token's k outputs
-# added one after the other in slot order (torch's sum over them picks its split from T).
+# Launch shapes where the card has no tuned table (moe_configs.py); `fused_moe(config=...)`
+# overrides both (benchmarks/moe_kernels.py, moe_tune.py). BLOCK_M None: block_m_for; BLOCK_K
+# None: by BLOCK_M; "down": the down projection's own BLOCK_N/BLOCK_K/warps/stages; in_order:
+# each token's k outputs added one after the other in slot order (torch's sum over them picks
+# its split from T).
 DEFAULT_CONFIG = dict(BLOCK_M=None, BLOCK_N=64, BLOCK_K=None, warps=4, stages=3, in_order=False)
 # The batch-invariant mode's: one block shape whatever the batch, so every pair's products
 # walk K in the same tiles; a row's bits do not follow the rows beside it in its block.
 INVARIANT_CONFIG = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, warps=4, stages=3, in_order=True)
+
+
+def _launch(cfg: dict, block_m: int) -> dict:
+    """One kernel's tile and launch arguments from a config."""
+    # Longer K tiles pay off while blocks are short (decode); measured in RESULTS.md.
+    block_k = cfg["BLOCK_K"] or (128 if block_m <= 32 else 64)
+    return dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["warps"], num_stages=cfg["stages"])
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -241,26 +251,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     m = num_tokens * top_k
     if m == 0:
         return x.new_zeros(num_tokens, hidden)
-    cfg = DEFAULT_CONFIG if config is None else {**DEFAULT_CONFIG, **config}
+    if config is None:
+        config = moe_configs.tuned(x.device, num_experts, hidden, inter, x.dtype, num_tokens)
+    cfg: dict[str, Any] = DEFAULT_CONFIG if config is None else {**DEFAULT_CONFIG, **config}
     blocks = align(topk_ids, num_experts, cfg["BLOCK_M"] or block_m_for(m, num_experts))
     num_blocks = blocks.table.shape[1]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    block_n = cfg["BLOCK_N"]
-    # Longer K tiles pay off while blocks are short (decode); measured in RESULTS.md.
-    block_k = cfg["BLOCK_K"] or (128 if blocks.block_m <= 32 else 64)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+    up = _launch(cfg, blocks.block_m)
+    down = _launch({**cfg, **cfg.get("down", {})}, blocks.block_m)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, up["BLOCK_N"]))](
         x, w13, h, blocks.order, blocks.table, hidden, inter, top_k,
         blocks.table.stride(0), x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        WIDEN=_WIDEN, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        BLOCK_M=blocks.block_m, PRECISION=precision, WIDEN=_WIDEN, **up)
     out = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float()
-    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+    _down_kernel[(num_blocks, triton.cdiv(hidden, down["BLOCK_N"]))](
         h, w2, out, weights, blocks.order, blocks.table, hidden, inter,
         blocks.table.stride(0), h.stride(0), w2.stride(0), w2.stride(1), hidden,
-        BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        WIDEN=_WIDEN, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        BLOCK_M=blocks.block_m, PRECISION=precision, WIDEN=_WIDEN, **down)
     if not cfg["in_order"]:
         return out.sum(dim=1).to(x.dtype)
     total = out[:, 0]

@@ -61,6 +61,21 @@ def test_fused_moe_matches_the_reference(tokens, experts, top_k, hidden, inter, 
     assert err.max().item() < (1e-4 if dtype == torch.float32 else 2e-2)
 
 
+# Shapes a tuned table may give (moe_configs.py): each projection its own tiles and warps.
+TUNED_SHAPES = [dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, warps=4, stages=4, down=dict(BLOCK_N=128, BLOCK_K=64)),
+                dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, warps=8, stages=3, down=dict(BLOCK_N=64, warps=4)),
+                dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, warps=4, stages=2)]
+
+
+@pytest.mark.parametrize("config", TUNED_SHAPES)
+def test_every_tuned_launch_shape_gives_the_reference(config):
+    x, w13, w2, weights, ids = _case(37, 8, 2, 96, 48, torch.bfloat16, seed=5)
+    got = _kernel().fused_moe(x, w13, w2, weights, ids, config=config)
+    want = ref.fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    assert err.max().item() < 2e-2
+
+
 @pytest.mark.skipif(INTERPRET, reason="too large for the interpreter")
 @pytest.mark.parametrize("tokens,experts,top_k", [(8192, 128, 8), (2048, 64, 6), (513, 128, 8)])
 def test_fused_moe_matches_the_reference_at_prefill_sizes(tokens, experts, top_k):
