@@ -339,19 +339,26 @@ def bench_ipc(client: WeightSyncClient, tensors, size: int, repeats: int) -> Non
     print(f"{'first push (export + open)':>34}: {first_s * 1e3:.1f} ms (server: receive "
           f"{first['receive_seconds'] * 1e3:.1f} ms, apply {first['apply_seconds'] * 1e3:.1f} ms; "
           f"{sender.exported_last} storages exported)")
-    warm, recv, apply = [], [], []
+    warm, recv, apply, server = [], [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         r = update()
         warm.append(time.perf_counter() - t0)
         recv.append(r["receive_seconds"])
         apply.append(r["apply_seconds"])
+        server.append(r["server_seconds"])
     assert sender.exported_last == 0
     med = statistics.median(warm)
     print(f"{'warm push (update call)':>34}: median {med * 1e3:.2f} ms, best {min(warm) * 1e3:.2f} ms "
           f"= {size / med / 1e9:.0f} GB/s (server: receive {statistics.median(recv) * 1e3:.2f} ms, "
           f"apply {statistics.median(apply) * 1e3:.2f} ms; building update_info "
           f"{statistics.median(build[1:]) * 1e3:.2f} ms; {repeats} pushes)")
+    # Where the rest goes: the API server's handler from the parsed request to the engine's
+    # answer, and what is left (HTTP, the request's parsing, the trainer's side).
+    beyond = statistics.median([s - a - b for s, a, b in zip(server, recv, apply)])
+    outside = statistics.median([w - s for w, s in zip(warm, server)])
+    print(f"{'of a warm push':>34}: the server's handler {statistics.median(server) * 1e3:.2f} ms (beyond "
+          f"receive and apply: {beyond * 1e3:.2f} ms); HTTP, parsing and the trainer {outside * 1e3:.2f} ms")
     cycles = [client.push(tensors).seconds for _ in range(repeats)]
     print(f"{'pause-push-resume (client.push)':>34}: median {statistics.median(cycles) * 1e3:.2f} ms, "
           f"best {min(cycles) * 1e3:.2f} ms")

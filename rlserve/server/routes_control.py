@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Iterator
 from typing import Any, Literal
 
@@ -137,7 +138,7 @@ async def init_weight_transfer_engine(body: InitWeightTransferRequest, request: 
 
 @router.post("/update_weights")
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
-    metrics = request.app.state.metrics
+    metrics, start = request.app.state.metrics, time.perf_counter()
     try:
         with _about("update_info"):
             result = await _unless_stopping(request, _engine(request).update_weights(body.update_info),
@@ -151,7 +152,10 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict:
               "weight_version": result.weight_version,
               "weight_label": _engine(request).version_label(result.weight_version), "bytes": result.num_bytes,
               "receive_seconds": result.receive_seconds, "apply_seconds": result.apply_seconds,
-              "gb_per_second": gbps}
+              "gb_per_second": gbps,
+              # From the parsed request to the engine's answer: what the trainer waited beyond it
+              # is HTTP and its own side.
+              "server_seconds": time.perf_counter() - start}
     if result.skipped:  # a multimodal trainer's vision tower, which this server does not hold
         answer["skipped"] = result.skipped
     if result.replicas is not None:

@@ -128,6 +128,8 @@ def test_seed_flow_makes_dummy_server_serve_the_real_model(dummy_server, trainer
                                                   group=group, packed=True)
     t.join()
     assert responses["update"].status_code == 200, responses["update"].text
+    done = responses["update"].json()
+    assert done["server_seconds"] >= done["receive_seconds"] + done["apply_seconds"] > 0  # where the time went
     assert httpx.post(f"{url}/resume", headers=admin()).status_code == 200
 
     after = greedy(url, PROMPTS[0])
