@@ -64,7 +64,7 @@ def outputs(url: str) -> list[list[int]]:
     return [complete(url, p)[0] for p in PROMPTS]
 
 
-def seed_flow_push(url: str, sender, named, version: int) -> dict:
+def rlhf_http_push(url: str, sender, named, version: int) -> dict:
     """The order of vLLM's RLHF-over-HTTP example: pause, send, resume (the ipc send posts the update itself)."""
     httpx.post(f"{url}/pause", params={"mode": "keep"}).raise_for_status()
     try:
@@ -104,18 +104,18 @@ def sender(server):
     return IPCWeightTransferEngine.trainer_init()
 
 
-def test_colocated_seed_flow_serves_the_trainers_weights(server, sender, trainer):
+def test_colocated_rlhf_http_flow_serves_the_trainers_weights(server, sender, trainer):
     url = server.url
     assert httpx.get(f"{url}/get_world_size").json() == {"world_size": 1}
     before = outputs(url)
-    result = seed_flow_push(url, sender, trainer.named_parameters(), version=1)
+    result = rlhf_http_push(url, sender, trainer.named_parameters(), version=1)
     assert result["weight_version"] == 1 and sender.exported_last > 0
     assert outputs(url) != before
     assert_matches_trainer(url, trainer)
 
     # A second push reuses every handle; the server copies again (same weights, same output).
     after = outputs(url)
-    seed_flow_push(url, sender, trainer.named_parameters(), version=2)
+    rlhf_http_push(url, sender, trainer.named_parameters(), version=2)
     assert sender.exported_last == 0
     assert outputs(url) == after
 
@@ -126,12 +126,12 @@ def test_reallocated_parameter_is_re_registered(server, sender, trainer):
     original = norm.weight.data
     expected = outputs(url)
     norm.weight.data = torch.zeros_like(original)  # new storage: hidden states become zero
-    seed_flow_push(url, sender, trainer.named_parameters(), version=3)
+    rlhf_http_push(url, sender, trainer.named_parameters(), version=3)
     assert sender.exported_last == 1
     # Zero logits everywhere: greedy picks token 0 at every step.
     assert all(toks == [0] * MAX_TOKENS for toks in outputs(url))
     norm.weight.data = original
-    seed_flow_push(url, sender, trainer.named_parameters(), version=4)
+    rlhf_http_push(url, sender, trainer.named_parameters(), version=4)
     assert outputs(url) == expected
 
 
@@ -224,7 +224,7 @@ def test_sleep_returns_the_memory_and_wake_restores_the_output(server, sender, t
     assert httpx.post(f"{url}/sleep", params={"level": 2}).status_code == 200
     assert torch.cuda.mem_get_info()[0] - free_awake >= 0.9 * held
     assert httpx.post(f"{url}/wake_up").status_code == 200
-    seed_flow_push(url, sender, trainer.named_parameters(), version=5)
+    rlhf_http_push(url, sender, trainer.named_parameters(), version=5)
     assert outputs(url) == expected
 
 

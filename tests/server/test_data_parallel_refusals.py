@@ -98,7 +98,7 @@ def test_trainer_pushing_when_a_replica_dies_hears_it_at_once(dp_server, trainer
     sync = WeightSyncClient(url, backend="gloo", timeout_s=TIMEOUT_S)
     sync.init()
     sync.push(trainer.named_parameters(), version=7)
-    # The seed's flow, its /update_weights not sent yet: the trainer waits for every rank.
+    # vLLM's RLHF-over-HTTP flow, its /update_weights not sent yet: the trainer waits for every rank.
     outcome: dict = {}
 
     def send() -> None:

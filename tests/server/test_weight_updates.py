@@ -95,7 +95,7 @@ def _scramble(url: str, model) -> None:
     client.push([(n, 0.05 * torch.randn(p.shape, generator=gen)) for n, p in model.named_parameters()])
 
 
-def test_seed_flow_makes_dummy_server_serve_the_real_model(dummy_server, trainer_model, reference):
+def test_vllm_rlhf_http_flow_makes_dummy_server_serve_the_real_model(dummy_server, trainer_model, reference):
     url = dummy_server.url
     if httpx.get(f"{url}/weight_version", headers=admin()).json()["weight_version"] != 0:
         # Another test pushed first: serve nonsense again, as the dummy weights did.
