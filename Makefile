@@ -24,13 +24,13 @@ lint:
 	$(PYTHON) -m ruff format --check rlserve/engine rlserve/worker
 	$(PYTHON) -m mypy rlserve
 
-# The second run is the Triton kernels' CPU lane: the MoE, router and LoRA kernels under Triton's
+# The second run is the Triton kernels' CPU lane: the MoE, router, gated-delta and LoRA kernels under Triton's
 # interpreter against their torch references (the rest of tests/gpu/test_triton_ops.py takes
 # about five minutes there: run it with `make test-interpret`). The first run lists its 25
 # slowest tests, so a CI log shows where the suite's time goes.
 test: install
 	$(PYTHON) -m pytest -q --durations=25 tests
-	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_triton_router.py tests/gpu/test_lora_ops.py
+	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_triton_router.py tests/gpu/test_triton_gated_delta.py tests/gpu/test_lora_ops.py
 
 # The quick loop while editing: the unit tests and the engine on a tiny model (dummy weights),
 # no server; about 75 s on two cores that other test runs shared. The folders under tests/
@@ -39,7 +39,7 @@ test-fast:
 	$(PYTHON) -m pytest -q tests/unit tests/engine/test_llm_offline.py tests/engine/test_kernels.py
 
 test-interpret:
-	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_triton_router.py tests/gpu/test_lora_ops.py tests/gpu/test_triton_ops.py \
+	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_triton_router.py tests/gpu/test_triton_gated_delta.py tests/gpu/test_lora_ops.py tests/gpu/test_triton_ops.py \
 		tests/gpu/test_batch_invariance_triton.py
 
 test-gpu:

@@ -110,6 +110,10 @@ VLLM_BATCH_INVARIANT: EnvVar[bool] = _var(
     "VLLM_BATCH_INVARIANT", "0 or 1", "1: --batch-invariant, as vLLM reads it (a request's tokens "
     "and logprobs do not depend on what else shares its steps; docs/on-policy.md)",
     default=False, parse=_switch)
+RLSERVE_GDN_DECODE: EnvVar[str | None] = _var(
+    "RLSERVE_GDN_DECODE", "fla or triton", "hybrid models on CUDA: a linear-attention decode step "
+    "through fla-core's recurrent kernel (states gathered and scattered around it) or through "
+    "rlserve's kernel on the state pool in place (default: fla where it imports, else triton)")
 RLSERVE_PDL: EnvVar[bool] = _var(
     "RLSERVE_PDL", "0 or 1", "0: every Triton kernel launches plainly, without programmatic "
     "dependent launch (a debugging aid; the results are the same)", default=True,

@@ -48,11 +48,11 @@ case "${1:-suite}" in
     # start-up). Each test sizes its own KV cache, so the lanes share the GPU; three shards at once
     # starved the engine shard of host cores (it ran past 500 s where alone it takes 153 s).
     shards=("tests/gpu/test_triton_ops.py"
-            "tests/gpu/test_lora_ops.py tests/gpu/test_triton_moe.py tests/gpu/test_triton_router.py tests/gpu/test_gpu_sampling.py"
+            "tests/gpu/test_lora_ops.py tests/gpu/test_triton_moe.py tests/gpu/test_triton_router.py tests/gpu/test_triton_gated_delta.py tests/gpu/test_gpu_sampling.py"
             "")
     # The third: every other file of tests/gpu (where each GPU test lives).
     others=$(ls tests/gpu/test_*.py | grep -v -e test_triton_ops.py -e test_lora_ops.py -e test_triton_moe.py \
-             -e test_triton_router.py -e test_gpu_sampling.py | tr '\n' ' ')
+             -e test_triton_router.py -e test_triton_gated_delta.py -e test_gpu_sampling.py | tr '\n' ' ')
     shards[2]=$others
     shard() {
       # shellcheck disable=SC2086
@@ -115,8 +115,11 @@ case "${1:-suite}" in
     cp -r rlserve/ops/moe_configs "$OUT/" 2>/dev/null
     ;;
   hybrid)
+    # Each beside its decode steps on the state pool in place (ops/triton_gated_delta.py).
     for model in qwen3.5-0.8b qwen3-next-80b-a3b-12l; do
       TAIL=8 run "throughput-$model" "$here" python3 benchmarks/throughput.py --model "$model"
+      RLSERVE_GDN_DECODE=triton TAIL=8 run "throughput-$model-in-place" "$here" python3 benchmarks/throughput.py \
+        --model "$model"
     done
     # The colocated push holds two copies on the card: the 12-layer Qwen3-Next (about 40 GB) does not fit.
     for model in qwen3.5-0.8b; do

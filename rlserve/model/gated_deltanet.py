@@ -13,13 +13,16 @@ run of key heads and their value heads, their rows of every input projection and
 conv channels (of q, of k and of v), their decay parameters and states, and its columns of
 the out projection (row-parallel: one all-reduce a layer).
 
-The recurrences themselves are in rlserve/ops/gated_delta.py (torch, the reference) and
-rlserve/ops/fla_gated_delta.py (the fla-core Triton kernels, on CUDA when installed).
+The recurrences themselves are in rlserve/ops/gated_delta.py (torch, the reference),
+rlserve/ops/fla_gated_delta.py (the fla-core Triton kernels, on CUDA when installed) and, for
+decode steps, rlserve/ops/triton_gated_delta.py (the state pool updated in place; chosen by
+RLSERVE_GDN_DECODE, `decode_in_place`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlserve import envs
 from rlserve.distributed import current_tp_group, split_evenly
 from rlserve.model.base import Piece, WeightSlot
 from rlserve.model.parallel import ColumnParallelLinear, RowParallelLinear, Shard, ShardedModule
@@ -243,13 +247,21 @@ class GatedDeltaNet(ShardedModule):
         q = q.view(n, s.num_k_heads, s.head_k_dim)
         k = k.view(n, s.num_k_heads, s.head_k_dim)
         v = v.view(n, s.num_v_heads, s.head_v_dim)
+        if states.decode and self.kernels.name != "torch" and decode_in_place():
+            from rlserve.ops import triton_gated_delta
+            out = triton_gated_delta.decode_step(q, k, v, g, beta, self.recurrent_state, states.slots, fresh)
+            return self._output(out, z, x.dtype)
         initial = self.recurrent_state[states.slots].masked_fill(fresh[:, None, None, None], 0)
         if self.kernels.name != "torch" and fla.available():
             out, final = fla.gated_delta_rule(q, k, v, g, beta, initial, states.spans, states.decode)
         else:
             out, final = _reference_delta_rule(q, k, v, g, beta, initial, states)
         self.recurrent_state[states.slots] = final
-        out = self.norm(out.to(x.dtype).reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim))
+        return self._output(out, z, x.dtype)
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        s, n = self.shape, out.shape[0]
+        out = self.norm(out.to(dtype).reshape(-1, s.head_v_dim), z.reshape(-1, s.head_v_dim))
         return self.out_proj(out.view(n, s.value_dim))
 
     def _conv_prefill(self, mixed: torch.Tensor, weight: torch.Tensor, states: StateBatch) -> torch.Tensor:
@@ -281,6 +293,16 @@ def _reference_delta_rule(q, k, v, g, beta, initial: torch.Tensor, states: State
                 q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], initial[i])
         out[start:end] = o
     return out, final
+
+
+@functools.cache
+def decode_in_place() -> bool:
+    """Whether a decode step on CUDA runs ops/triton_gated_delta.py on the state pool in place
+    (RLSERVE_GDN_DECODE=triton, or fla-core missing) rather than fla-core's kernel."""
+    choice = envs.RLSERVE_GDN_DECODE.get()
+    if choice not in (None, "fla", "triton"):
+        raise ValueError(f"RLSERVE_GDN_DECODE: fla or triton, got {choice!r}")
+    return choice == "triton" or (choice is None and not fla.available())
 
 
 def linear_attention_layers(model: nn.Module) -> list[GatedDeltaNet]:

@@ -58,9 +58,14 @@ def test_fla_decode_matches_the_reference_step():
     torch.testing.assert_close(final, want_state, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("decode", ["default", "in-place"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
-def test_greedy_tokens_equal_transformers_on_gpu(arch, tmp_path):
-    """float32, the engine's GPU kernels (fla-core's where installed) against transformers."""
+def test_greedy_tokens_equal_transformers_on_gpu(arch, decode, tmp_path, monkeypatch):
+    """float32, the engine's GPU kernels (fla-core's where installed; "in-place": decode steps
+    through ops/triton_gated_delta.py, RLSERVE_GDN_DECODE=triton) against transformers."""
+    if decode == "in-place":
+        from rlserve.model import gated_deltanet
+        monkeypatch.setattr(gated_deltanet, "decode_in_place", lambda: True)
     hf = hybrid_model(arch)
     hf.save_pretrained(tmp_path)
     ids = prompts()
