@@ -113,7 +113,8 @@ VLLM_BATCH_INVARIANT: EnvVar[bool] = _var(
 RLSERVE_GDN_DECODE: EnvVar[str | None] = _var(
     "RLSERVE_GDN_DECODE", "fla or triton", "hybrid models on CUDA: a linear-attention decode step "
     "through fla-core's recurrent kernel (states gathered and scattered around it) or through "
-    "rlserve's kernel on the state pool in place (default: fla where it imports, else triton)")
+    "rlserve's kernel on the state pool in place (default: fla; without fla-core, the torch "
+    "recurrence)")
 RLSERVE_PDL: EnvVar[bool] = _var(
     "RLSERVE_PDL", "0 or 1", "0: every Triton kernel launches plainly, without programmatic "
     "dependent launch (a debugging aid; the results are the same)", default=True,

@@ -298,11 +298,12 @@ def _reference_delta_rule(q, k, v, g, beta, initial: torch.Tensor, states: State
 @functools.cache
 def decode_in_place() -> bool:
     """Whether a decode step on CUDA runs ops/triton_gated_delta.py on the state pool in place
-    (RLSERVE_GDN_DECODE=triton, or fla-core missing) rather than fla-core's kernel."""
+    (RLSERVE_GDN_DECODE=triton) rather than fla-core's kernel (or, without it, the torch
+    recurrence). Opt-in until measured against fla-core on a GPU."""
     choice = envs.RLSERVE_GDN_DECODE.get()
     if choice not in (None, "fla", "triton"):
         raise ValueError(f"RLSERVE_GDN_DECODE: fla or triton, got {choice!r}")
-    return choice == "triton" or (choice is None and not fla.available())
+    return choice == "triton"
 
 
 def linear_attention_layers(model: nn.Module) -> list[GatedDeltaNet]:
