@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,20 +46,27 @@ class StateBatch:
     slots: torch.Tensor  # int64 [num_seqs], on the model's device
     fresh: torch.Tensor  # bool [num_seqs]: the chunk starts at position 0 (zero state)
     spans: list[tuple[int, int]]  # each sequence's [start, end) of the step's tokens
-    slot_list: list[int]
     fresh_list: list[bool]
+    _conv_indices: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def decode(self) -> bool:
         """One token per sequence."""
         return len(self.spans) == (self.spans[-1][1] if self.spans else 0)
 
+    def conv_indices(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's gather indices for this step (ops/gated_delta.conv_indices), made
+        once and shared by every layer."""
+        if self._conv_indices is None:
+            self._conv_indices = ref.conv_indices(self.spans, width, device)
+        return self._conv_indices
+
     @classmethod
     def decode_rows(cls, slots: torch.Tensor, fresh: torch.Tensor) -> StateBatch:
         """A decode step's rows given as device tensors (a CUDA graph's static buffers):
         nothing here reads the host, so the step can be captured."""
         n = slots.shape[0]
-        return cls(slots, fresh, [(i, i + 1) for i in range(n)], [], [])
+        return cls(slots, fresh, [(i, i + 1) for i in range(n)], [])
 
     @classmethod
     def build(cls, slots: list[int], query_start_loc: list[int], starts: list[int],
@@ -68,7 +75,7 @@ class StateBatch:
         spans = list(zip(query_start_loc[:-1], query_start_loc[1:]))
         fresh = [s == 0 for s in starts]
         return cls(torch.tensor(slots, dtype=torch.int64, device=device),
-                   torch.tensor(fresh, dtype=torch.bool, device=device), spans, list(slots), fresh)
+                   torch.tensor(fresh, dtype=torch.bool, device=device), spans, fresh)
 
 
 @dataclass(frozen=True)
@@ -265,14 +272,11 @@ class GatedDeltaNet(ShardedModule):
         return self.out_proj(out.view(n, s.value_dim))
 
     def _conv_prefill(self, mixed: torch.Tensor, weight: torch.Tensor, states: StateBatch) -> torch.Tensor:
+        """Every sequence of the step in one pass (a fixed number of ops, not a few per sequence)."""
         assert self.conv_state is not None
-        out = torch.empty_like(mixed)
-        for (start, end), slot, fresh in zip(states.spans, states.slot_list, states.fresh_list):
-            state = self.conv_state[slot]
-            if fresh:
-                state = torch.zeros_like(state)
-            out[start:end], new = ref.causal_conv1d(mixed[start:end], weight, state)
-            self.conv_state[slot] = new
+        initial = self.conv_state[states.slots].masked_fill(states.fresh[:, None, None], 0)
+        out, new = ref.causal_conv1d_varlen(mixed, weight, initial, states.conv_indices(weight.shape[1], mixed.device))
+        self.conv_state[states.slots] = new.to(self.conv_state.dtype)
         return out
 
 

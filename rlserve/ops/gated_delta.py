@@ -99,6 +99,40 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
     return F.silu(out).transpose(0, 1), window[:, window.shape[1] - (width - 1):]
 
 
+def conv_indices(spans: list[tuple[int, int]], width: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where `causal_conv1d_varlen` reads and writes, for sequences whose tokens sit at
+    `spans` of the step's rows: its buffer holds each sequence's K-1 state rows, then its
+    tokens, one sequence after another. Returns (each token's window start [T], each
+    sequence's state rows [N, K-1], each sequence's last K-1 rows [N, K-1])."""
+    keep = width - 1
+    lengths = [end - start for start, end in spans]
+    seq = torch.repeat_interleave(torch.arange(len(spans)), torch.tensor(lengths))
+    windows = torch.arange(sum(lengths)) + seq * keep
+    first = torch.tensor([start for start, _ in spans]) + torch.arange(len(spans)) * keep
+    rows = torch.arange(keep)
+    heads = first[:, None] + rows
+    tails = (first + torch.tensor(lengths))[:, None] + rows
+    return windows.to(device), heads.to(device), tails.to(device)
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
+                         indices: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv1d` for every sequence of a step at once, in a fixed number of ops however
+    many there are. x [T, C], the sequences' tokens one after another; weight [C, K];
+    states [N, C, K-1]; `indices` from conv_indices. Returns (out [T, C], the new states)."""
+    windows, heads, tails = indices
+    n, channels, keep = states.shape
+    ext = x.new_empty((x.shape[0] + n * keep, channels))
+    ext[heads.flatten()] = states.transpose(1, 2).reshape(n * keep, channels).to(x.dtype)
+    ext[windows + keep] = x
+    out = ext[windows] * weight[:, 0]
+    for j in range(1, weight.shape[1]):
+        out = out + ext[windows + j] * weight[:, j]
+    return F.silu(out), ext[tails].transpose(1, 2)
+
+
 def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of N sequences: x [N, C]; state [N, C, K-1]. Returns (out [N, C],
