@@ -27,6 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from moe_kernels import replay_us  # noqa: E402
 from rlserve.model.moe import MoEConfig  # noqa: E402
 from rlserve.model.presets import model_dir  # noqa: E402
 from rlserve.ops import moe as ref  # noqa: E402
@@ -56,19 +57,8 @@ def time_us(fn) -> float:
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    reps = max(1, min(50, int(2e-3 / max(time.perf_counter() - t0, 1e-6))))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * reps)
+    calls = max(1, min(50, int(2e-3 / max(time.perf_counter() - t0, 1e-6))))
+    return replay_us(fn, iters=5, calls=calls)
 
 
 class Case:

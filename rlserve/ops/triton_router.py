@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from rlserve.ops import moe
-from rlserve.ops.moe import Routing
 
 MAX_EXPERTS = 1024  # a row in registers; more experts take the torch router
 
@@ -52,7 +51,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride, TOP_K: 
     tl.store(ids_ptr + out, ids, mask=slot < TOP_K)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> moe.Routing:
     """logits [T, E] (any float dtype) -> Routing: weights [T, k] float32, ids [T, k] int32."""
     tokens, experts = logits.shape
     if not 0 < top_k <= experts:
@@ -68,4 +67,4 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
         _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
                                  BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
                                  RENORMALIZE=renormalize, num_warps=max(1, min(8, block_e // 128)))
-    return Routing(weights, ids)
+    return moe.Routing(weights, ids)

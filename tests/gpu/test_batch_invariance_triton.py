@@ -6,29 +6,15 @@ CPU tensors through Triton's interpreter instead (small shapes, float32)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from rlserve import envs
+from helpers.triton_lane import DEVICE, INTERPRET, KERNEL_MARKS
 
-INTERPRET = envs.RLSERVE_TRITON_INTERPRET.get()
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit decorates the kernels
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-DEVICE = "cpu" if INTERPRET else "cuda"
 DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16]
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"),
-    pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                       reason="needs CUDA (or RLSERVE_TRITON_INTERPRET=1)"),
-]
+pytestmark = KERNEL_MARKS
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,31 +8,16 @@ on CPU tensors through Triton's interpreter instead (slow, so shapes stay small)
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rlserve import envs
+from helpers.triton_lane import DEVICE, INTERPRET, KERNEL_MARKS
 from rlserve.ops import attention as ref
 from rlserve.ops import fused_ref
 
-INTERPRET = envs.RLSERVE_TRITON_INTERPRET.get()
-if INTERPRET:
-    # Must be set before triton.jit decorates the kernels.
-    os.environ["TRITON_INTERPRET"] = "1"
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-DEVICE = "cpu" if INTERPRET else "cuda"
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"),
-    pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                       reason="needs CUDA (or RLSERVE_TRITON_INTERPRET=1)"),
-]
+pytestmark = KERNEL_MARKS
 
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 # The residual sum is bit-exact on GPU; the interpreter truncates fp32 -> bf16 instead of
