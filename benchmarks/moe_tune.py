@@ -7,7 +7,7 @@ kernel's with that choice. Every candidate is checked against the torch referenc
 is timed (replayed from a CUDA graph, as decode steps run); shapes the card cannot launch are
 skipped. Prints each count's winner beside the built-in default, then writes
 
-    rlserve/ops/moe_configs/<card>/E=<experts>,H=<hidden>,I=<expert width>,<dtype>.json
+    rlserve/ops/moe_configs/<card>/E<experts>-H<hidden>-I<expert width>-<dtype>.json
 
     python benchmarks/moe_tune.py --model qwen3-30b-a3b
     python benchmarks/moe_tune.py --model qwen3-next-80b-a3b --tokens 1 8 64 256 4096 16384

@@ -5,7 +5,7 @@ experts' weights; a prefill chunk (hundreds of pairs per expert) is compute-boun
 large tiles and more warps. No one shape serves both, nor every card. `benchmarks/moe_tune.py`
 times candidate shapes on the card it runs on and writes a table here,
 
-    rlserve/ops/moe_configs/<card>/E=<experts>,H=<hidden>,I=<expert width>,<dtype>.json
+    rlserve/ops/moe_configs/<card>/E<experts>-H<hidden>-I<expert width>-<dtype>.json
 
 mapping token counts to a launch shape ({"BLOCK_M", "BLOCK_N", "BLOCK_K", "warps", "stages"},
 and "down": the same keys for the down projection where it differs). A step takes the entry of
@@ -36,7 +36,7 @@ def card_dir(device_name: str) -> str:
 
 def table_path(device_name: str, experts: int, hidden: int, inter: int, dtype: torch.dtype) -> Path:
     dtype_name = str(dtype).removeprefix("torch.")
-    return TABLES / card_dir(device_name) / f"E={experts},H={hidden},I={inter},{dtype_name}.json"
+    return TABLES / card_dir(device_name) / f"E{experts}-H{hidden}-I{inter}-{dtype_name}.json"
 
 
 def check_table(table: dict, where: str) -> dict[int, dict]:

@@ -30,7 +30,7 @@ def _write(device_name: str, table: dict) -> None:
 def test_a_step_takes_the_smallest_entry_at_or_above_its_tokens(tables):
     small, mid, large = (dict(BLOCK_M=m, BLOCK_N=64, BLOCK_K=128, warps=4, stages=3) for m in (16, 32, 128))
     _write("NVIDIA H100 80GB HBM3", {"1": small, "256": mid, "4096": {**large, "down": {"BLOCK_N": 256}}})
-    assert (tables / "NVIDIA_H100_80GB_HBM3" / "E=128,H=2048,I=768,bfloat16.json").is_file()
+    assert (tables / "NVIDIA_H100_80GB_HBM3" / "E128-H2048-I768-bfloat16.json").is_file()
     cuda = torch.device("cuda", 0)
 
     def pick(tokens, inter=768, dtype=torch.bfloat16):
