@@ -113,7 +113,8 @@ def tiling(query: torch.Tensor, k_cache: torch.Tensor, num_seqs: int, max_query_
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     if invariant:
-        cfg = invariant_config(group_pad, head_dim, k_cache.element_size())
+        # `config` here only from benchmarks/invariant_tiles.py, which checks other shapes' bits.
+        cfg = dict(config) if config else invariant_config(group_pad, head_dim, k_cache.element_size())
         num_kv_splits = 1
     elif config:
         cfg = dict(config)

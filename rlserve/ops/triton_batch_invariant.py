@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -48,8 +49,10 @@ def tile_shape(n: int, k: int) -> tuple[int, int, int]:
     return 64, (128 if n >= 4096 else 64), (64 if k >= 64 else 32)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T (+ bias) in x's dtype, fp32 accumulation."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           _config: dict | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias) in x's dtype, fp32 accumulation. `_config`
+    (BLOCK_M, BLOCK_N, warps, stages) only from benchmarks/invariant_tiles.py."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     weight = weight.contiguous()
@@ -57,11 +60,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = rows.new_empty((m, n))
     if m:
         bm, bn, bk = tile_shape(n, k)
+        launch = {}
+        if _config:
+            bm, bn = _config["BLOCK_M"], _config["BLOCK_N"]
+            launch = dict(num_warps=_config["warps"], num_stages=_config["stages"])
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         _matmul_kernel[grid](rows, weight, bias if bias is not None else weight, out, m, n, k,
                              rows.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                             PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+                             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **launch)
     return out.reshape(*lead, n)
 
 
@@ -84,6 +91,61 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
         _row_mean_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0),
                                           BLOCK=min(triton.next_power_of_2(n), 1024))
     return out.view(*x.shape[:-1], 1)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_r, stride_o,
+                     stride_ro, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                     LIBDEVICE: tl.constexpr):
+    """ops/batch_invariant.rms_norm in one launch: the squares summed lane-wise in BLOCK
+    steps and reduced once, as _row_mean_kernel sums the float32 squares it is given; VEC
+    the loads' vector width, so the lanes hold the elements the float32 kernel's lanes hold."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), VEC), VEC)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        c = c0 + cols
+        h = tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_r + c, mask=c < n_cols, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+        h = h.to(tl.float32)
+        acc += h * h
+    mean = tl.sum(acc, 0) / n_cols
+    if LIBDEVICE:  # CUDA's rsqrtf, which torch.rsqrt calls (the interpreter has no libdevice)
+        inv = libdevice.rsqrt(mean + eps)
+    else:
+        inv = tl.rsqrt(mean + eps)
+    for c0 in range(0, n_cols, BLOCK):
+        c = c0 + cols
+        x = tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * stride_r + c, mask=c < n_cols, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(res_out_ptr + row * stride_ro + c, x, mask=c < n_cols)
+        h = (x.to(tl.float32) * inv).to(x.dtype)
+        w = tl.load(w_ptr + c, mask=c < n_cols, other=0.0)
+        y = w.to(tl.float32) * h.to(tl.float32)
+        tl.store(out_ptr + row * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=c < n_cols)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             vec: int = 4, libdevice_rsqrt: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rms_norm(x + residual), x + residual) in one launch; residual None: (rms_norm(x), None).
+    Rows contiguous in their last dimension."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    out = torch.empty_like(rows)
+    res = residual.reshape(-1, n) if residual is not None else None
+    res_out = torch.empty_like(rows) if res is not None else None
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, res if res is not None else rows, weight, out, res_out if res_out is not None else out, n,
+            rows.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
+            res_out.stride(0) if res_out is not None else 0, eps, HAS_RESIDUAL=res is not None,
+            BLOCK=min(triton.next_power_of_2(n), 1024), VEC=vec,
+            LIBDEVICE=libdevice_rsqrt and x.is_cuda, enable_fp_fusion=False)
+    return out.view(x.shape), (res_out.view(x.shape) if res_out is not None else None)
 
 
 # The engine's default KV block size: the trainer's keys take the server's kernel variant.
