@@ -52,6 +52,33 @@ def test_row_mean_rows_are_independent_of_the_batch(n):
     assert tbi.row_mean(x.view(3, 11 if INTERPRET else 171, n)).shape[:-1] == (3, 11 if INTERPRET else 171)
 
 
+@pytest.mark.parametrize("n", [576, 1000] if INTERPRET else [128, 576, 1024, 2048, 5120])
+def test_one_launch_rms_norm_gives_the_bits_of_the_trainers_arithmetic(n):
+    """The server's one-launch RMSNorm (with and without the residual add) against
+    ops/batch_invariant's torch arithmetic around row_mean, which a trainer's transformers
+    RMSNorm runs under rlserve.batch_invariant: bitwise on CUDA (close under the interpreter,
+    whose reductions are numpy's), and a row's bits independent of the others."""
+    from rlserve.ops import batch_invariant as bi
+    from rlserve.ops import triton_batch_invariant as tbi
+    torch.manual_seed(0)
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    m = 9 if INTERPRET else 1000
+    x = (torch.randn(m, n, device=DEVICE) * 3).to(dtype)
+    r = torch.randn(m, n, device=DEVICE).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, device=DEVICE)).to(dtype)
+    want, want_res = bi._rms_norm_launches(x + r, w, 1e-6), x + r
+    got, got_res = tbi.rms_norm(x, w, 1e-6, residual=r)
+    plain, _ = tbi.rms_norm(x, w, 1e-6)
+    assert torch.equal(got_res, want_res)
+    if INTERPRET:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain, bi._rms_norm_launches(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+        return
+    assert torch.equal(got, want)
+    assert torch.equal(plain, bi._rms_norm_launches(x, w, 1e-6))
+    assert torch.equal(tbi.rms_norm(x[m // 2:m // 2 + 1], w, 1e-6)[0], plain[m // 2:m // 2 + 1])
+
+
 @pytest.mark.skipif(INTERPRET, reason="the CUDA dispatch of the batch-invariant ops")
 def test_the_ops_take_the_kernels_on_cuda_and_stay_invariant():
     from rlserve.ops import batch_invariant as bi
