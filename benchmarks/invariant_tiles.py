@@ -114,9 +114,31 @@ def rms_norm() -> None:
                   f"{replay_us(lambda vec=vec: tbi.rms_norm(x, w, 1e-6, residual=r, vec=vec)):.1f}", flush=True)
 
 
+def elementwise() -> None:
+    """The rotary kernel with torch's roundings and the exact SiLU-and-mul against torch."""
+    from rlserve.model.layers import RotaryEmbedding, _rotate
+    from rlserve.ops import triton_fused
+    from rlserve.ops.triton_rotary import rope_
+    torch.manual_seed(0)
+    rot = RotaryEmbedding(128, 4096, 1_000_000.0).cuda()
+    for tokens in (7, 3000):
+        pos = torch.randint(0, 4096, (tokens,), device="cuda")
+        qkv = torch.randn(tokens, 32 * 128, device="cuda").bfloat16()
+        q, k = qkv[:, :16 * 128].view(tokens, 16, 128), qkv[:, 16 * 128:24 * 128].view(tokens, 8, 128)
+        cos = rot.cos[pos].unsqueeze(1).bfloat16()
+        sin = rot.sin[pos].unsqueeze(1).bfloat16()
+        want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        got_q, got_k = rope_(q.clone(), k.clone(), pos, rot.cos, rot.sin, round_each=True)
+        print(f"rotary, round_each, {tokens} tokens: q {torch.equal(got_q, want_q)}, k {torch.equal(got_k, want_k)}")
+        x = (torch.randn(tokens, 2 * 3072, device="cuda") * 4).bfloat16()
+        want = torch.nn.functional.silu(x[:, :3072]) * x[:, 3072:]
+        print(f"silu_and_mul, {tokens} rows: exact {torch.equal(triton_fused.silu_and_mul(x, exact=True), want)}, "
+              f"default {torch.equal(triton_fused.silu_and_mul(x), want)}", flush=True)
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name())
-    for part in (rms_norm, attention, gemm):
+    for part in (elementwise, rms_norm, attention, gemm):
         try:
             part()
         except Exception as e:

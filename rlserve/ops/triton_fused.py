@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from rlserve.ops import triton_pdl
 from rlserve.ops.triton_pdl import release_next, wait_for_previous
@@ -129,20 +130,32 @@ def silu_mul(g, u):
 
 
 @triton.jit
+def silu_mul_exact(g, u):
+    """silu_mul with torch's own functions: CUDA's expf and an IEEE division (the batch-
+    invariant mode's bits: a trainer's F.silu(gate) * up)."""
+    gf = g.to(tl.float32)
+    a = libdevice.div_rn(gf, 1.0 + libdevice.exp(-gf)).to(g.dtype)
+    return a.to(tl.float32) * u.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, EXACT: tl.constexpr):
     release_next(PDL)  # the down projection after it launches early and waits (triton_pdl)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    y = silu_mul(g, u)
+    if EXACT:
+        y = silu_mul_exact(g, u)
+    else:
+        y = silu_mul(g, u)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [..., 2 * I] -> silu(x[..., :I]) * x[..., I:]."""
+def silu_and_mul(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """x: [..., 2 * I] -> silu(x[..., :I]) * x[..., I:]. exact (CUDA): torch's bits."""
     n = x.shape[-1] // 2
     x2 = _rows(x)
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
@@ -150,6 +163,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
             x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, PDL=triton_pdl.enabled(x.device),
-            num_warps=4 if block >= 512 else 2,
+            EXACT=exact, num_warps=4 if block >= 512 else 2, **({"enable_fp_fusion": False} if exact else {}),
         )
     return out.view(*x.shape[:-1], n)

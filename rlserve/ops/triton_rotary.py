@@ -3,7 +3,8 @@
 One program per token rotates every query and key head in place, reading the token's
 cos/sin row once. In the unfused torch path this is a dozen small kernels per layer.
 Arithmetic is float32 with one rounding at the end (the torch path rounds after each op),
-so bf16 results agree within one or two ulps.
+so bf16 results agree within one or two ulps; with round_each it rounds where torch does,
+for the batch-invariant mode's bits.
 
 Optionally the same program also writes the token's rotated key and its value into the
 paged KV cache (what triton_kv_store.store_kv_cache does next otherwise): decode steps
@@ -21,8 +22,11 @@ from rlserve.ops.triton_kv_store import fp8_limit, fp8_rows, fp8_scale, scale_ar
 
 @triton.jit
 def _heads(x_ptr, t, stride_t, stride_h, w_ptr, cos, sin, eps,
-           NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
-    """Rotates one token's heads in place; returns the two rotated halves as stored."""
+           NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+           ROUND_EACH: tl.constexpr):
+    """Rotates one token's heads in place; returns the two rotated halves as stored.
+    ROUND_EACH: torch's rounding (cos and sin in the activation dtype, each product and the
+    sum rounded to it), for the batch-invariant mode's bits."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     mask = h < NUM_HEADS
@@ -39,8 +43,14 @@ def _heads(x_ptr, t, stride_t, stride_h, w_ptr, cos, sin, eps,
         b = (b * r).to(x1.dtype).to(tl.float32) * tl.load(w_ptr + HALF + d).to(tl.float32)
         a = a.to(x1.dtype).to(tl.float32)
         b = b.to(x1.dtype).to(tl.float32)
-    lo = (a * cos - b * sin).to(x1.dtype)
-    hi = (b * cos + a * sin).to(x1.dtype)
+    if ROUND_EACH:
+        c = cos.to(x1.dtype).to(tl.float32)
+        s = sin.to(x1.dtype).to(tl.float32)
+        lo = ((a * c).to(x1.dtype).to(tl.float32) - (b * s).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+        hi = ((b * c).to(x1.dtype).to(tl.float32) + (a * s).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+    else:
+        lo = (a * cos - b * sin).to(x1.dtype)
+        hi = (b * cos + a * sin).to(x1.dtype)
     tl.store(base + d, lo, mask=mask)
     tl.store(base + HALF + d, hi, mask=mask)
     return lo, hi
@@ -94,14 +104,15 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                  ks_ptr, vs_ptr, stride_sb, stride_ss,
                  NQ: tl.constexpr, NK: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                  HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, LIMIT: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, LIMIT: tl.constexpr, ROUND_EACH: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_ptr + pos * stride_cos + d)  # the table's two halves are equal
     sin = tl.load(sin_ptr + pos * stride_cos + d)
-    _heads(q_ptr, t, stride_qt, stride_qh, qw_ptr, cos, sin, eps, NQ, BLOCK_Q, HALF, NORM)
-    k_lo, k_hi = _heads(k_ptr, t, stride_kt, stride_kh, kw_ptr, cos, sin, eps, NK, BLOCK_K, HALF, NORM)
+    _heads(q_ptr, t, stride_qt, stride_qh, qw_ptr, cos, sin, eps, NQ, BLOCK_Q, HALF, NORM, ROUND_EACH)
+    k_lo, k_hi = _heads(k_ptr, t, stride_kt, stride_kh, kw_ptr, cos, sin, eps, NK, BLOCK_K, HALF, NORM,
+                        ROUND_EACH)
     if STORE:
         _store_kv(k_lo, k_hi, v_ptr, t, stride_vt, stride_vh, k_cache_ptr, v_cache_ptr, slot_ptr,
                   stride_cb, stride_cs, stride_ch, ks_ptr, vs_ptr, stride_sb, stride_ss,
@@ -113,8 +124,8 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
           k_weight: torch.Tensor | None = None, eps: float = 1e-6, *,
           v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
           v_cache: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
-          k_scale: torch.Tensor | None = None,
-          v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+          round_each: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q [T, Hq, D] and k [T, Hkv, D] (strided views are fine); cos/sin are the
     float32 [max_position, D] tables. With weights, RMSNorm each head first.
 
@@ -122,12 +133,16 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
     also store each token's rotated key and its value at slot_mapping[t] (-1: skip), cast
     to the cache dtype (fp8 caches: quantized, scales in k_scale / v_scale): the same
     result as triton_kv_store.store_kv_cache afterwards.
+
+    round_each: the torch path's rounding after every op (layers._rotate), bit for bit; no
+    per-head norm (the batch-invariant mode normalises with its own kernel first).
     """
     num_tokens, nq, dim = q.shape
     nk = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and dim % 2 == 0
     assert dim & (dim - 1) == 0, "head_dim must be a power of two"
     norm = q_weight is not None
+    assert not (norm and round_each), "round_each: normalise the heads first"
     store = k_cache is not None
     if k_cache is not None:
         assert v is not None and v_cache is not None and slot_mapping is not None
@@ -150,5 +165,6 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
             q, k, positions, cos, sin, q_weight if norm else q, k_weight if norm else k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps, *cache_args,
             NQ=nq, NK=nk, BLOCK_Q=triton.next_power_of_2(nq), BLOCK_K=triton.next_power_of_2(nk),
-            HALF=dim // 2, NORM=norm, STORE=store, BLOCK_SIZE=block_size, LIMIT=limit, num_warps=4)
+            HALF=dim // 2, NORM=norm, STORE=store, BLOCK_SIZE=block_size, LIMIT=limit, ROUND_EACH=round_each,
+            num_warps=4, enable_fp_fusion=not round_each)
     return q, k
