@@ -88,7 +88,7 @@ def _one_launch(x: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _one_launch(x):
         from rlserve.ops import triton_batch_invariant
-        return triton_batch_invariant.rms_norm(x, weight, eps)[0]
+        return triton_batch_invariant.rms_norm(x, weight, eps)[0].view(x.shape)
     return _rms_norm_launches(x, weight, eps)
 
 

@@ -94,23 +94,28 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_r, stride_o,
-                     stride_ro, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-                     LIBDEVICE: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, heads, stride_xt, stride_xh,
+                     stride_r, stride_ot, stride_oh, stride_ro, eps, HAS_RESIDUAL: tl.constexpr,
+                     BLOCK: tl.constexpr, VEC: tl.constexpr, LIBDEVICE: tl.constexpr):
     """ops/batch_invariant.rms_norm in one launch: the squares summed lane-wise in BLOCK
     steps and reduced once, as _row_mean_kernel sums the float32 squares it is given; VEC
-    the loads' vector width, so the lanes hold the elements the float32 kernel's lanes hold."""
+    the loads' vector width, so the lanes hold the elements the float32 kernel's lanes hold.
+    Row r is token r // heads, head r % heads (a [T, H, D] view of per-head norms); a row is
+    read in full before it is written, so out may be x."""
     row = tl.program_id(0).to(tl.int64)
+    t, h = row // heads, row % heads
+    x_row = x_ptr + t * stride_xt + h * stride_xh
+    out_row = out_ptr + t * stride_ot + h * stride_oh
     cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), VEC), VEC)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for c0 in range(0, n_cols, BLOCK):
         c = c0 + cols
-        h = tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=0.0)
+        v = tl.load(x_row + c, mask=c < n_cols, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_r + c, mask=c < n_cols, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-        h = h.to(tl.float32)
-        acc += h * h
+            v = (v.to(tl.float32) + r.to(tl.float32)).to(v.dtype)
+        v = v.to(tl.float32)
+        acc += v * v
     mean = tl.sum(acc, 0) / n_cols
     if LIBDEVICE:  # CUDA's rsqrtf, which torch.rsqrt calls (the interpreter has no libdevice)
         inv = libdevice.rsqrt(mean + eps)
@@ -118,34 +123,48 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride
         inv = tl.rsqrt(mean + eps)
     for c0 in range(0, n_cols, BLOCK):
         c = c0 + cols
-        x = tl.load(x_ptr + row * stride_x + c, mask=c < n_cols, other=0.0)
+        x = tl.load(x_row + c, mask=c < n_cols, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_r + c, mask=c < n_cols, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
             tl.store(res_out_ptr + row * stride_ro + c, x, mask=c < n_cols)
-        h = (x.to(tl.float32) * inv).to(x.dtype)
+        y = (x.to(tl.float32) * inv).to(x.dtype)
         w = tl.load(w_ptr + c, mask=c < n_cols, other=0.0)
-        y = w.to(tl.float32) * h.to(tl.float32)
-        tl.store(out_ptr + row * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=c < n_cols)
+        y = w.to(tl.float32) * y.to(tl.float32)
+        tl.store(out_row + c, y.to(out_ptr.dtype.element_ty), mask=c < n_cols)
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(heads, token stride, head stride) of a [R, D] or [T, H, D] tensor."""
+    return (1, t.stride(0), 0) if t.dim() == 2 else (t.shape[1], t.stride(0), t.stride(1))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             vec: int = 4, libdevice_rsqrt: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+             out: torch.Tensor | None = None, vec: int = 4,
+             libdevice_rsqrt: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rms_norm(x + residual), x + residual) in one launch; residual None: (rms_norm(x), None).
-    Rows contiguous in their last dimension."""
+    x [R, D] or [T, H, D] (a per-head norm's strided view), unit stride in D; `out` (x's
+    shape; x itself normalises in place) or a new tensor. residual: x 2-D, contiguous rows."""
     n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    out = torch.empty_like(rows)
-    res = residual.reshape(-1, n) if residual is not None else None
-    res_out = torch.empty_like(rows) if res is not None else None
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows, res if res is not None else rows, weight, out, res_out if res_out is not None else out, n,
-            rows.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
-            res_out.stride(0) if res_out is not None else 0, eps, HAS_RESIDUAL=res is not None,
+    if x.dim() not in (2, 3) or x.stride(-1) != 1:
+        x = x.reshape(-1, n).contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    assert out.shape == x.shape and out.stride(-1) == 1
+    res_out = None
+    if residual is not None:
+        assert x.dim() == 2 and residual.shape == x.shape and residual.stride(-1) == 1
+        res_out = torch.empty_like(x)
+    heads, sxt, sxh = _row_strides(x)
+    _, sot, soh = _row_strides(out)
+    rows = x.shape[0] * heads
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
+            n, heads, sxt, sxh, residual.stride(0) if residual is not None else 0, sot, soh,
+            res_out.stride(0) if res_out is not None else 0, eps, HAS_RESIDUAL=residual is not None,
             BLOCK=min(triton.next_power_of_2(n), 1024), VEC=vec,
             LIBDEVICE=libdevice_rsqrt and x.is_cuda, enable_fp_fusion=False)
-    return out.view(x.shape), (res_out.view(x.shape) if res_out is not None else None)
+    return out, res_out
 
 
 # The engine's default KV block size: the trainer's keys take the server's kernel variant.
