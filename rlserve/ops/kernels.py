@@ -93,15 +93,30 @@ def _batch_invariant(device: torch.device) -> Kernels:
     """The ops of ops/batch_invariant.py. On CUDA they read only device tensors and a padded
     row changes no other row's bits (GEMM tiles from N and K, attention tiles from the
     model's shapes), so decode steps replay from CUDA graphs with the eager steps' bits;
-    the KV store is the Triton one (a copy, no reduction)."""
+    the KV store is the Triton one (a copy, no reduction), and the rotary and SiLU-and-mul
+    kernels round where torch does (elementwise: no order to fix, only torch's roundings
+    and functions to keep, which tests/gpu/ checks bitwise)."""
     from rlserve.ops import batch_invariant as bi
     kernels = dataclasses.replace(
         TORCH, name="batch-invariant", paged_attention=bi.paged_attention, rms_norm=bi.rms_norm,
         fused_add_rms_norm=bi.fused_add_rms_norm, linear=bi.linear, fused_moe=bi.fused_moe, lora=bi.lora)
     if device.type != "cuda":
         return kernels
-    from rlserve.ops import triton_kv_store
-    return dataclasses.replace(kernels, store_kv_cache=triton_kv_store.store_kv_cache, graphs=True)
+    from rlserve.ops import triton_batch_invariant, triton_fused, triton_kv_store, triton_rotary
+
+    def rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 1e-6, **store):
+        # The per-head norms first, in place, with the mode's RMSNorm; then the rotation
+        # (and the KV store) rounding where torch rounds: one launch each, the same bits.
+        if q_weight is not None:
+            triton_batch_invariant.rms_norm(q, q_weight, eps, out=q)
+            triton_batch_invariant.rms_norm(k, k_weight, eps, out=k)
+        return triton_rotary.rope_(q, k, positions, cos, sin, round_each=True, **store)
+
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        return triton_fused.silu_and_mul(x, exact=True)
+
+    return dataclasses.replace(kernels, store_kv_cache=triton_kv_store.store_kv_cache, rope=rope,
+                               silu_and_mul=silu_and_mul, graphs=True)
 
 
 def _triton() -> Kernels:
