@@ -112,6 +112,12 @@ def rms_norm() -> None:
                   f"residual {torch.equal(got_res, want_res)}, norm {torch.equal(got_plain, plain)}; "
                   f"us {replay_us(lambda: bi._rms_norm_launches(x + r, w, 1e-6)):.1f} -> "
                   f"{replay_us(lambda vec=vec: tbi.rms_norm(x, w, 1e-6, residual=r, vec=vec)):.1f}", flush=True)
+    qkv = torch.randn(300, 32 * 128, device="cuda").bfloat16()
+    q = qkv[:, :16 * 128].view(300, 16, 128)
+    w = (1 + torch.randn(128, device="cuda") * 0.1).bfloat16()
+    want = bi._rms_norm_launches(q, w, 1e-6)
+    tbi.rms_norm(q, w, 1e-6, out=q)
+    print(f"  per-head norm in place on a strided view: {torch.equal(q, want)}")
 
 
 def elementwise() -> None:
