@@ -37,6 +37,10 @@ def gemm() -> None:
               for name, (n, k) in GEMMS.items()}
     want = {(name, m): tbi.linear(x[:m], w) for name, (x, w) in inputs.items() for m in ROWS}
     base = {name: replay_us(lambda x=x, w=w: tbi.linear(x[:256], w)) for name, (x, w) in inputs.items()}
+    # A 4096-token prefill chunk through the four layer projections (us, summed).
+    big = {name: (torch.randn(4096, w.shape[1], device="cuda", generator=gen).bfloat16(), w)
+           for name, (_, w) in inputs.items() if name != "lm_head"}
+    base["prefill"] = sum(replay_us(lambda x=x, w=w: tbi.linear(x, w), iters=5, calls=2) for x, w in big.values())
     print("GEMM, bf16: candidates against the fixed tiles (64 rows); us at 256 rows per projection")
     print(f"  fixed: {' '.join(f'{k} {v:.1f}' for k, v in base.items())}")
     for bm, bn, warps, stages in itertools.product((16, 32, 64, 128), (32, 64, 128, 256), (4, 8), (3, 4)):
@@ -46,6 +50,8 @@ def gemm() -> None:
                        for name, (x, w) in inputs.items() for m in ROWS)
             us = {name: replay_us(lambda x=x, w=w: tbi.linear(x[:256], w, _config=cfg))
                   for name, (x, w) in inputs.items()}
+            us["prefill"] = sum(replay_us(lambda x=x, w=w: tbi.linear(x, w, _config=cfg), iters=5, calls=2)
+                                for name, (x, w) in big.items())
         except Exception as e:  # a shape the card cannot launch
             print(f"  {cfg}: {type(e).__name__}")
             continue
