@@ -109,27 +109,28 @@ def rms_norm() -> None:
         r = torch.randn(rows, n, device="cuda").bfloat16()
         w = (1 + torch.randn(n, device="cuda") * 0.1).bfloat16()
         want_res = x + r
-        want = bi._rms_norm_launches(want_res, w, 1e-6)
-        plain = bi._rms_norm_launches(x, w, 1e-6)
+        want = bi.rms_norm(want_res, w, 1e-6)
+        plain = bi.rms_norm(x, w, 1e-6)
         for vec, lib in itertools.product((4, 8), (True, False)):
             got, got_res = tbi.rms_norm(x, w, 1e-6, residual=r, vec=vec, libdevice_rsqrt=lib)
             got_plain, _ = tbi.rms_norm(x, w, 1e-6, vec=vec, libdevice_rsqrt=lib)
             print(f"  n={n} rows={rows} vec={vec} libdevice {lib}: add+norm {torch.equal(got, want)}, "
                   f"residual {torch.equal(got_res, want_res)}, norm {torch.equal(got_plain, plain)}; "
-                  f"us {replay_us(lambda: bi._rms_norm_launches(x + r, w, 1e-6)):.1f} -> "
+                  f"us {replay_us(lambda: bi.rms_norm(x + r, w, 1e-6)):.1f} -> "
                   f"{replay_us(lambda vec=vec: tbi.rms_norm(x, w, 1e-6, residual=r, vec=vec)):.1f}", flush=True)
     qkv = torch.randn(300, 32 * 128, device="cuda").bfloat16()
     q = qkv[:, :16 * 128].view(300, 16, 128)
     w = (1 + torch.randn(128, device="cuda") * 0.1).bfloat16()
-    want = bi._rms_norm_launches(q, w, 1e-6)
+    want = bi.rms_norm(q, w, 1e-6)
     tbi.rms_norm(q, w, 1e-6, out=q)
     print(f"  per-head norm in place on a strided view: {torch.equal(q, want)}")
 
 
 def elementwise() -> None:
     """The rotary kernel with torch's roundings and the exact SiLU-and-mul against torch."""
-    from rlserve.model.layers import RotaryEmbedding, _rotate
+    from rlserve.model.layers import RotaryEmbedding
     from rlserve.ops import triton_fused
+    from rlserve.ops.fused_ref import rotate as _rotate
     from rlserve.ops.triton_rotary import rope_
     torch.manual_seed(0)
     rot = RotaryEmbedding(128, 4096, 1_000_000.0).cuda()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from rlserve.ops import fused_ref
 from rlserve.ops.kernels import TORCH, Kernels
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ class RotaryEmbedding(nn.Module):
             q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return fused_ref.rotate(q, cos, sin), fused_ref.rotate(k, cos, sin)
 
     def forward_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           v: torch.Tensor, attn: PagedAttention, slot_mapping: torch.Tensor,
@@ -119,12 +120,6 @@ class RotaryEmbedding(nn.Module):
         rope(q, k, positions, self.cos, self.sin, qw, kw, eps,
              v=v, k_cache=attn.k_cache, v_cache=attn.v_cache, slot_mapping=slot_mapping,
              k_scale=attn.k_scale, v_scale=attn.v_scale)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class PagedAttention(nn.Module):

@@ -28,6 +28,7 @@ from rlserve.model.layers import AttentionMetadata, PagedAttention, RotaryEmbedd
 from rlserve.model.llama import LlamaMLP, LlamaModel, _rope
 from rlserve.model.moe import MoEConfig, SparseMoeBlock
 from rlserve.model.parallel import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard
+from rlserve.ops import fused_ref
 
 TEXT = "model."
 MULTIMODAL = "model.language_model."
@@ -93,9 +94,7 @@ class GatedAttention(nn.Module):
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        half = self.rotary_dim // 2
-        turned = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        return torch.cat((rot * cos + turned * sin, rest), dim=-1)
+        return torch.cat((fused_ref.rotate(rot, cos, sin), rest), dim=-1)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n, d = hidden.shape[0], self.head_dim

@@ -17,8 +17,8 @@ a fused attention kernel picks its KV split from the query length. Here:
   server's paged cache and for a trainer's dense keys alike.
 - rms_norm: transformers' arithmetic around `row_mean`, a mean per row in an order fixed by
   the row length (torch's on CPU; on CUDA, where torch's reduction picks its split from the
-  number of rows, the Triton kernel of ops/triton_batch_invariant.py). On CUDA in half
-  precision the server runs it as one launch with the same bits (tests/gpu/).
+  number of rows, the Triton kernel of ops/triton_batch_invariant.py). On CUDA the server
+  runs it as one launch with the same bits where that holds (ops/invariant_fusions.py).
 - log_softmax: torch's, one row at a time.
 - fused_moe: the router's GEMM is `linear`; the experts' GEMMs go through `linear` (CPU) or
   the Triton MoE kernel with one block shape (CUDA, triton_moe.INVARIANT_CONFIG); each
@@ -71,7 +71,7 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
     return x.mean(-1, keepdim=True)
 
 
-def _rms_norm_launches(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """fused_ref.rms_norm (transformers' rounding) with the mean taken by `row_mean`: the
     arithmetic a trainer's RMSNorm runs under rlserve.batch_invariant."""
     dtype = x.dtype
@@ -80,26 +80,10 @@ def _rms_norm_launches(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(dtype)
 
 
-def _one_launch(x: torch.Tensor) -> bool:
-    """Whether the CUDA kernel that gives _rms_norm_launches' bits in one launch takes x."""
-    return x.is_cuda and x.dtype != torch.float32 and x.stride(-1) == 1
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _one_launch(x):
-        from rlserve.ops import triton_batch_invariant
-        return triton_batch_invariant.rms_norm(x, weight, eps)[0].view(x.shape)
-    return _rms_norm_launches(x, weight, eps)
-
-
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if _one_launch(x) and residual.stride(-1) == 1:
-        from rlserve.ops import triton_batch_invariant
-        out, residual = triton_batch_invariant.rms_norm(x, weight, eps, residual=residual)
-        return out, residual
     residual = x + residual
-    return _rms_norm_launches(residual, weight, eps), residual
+    return rms_norm(residual, weight, eps), residual
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:

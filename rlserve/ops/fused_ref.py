@@ -29,3 +29,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2 * I] -> silu(x[..., :I]) * x[..., I:]."""
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox rotary embedding as transformers computes it: x * cos + rotate_half(x) * sin,
+    each op rounded to x's dtype (cos and sin already in it)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

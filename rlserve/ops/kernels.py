@@ -89,34 +89,23 @@ TORCH = Kernels(
 )
 
 
-def _batch_invariant(device: torch.device) -> Kernels:
+def _batch_invariant(device: torch.device, dtype: torch.dtype) -> Kernels:
     """The ops of ops/batch_invariant.py. On CUDA they read only device tensors and a padded
     row changes no other row's bits (GEMM tiles from N and K, attention tiles from the
     model's shapes), so decode steps replay from CUDA graphs with the eager steps' bits;
-    the KV store is the Triton one (a copy, no reduction), and the rotary and SiLU-and-mul
-    kernels round where torch does (elementwise: no order to fix, only torch's roundings
-    and functions to keep, which tests/gpu/ checks bitwise)."""
+    the KV store is the Triton one (a copy, no reduction), and RMSNorm, rotary and
+    SiLU-and-mul run in one launch each where they give torch's bits on the card
+    (ops/invariant_fusions.py checks them at start)."""
     from rlserve.ops import batch_invariant as bi
     kernels = dataclasses.replace(
         TORCH, name="batch-invariant", paged_attention=bi.paged_attention, rms_norm=bi.rms_norm,
         fused_add_rms_norm=bi.fused_add_rms_norm, linear=bi.linear, fused_moe=bi.fused_moe, lora=bi.lora)
     if device.type != "cuda":
         return kernels
-    from rlserve.ops import triton_batch_invariant, triton_fused, triton_kv_store, triton_rotary
-
-    def rope(q, k, positions, cos, sin, q_weight=None, k_weight=None, eps: float = 1e-6, **store):
-        # The per-head norms first, in place, with the mode's RMSNorm; then the rotation
-        # (and the KV store) rounding where torch rounds: one launch each, the same bits.
-        if q_weight is not None:
-            triton_batch_invariant.rms_norm(q, q_weight, eps, out=q)
-            triton_batch_invariant.rms_norm(k, k_weight, eps, out=k)
-        return triton_rotary.rope_(q, k, positions, cos, sin, round_each=True, **store)
-
-    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        return triton_fused.silu_and_mul(x, exact=True)
-
-    return dataclasses.replace(kernels, store_kv_cache=triton_kv_store.store_kv_cache, rope=rope,
-                               silu_and_mul=silu_and_mul, graphs=True)
+    from rlserve.ops import triton_kv_store
+    from rlserve.ops.invariant_fusions import fusions
+    return dataclasses.replace(kernels, store_kv_cache=triton_kv_store.store_kv_cache, graphs=True,
+                               **fusions(device, dtype))
 
 
 def _triton() -> Kernels:
@@ -207,12 +196,14 @@ def _triton_imports() -> bool:
     return True
 
 
-def select(device: torch.device, choice: str | None = None, batch_invariant: bool = False) -> Kernels:
+def select(device: torch.device, choice: str | None = None, batch_invariant: bool = False,
+           dtype: torch.dtype = torch.bfloat16) -> Kernels:
     """The kernel set for a model on `device`: `choice`, else $RLSERVE_KERNELS, else
     Triton on CUDA (when it imports) and torch elsewhere. `batch_invariant`: the ops of
-    ops/batch_invariant.py, whatever the device (they take precedence over `choice`)."""
+    ops/batch_invariant.py, whatever the device (they take precedence over `choice`), their
+    one-launch kernels checked in the model's `dtype`."""
     if batch_invariant:
-        kernels = _batch_invariant(device)
+        kernels = _batch_invariant(device, dtype)
         logger.info("kernels: %s on %s", kernels.name, device)
         return kernels
     choice = (choice or envs.RLSERVE_KERNELS.get() or "").strip().lower() or None

@@ -134,7 +134,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.
     to the cache dtype (fp8 caches: quantized, scales in k_scale / v_scale): the same
     result as triton_kv_store.store_kv_cache afterwards.
 
-    round_each: the torch path's rounding after every op (layers._rotate), bit for bit; no
+    round_each: the torch path's rounding after every op (fused_ref.rotate), bit for bit; no
     per-head norm (the batch-invariant mode normalises with its own kernel first).
     """
     num_tokens, nq, dim = q.shape

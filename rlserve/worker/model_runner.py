@@ -75,7 +75,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype or dtype
-        self.kernels = kernels.select(device, batch_invariant=batch_invariant)  # once, for every layer
+        self.kernels = kernels.select(device, batch_invariant=batch_invariant, dtype=dtype)  # once, for every layer
         kernels.bind(model, self.kernels)
         if lora is not None:
             lora.context.kernels = self.kernels

@@ -66,17 +66,26 @@ def test_one_launch_rms_norm_gives_the_bits_of_the_trainers_arithmetic(n):
     x = (torch.randn(m, n, device=DEVICE) * 3).to(dtype)
     r = torch.randn(m, n, device=DEVICE).to(dtype)
     w = (1 + 0.1 * torch.randn(n, device=DEVICE)).to(dtype)
-    want, want_res = bi._rms_norm_launches(x + r, w, 1e-6), x + r
+    want, want_res = bi.rms_norm(x + r, w, 1e-6), x + r
     got, got_res = tbi.rms_norm(x, w, 1e-6, residual=r)
     plain, _ = tbi.rms_norm(x, w, 1e-6)
     assert torch.equal(got_res, want_res)
     if INTERPRET:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(plain, bi._rms_norm_launches(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(plain, bi.rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
         return
     assert torch.equal(got, want)
-    assert torch.equal(plain, bi._rms_norm_launches(x, w, 1e-6))
+    assert torch.equal(plain, bi.rms_norm(x, w, 1e-6))
     assert torch.equal(tbi.rms_norm(x[m // 2:m // 2 + 1], w, 1e-6)[0], plain[m // 2:m // 2 + 1])
+
+
+@pytest.mark.skipif(INTERPRET, reason="libdevice: CUDA only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_one_launch_kernels_pass_their_check_on_this_card(dtype):
+    """Each one-launch kernel of the mode gives torch's bits here, so none falls back to the
+    torch ops (a fallback keeps the bits and loses the speed)."""
+    from rlserve.ops.invariant_fusions import fusions
+    assert set(fusions(torch.device("cuda"), dtype)) == {"rms_norm", "fused_add_rms_norm", "rope", "silu_and_mul"}
 
 
 @pytest.mark.skipif(INTERPRET, reason="the CUDA dispatch of the batch-invariant ops")

@@ -182,7 +182,7 @@ def test_fused_rope_matches_the_torch_path(dtype, norm):
             k = rms_norm(k.float(), kw.float(), 1e-6).to(dtype)
         cos = rope.cos[positions].unsqueeze(1)
         sin = rope.sin[positions].unsqueeze(1)
-        from rlserve.model.layers import _rotate
+        from rlserve.ops.fused_ref import rotate as _rotate
         ref_q, ref_k = _rotate(q.float(), cos, sin), _rotate(k.float(), cos, sin)
     q, k = views(qkv)
     rope_(q, k, positions, rope.cos, rope.sin, qw, kw, 1e-6)

@@ -648,7 +648,8 @@ def _norms(d: int, dtype: torch.dtype, gen: torch.Generator):
 @pytest.mark.parametrize("hk", [8, 2])
 @pytest.mark.parametrize("d", [64, 128])
 def test_rope_store_matches_rope_then_store(dtype, norm, block_size, hk, d):
-    from rlserve.model.layers import RotaryEmbedding, _rotate
+    from rlserve.model.layers import RotaryEmbedding
+    from rlserve.ops.fused_ref import rotate as _rotate
     from rlserve.ops.triton_rotary import rope_
     gen = torch.Generator().manual_seed(block_size * 1000 + hk * 100 + d + norm)
     t, hq = 7, 2 * hk
