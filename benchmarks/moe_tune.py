@@ -131,18 +131,19 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     print(f"{name}; {args.model}: {moe.num_experts} experts, top-{moe.top_k}, H {hidden}, I {inter}, bf16", flush=True)
     table, t0 = {}, time.perf_counter()
+    path = moe_configs.table_path(name, moe.num_experts, hidden, inter, torch.bfloat16)
     for tokens in args.tokens:
         cfg, us, default_us = tune(Case(tokens, moe, hidden, inter, w13, w2, gen), moe.num_experts, args.quick)
         table[str(tokens)] = cfg
         print(f"T={tokens:>6}: {us:9.1f} us, default {default_us:9.1f} us ({default_us / us:.2f}x): {cfg}", flush=True)
+        moe_configs.check_table(table, "tuned table")
+        if not args.dry_run:  # after every count: a run cut short still leaves what it found
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"tuned in {time.perf_counter() - t0:.0f} s")
-    moe_configs.check_table(table, "tuned table")
-    path = moe_configs.table_path(name, moe.num_experts, hidden, inter, torch.bfloat16)
     if args.dry_run:
         print(json.dumps(table, indent=1))
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {path}")
 
 

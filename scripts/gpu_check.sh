@@ -16,8 +16,10 @@
 #                                         beside its plain run)
 #   scripts/gpu_check.sh served           Qwen3-30B-A3B offline against served (token ids), with and
 #                                         without routed experts returned
-#   scripts/gpu_check.sh tune             the fused MoE's launch shapes tuned for this card (Qwen3-30B-A3B,
-#                                         Qwen3-Next), tables to $OUT/moe_configs; then `memory` again
+#   scripts/gpu_check.sh tune [MODEL..]   the fused MoE's launch shapes tuned for this card (default
+#                                         Qwen3-30B-A3B and Qwen3-Next), tables to $OUT/moe_configs
+#   scripts/gpu_check.sh invariant        the batch-invariant mode: which kernel shapes keep their bits
+#                                         (benchmarks/invariant_tiles.py), Qwen3-0.6B with and without it
 #   scripts/gpu_check.sh hybrid           the hybrid presets (Qwen3.5-0.8B, Qwen3-Next): throughput
 #                                         and the colocated push
 #
@@ -109,10 +111,20 @@ case "${1:-suite}" in
   tune)
     # The fused MoE's launch shapes for this card, per shipped MoE preset (moe_configs.py reads
     # the tables); the tables come back under $OUT/moe_configs, to commit.
-    for model in qwen3-30b-a3b qwen3-next-80b-a3b; do
+    shift
+    models=("$@"); [ ${#models[@]} -eq 0 ] && models=(qwen3-30b-a3b qwen3-next-80b-a3b)
+    for model in "${models[@]}"; do
       STEP_TIMEOUT=${STEP_TIMEOUT:-290} TAIL=20 run "moe-tune-$model" "$here" python3 benchmarks/moe_tune.py --model "$model"
     done
     cp -r rlserve/ops/moe_configs "$OUT/" 2>/dev/null
+    ;;
+  invariant)
+    STEP_TIMEOUT=${STEP_TIMEOUT:-200} TAIL=0 run invariant-tiles "$here" python3 benchmarks/invariant_tiles.py
+    for mode in "" --batch-invariant; do
+      # shellcheck disable=SC2086
+      TAIL=8 run "throughput-qwen3-0.6b${mode:+-invariant}" "$here" python3 benchmarks/throughput.py \
+        --model qwen3-0.6b $mode
+    done
     ;;
   hybrid)
     # Each beside its decode steps on the state pool in place (ops/triton_gated_delta.py).
