@@ -93,8 +93,8 @@ def _batch_invariant(device: torch.device, dtype: torch.dtype) -> Kernels:
     """The ops of ops/batch_invariant.py. On CUDA they read only device tensors and a padded
     row changes no other row's bits (GEMM tiles from N and K, attention tiles from the
     model's shapes), so decode steps replay from CUDA graphs with the eager steps' bits;
-    the KV store is the Triton one (a copy, no reduction), and RMSNorm, rotary and
-    SiLU-and-mul run in one launch each where they give torch's bits on the card
+    the KV store and the sampler are the Triton ones (a copy; a draw per row), and RMSNorm,
+    rotary and SiLU-and-mul run in one launch each where they give torch's bits on the card
     (ops/invariant_fusions.py checks them at start)."""
     from rlserve.ops import batch_invariant as bi
     kernels = dataclasses.replace(
@@ -104,8 +104,12 @@ def _batch_invariant(device: torch.device, dtype: torch.dtype) -> Kernels:
         return kernels
     from rlserve.ops import triton_kv_store
     from rlserve.ops.invariant_fusions import fusions
-    return dataclasses.replace(kernels, store_kv_cache=triton_kv_store.store_kv_cache, graphs=True,
-                               **fusions(device, dtype))
+    from rlserve.ops.triton_sampling import gumbel_sample
+    # The Gumbel-max draw of a row follows its own noise key (a seeded request's: from its
+    # seed, sample and position), never the batch.
+    kernels = dataclasses.replace(kernels, store_kv_cache=triton_kv_store.store_kv_cache, sample=gumbel_sample,
+                                  graphs=True, **fusions(device, dtype))
+    return _check_sampler(kernels, device)
 
 
 def _triton() -> Kernels:
