@@ -8,7 +8,8 @@ launch, rounding where torch rounds and calling the functions torch's kernels ca
 rsqrtf and expf, an IEEE division, no fused multiply-adds), so they should give the same
 bits; whether they do rests on the card, the Triton compiler and torch's own kernels, so
 each is run on random rows against its torch arithmetic and, where any bit differs, dropped
-loudly for the torch ops.
+loudly for the torch ops. The GEMM's faster tiles by row count (triton_batch_invariant.TILES)
+are checked the same way, against its one fixed tile.
 """
 
 from __future__ import annotations
@@ -105,5 +106,9 @@ def fusions(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
         out["rope"] = rope
     if _check("SiLU-and-mul", _silu_matches, device, dtype):
         out["silu_and_mul"] = lambda x: triton_fused.silu_and_mul(x, exact=True)
-    logger.info("batch-invariant mode: one-launch %s", ", ".join(out) or "none")
+    if tbi.TILES and _check("GEMM's row-count tiles", tbi.check_tiles, device, dtype):
+        out_tiles = "row-count GEMM tiles"
+    else:
+        out_tiles = "fixed GEMM tiles"
+    logger.info("batch-invariant mode: one-launch %s; %s", ", ".join(out) or "none", out_tiles)
     return out
