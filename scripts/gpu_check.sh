@@ -133,8 +133,9 @@ case "${1:-suite}" in
       RLSERVE_GDN_DECODE=triton TAIL=8 run "throughput-$model-in-place" "$here" python3 benchmarks/throughput.py \
         --model "$model"
     done
-    # The colocated push holds two copies on the card: the 12-layer Qwen3-Next (about 40 GB) does not fit.
-    for model in qwen3.5-0.8b; do
+    # The colocated push holds two copies on the card: the 12-layer Qwen3-Next (about 40 GB) does
+    # not fit an 80 GB card twice; its first 4 layers do.
+    for model in qwen3.5-0.8b qwen3-next-80b-a3b-4l; do
       TAIL=8 run "ipc-$model" "$here" python3 benchmarks/weight_sync.py --model "$model" --backend ipc --repeats 10
     done
     ;;

@@ -78,6 +78,9 @@ PRESETS.update({
 # Its first 12 layers (3 of full attention): every layer as the 80B has it, 41 GB in bf16,
 # one card's worth.
 PRESETS["qwen3-next-80b-a3b-12l"] = dict(PRESETS["qwen3-next-80b-a3b"], num_hidden_layers=12)
+# Its first 4 (one of full attention), 13.6 GB: a trainer's copy and the server's fit one
+# 80 GB card together, for the colocated push.
+PRESETS["qwen3-next-80b-a3b-4l"] = dict(PRESETS["qwen3-next-80b-a3b"], num_hidden_layers=4)
 # For CPU tests: "tiny"'s sizes as Qwen3.5, and as Qwen3-Next (8 experts, top-2).
 PRESETS["qwen3.5-tiny"] = dict(
     PRESETS["tiny"], architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", num_hidden_layers=4,
