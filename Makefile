@@ -25,7 +25,7 @@ lint:
 	$(PYTHON) -m mypy rlserve
 
 # The second run is the Triton kernels' CPU lane: the MoE, router, gated-delta and LoRA kernels under Triton's
-# interpreter against their torch references (the rest of tests/gpu/test_triton_ops.py takes
+# interpreter against their torch references (the attention, fused and rotary kernel files take
 # about five minutes there: run it with `make test-interpret`). The first run lists its 25
 # slowest tests, so a CI log shows where the suite's time goes.
 test: install
@@ -39,8 +39,9 @@ test-fast:
 	$(PYTHON) -m pytest -q tests/unit tests/engine/test_llm_offline.py tests/engine/test_kernels.py
 
 test-interpret:
-	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_triton_router.py tests/gpu/test_triton_gated_delta.py tests/gpu/test_lora_ops.py tests/gpu/test_triton_ops.py \
-		tests/gpu/test_batch_invariance_triton.py
+	RLSERVE_TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/gpu/test_triton_moe.py tests/gpu/test_triton_router.py \
+		tests/gpu/test_triton_gated_delta.py tests/gpu/test_lora_ops.py tests/gpu/test_triton_attention.py \
+		tests/gpu/test_triton_fused.py tests/gpu/test_triton_rotary.py tests/gpu/test_batch_invariance_triton.py
 
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu tests

@@ -49,11 +49,11 @@ case "${1:-suite}" in
     # one; in the other the LoRA/MoE/sampling kernels, then the engine and server tests (bound by
     # start-up). Each test sizes its own KV cache, so the lanes share the GPU; three shards at once
     # starved the engine shard of host cores (it ran past 500 s where alone it takes 153 s).
-    shards=("tests/gpu/test_triton_ops.py"
+    shards=("tests/gpu/test_triton_attention.py tests/gpu/test_triton_fused.py tests/gpu/test_triton_rotary.py"
             "tests/gpu/test_lora_ops.py tests/gpu/test_triton_moe.py tests/gpu/test_triton_router.py tests/gpu/test_triton_gated_delta.py tests/gpu/test_gpu_sampling.py"
             "")
     # The third: every other file of tests/gpu (where each GPU test lives).
-    others=$(ls tests/gpu/test_*.py | grep -v -e test_triton_ops.py -e test_lora_ops.py -e test_triton_moe.py \
+    others=$(ls tests/gpu/test_*.py | grep -v -e test_triton_attention.py -e test_triton_fused.py -e test_triton_rotary.py -e test_lora_ops.py -e test_triton_moe.py \
              -e test_triton_router.py -e test_triton_gated_delta.py -e test_gpu_sampling.py | tr '\n' ' ')
     shards[2]=$others
     shard() {

@@ -4,7 +4,7 @@ batch-invariant ops (ops/batch_invariant.py, `--batch-invariant`).
 Chosen once, when the worker is built (`select`), logged, and bound to the model's layers
 (`bind`); no op decides per call. `RLSERVE_KERNELS=torch|triton` overrides the default
 (Triton on CUDA where it imports, the torch references elsewhere). The torch set is the
-oracle the Triton kernels are tested against (tests/gpu/test_triton_ops.py), and it is also
+oracle the Triton kernels are tested against (tests/gpu/test_triton_*.py), and it is also
 what production runs on the CPU: one copy of each reference.
 """
 
