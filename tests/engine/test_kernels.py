@@ -44,3 +44,23 @@ def test_every_layer_runs_the_bound_set(monkeypatch):
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, detokenize=False))
     layers = runner.model.config.num_hidden_layers
     assert len(calls) == 2 * layers  # a prefill and a decode step, every layer
+
+
+def test_a_router_that_picks_other_experts_than_torchs_is_replaced_loudly(caplog):
+    """The start-up check of the kernel set's router: a router that disagrees with torch's
+    (here one that routes to the least likely experts) is swapped for torch's, with a
+    warning; one that agrees is kept."""
+    from rlserve.ops import moe
+
+    def wrong(logits, top_k, renormalize):
+        return moe.route(-logits, top_k, renormalize)
+
+    def same(logits, top_k, renormalize):
+        return moe.route(logits, top_k, renormalize)
+
+    cpu = torch.device("cpu")
+    assert kernels._check_router(dataclasses.replace(kernels.TORCH, route=same), cpu).route is same
+    with caplog.at_level("WARNING"):
+        checked = kernels._check_router(dataclasses.replace(kernels.TORCH, route=wrong), cpu)
+    assert checked.route is moe.route
+    assert "failed its self-check" in caplog.text and "MoE models route with torch" in caplog.text
