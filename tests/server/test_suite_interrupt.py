@@ -66,9 +66,12 @@ def _children(pid: int) -> set[int]:
 def test_sigint_stops_pytest_and_its_servers_within_seconds(tmp_path, when):
     (tmp_path / "test_inner.py").write_text(INNER.replace("TESTS", repr(str(TESTS))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
-    # As a terminal runs it: pytest leads its own process group, and Ctrl-C goes to the group.
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                             str(tmp_path / "test_inner.py")], cwd=tmp_path, env=env, text=True,
+    # As a terminal runs it: pytest leads its own process group, Ctrl-C goes to the group, and
+    # SIGINT raises KeyboardInterrupt (a suite started in the background, `make test &`, hands
+    # its children an ignored SIGINT, which Python then leaves ignored).
+    run_pytest = ("import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                  f"sys.exit(pytest.main(['-q', '-s', '-p', 'no:cacheprovider', {str(tmp_path / 'test_inner.py')!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", run_pytest], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines, server_pid = [], None
     try:
