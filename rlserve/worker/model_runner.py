@@ -27,6 +27,7 @@ from rlserve.model.gated_deltanet import (
     state_bytes_per_sequence,
 )
 from rlserve.model.layers import PagedAttention
+from rlserve.model.moe import SparseMoeBlock
 from rlserve.model.routed_experts import RoutedExpertsCapturer
 from rlserve.ops import kernels
 from rlserve.ops.attention import FP8_DTYPES
@@ -76,6 +77,9 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.kernels = kernels.select(device, batch_invariant=batch_invariant, dtype=dtype)  # once, for every layer
+        moe = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
+        if moe is not None and device.type == "cuda":
+            self.kernels = kernels.check_router(self.kernels, device, moe.gate.out_features, moe.top_k)
         kernels.bind(model, self.kernels)
         if lora is not None:
             lora.context.kernels = self.kernels

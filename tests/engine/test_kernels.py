@@ -59,8 +59,8 @@ def test_a_router_that_picks_other_experts_than_torchs_is_replaced_loudly(caplog
         return moe.route(logits, top_k, renormalize)
 
     cpu = torch.device("cpu")
-    assert kernels._check_router(dataclasses.replace(kernels.TORCH, route=same), cpu).route is same
+    assert kernels.check_router(dataclasses.replace(kernels.TORCH, route=same), cpu, 128, 8).route is same
     with caplog.at_level("WARNING"):
-        checked = kernels._check_router(dataclasses.replace(kernels.TORCH, route=wrong), cpu)
+        checked = kernels.check_router(dataclasses.replace(kernels.TORCH, route=wrong), cpu, 128, 8)
     assert checked.route is moe.route
     assert "failed its self-check" in caplog.text and "MoE models route with torch" in caplog.text
