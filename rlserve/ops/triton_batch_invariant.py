@@ -126,6 +126,17 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _norm_input(x_row, res_row, c, n_cols, HAS_RESIDUAL: tl.constexpr):
+    """A chunk of the row the norm reads: x, or x + residual rounded to the activation dtype
+    (as torch adds them)."""
+    x = tl.load(x_row + c, mask=c < n_cols, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_row + c, mask=c < n_cols, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, heads, stride_xt, stride_xh,
                      stride_r, stride_ot, stride_oh, stride_ro, eps, HAS_RESIDUAL: tl.constexpr,
                      BLOCK: tl.constexpr, VEC: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -141,12 +152,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, heads,
     cols = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), VEC), VEC)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for c0 in range(0, n_cols, BLOCK):
-        c = c0 + cols
-        v = tl.load(x_row + c, mask=c < n_cols, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * stride_r + c, mask=c < n_cols, other=0.0)
-            v = (v.to(tl.float32) + r.to(tl.float32)).to(v.dtype)
-        v = v.to(tl.float32)
+        v = _norm_input(x_row, res_ptr + row * stride_r, c0 + cols, n_cols, HAS_RESIDUAL).to(tl.float32)
         acc += v * v
     mean = tl.sum(acc, 0) / n_cols
     if LIBDEVICE:  # CUDA's rsqrtf, which torch.rsqrt calls (the interpreter has no libdevice)
@@ -155,10 +161,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, heads,
         inv = tl.rsqrt(mean + eps)
     for c0 in range(0, n_cols, BLOCK):
         c = c0 + cols
-        x = tl.load(x_row + c, mask=c < n_cols, other=0.0)
+        x = _norm_input(x_row, res_ptr + row * stride_r, c, n_cols, HAS_RESIDUAL)
         if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * stride_r + c, mask=c < n_cols, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
             tl.store(res_out_ptr + row * stride_ro + c, x, mask=c < n_cols)
         y = (x.to(tl.float32) * inv).to(x.dtype)
         w = tl.load(w_ptr + c, mask=c < n_cols, other=0.0)
