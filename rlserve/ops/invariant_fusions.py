@@ -47,9 +47,9 @@ def _rope_matches(device: torch.device, dtype: torch.dtype) -> bool:
     from rlserve.ops.triton_rotary import rope_
     gen = torch.Generator(device=device).manual_seed(0)
     dim, positions = 128, torch.arange(0, 4096, 13, device=device)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, device=device).float() / dim))
-    freqs = torch.outer(torch.arange(4096, device=device, dtype=torch.float32), inv_freq)
-    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    # Any float32 table with equal halves, as a rotary table has (the kernel reads one half).
+    half = torch.rand(2, 4096, dim // 2, device=device, generator=gen) * 2 - 1
+    cos, sin = torch.cat((half[0], half[0]), -1), torch.cat((half[1], half[1]), -1)
     qk = torch.randn(positions.shape[0], 24, dim, device=device, generator=gen).to(dtype)
     c, s = cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
     want_q, want_k = fused_ref.rotate(qk[:, :16], c, s), fused_ref.rotate(qk[:, 16:], c, s)
@@ -59,8 +59,8 @@ def _rope_matches(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _silu_matches(device: torch.device, dtype: torch.dtype) -> bool:
     from rlserve.ops import triton_fused
-    x = (4 * torch.randn(257, 2 * 1536, device=device, generator=torch.Generator(device=device).manual_seed(0)))
-    x = x.to(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = (4 * torch.randn(257, 2 * 1536, device=device, generator=gen)).to(dtype)
     return torch.equal(triton_fused.silu_and_mul(x, exact=True), F.silu(x[:, :1536]) * x[:, 1536:])
 
 

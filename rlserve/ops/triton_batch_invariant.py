@@ -104,6 +104,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*lead, n)
 
 
+def _row_block(n: int) -> int:
+    """The lanes a row's sum is spread over: the row mean's and the one-launch RMSNorm's
+    (their bits agree only while both sum in the same lanes)."""
+    return min(triton.next_power_of_2(n), 1024)
+
+
 @triton.jit
 def _row_mean_kernel(x_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -121,7 +127,7 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
     if rows.shape[0]:
         _row_mean_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0),
-                                          BLOCK=min(triton.next_power_of_2(n), 1024))
+                                          BLOCK=_row_block(n))
     return out.view(*x.shape[:-1], 1)
 
 
@@ -198,7 +204,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
             n, heads, sxt, sxh, residual.stride(0) if residual is not None else 0, sot, soh,
             res_out.stride(0) if res_out is not None else 0, eps, HAS_RESIDUAL=residual is not None,
-            BLOCK=min(triton.next_power_of_2(n), 1024), VEC=vec,
+            BLOCK=_row_block(n), VEC=vec,
             LIBDEVICE=libdevice_rsqrt and x.is_cuda, enable_fp_fusion=False)
     return out, res_out
 
