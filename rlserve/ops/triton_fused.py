@@ -163,6 +163,6 @@ def silu_and_mul(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
             x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, PDL=triton_pdl.enabled(x.device),
-            EXACT=exact, num_warps=4 if block >= 512 else 2, **({"enable_fp_fusion": False} if exact else {}),
+            EXACT=exact, num_warps=4 if block >= 512 else 2, enable_fp_fusion=not exact,
         )
     return out.view(*x.shape[:-1], n)
