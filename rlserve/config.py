@@ -220,8 +220,8 @@ class EngineConfig:
         "no tokenizer (as vLLM): prompts are token ids, outputs are token ids with empty text; "
         "chat, stop strings and structured outputs are refused", group=_MODEL))
     async_scheduling: bool | None = field(default=None, metadata=no_flag(
-        "launch step N+1 before reading back step N's tokens (None: on CUDA only); the offline "
-        "API and benchmarks compare both"))
+        "launch step N+1 before reading back step N's tokens (None: on CUDA with one "
+        "tensor-parallel rank); the offline API and benchmarks compare both"))
     logprobs_mode: str = field(default="raw_logprobs", metadata=flag(
         "raw: of the model's logits (what RL importance ratios need); processed: of the logits "
         "sampled from (after bias, masks, penalties, temperature, top-k/p, min-p)",

@@ -16,8 +16,9 @@ Worker -> executor:
 A step carries the scheduler output as plain lists. Workers keep a mirror of every
 request they have seen, so a step sends each request's tokens once: new requests with
 their prompt and sampling parameters, then per scheduled request only the tokens appended
-since the last step it was in; the ids of requests that finished meanwhile
-(SchedulerOutput.finished_ids) let workers drop their mirrors. A mirror is a
+since the last step it was in (and the one it was still sampling then, now known); the
+ids of requests that finished meanwhile (SchedulerOutput.finished_ids) let workers drop
+their mirrors. A mirror is a
 rlserve.sequence.Sequence: what the model runner reads of a request.
 """
 
@@ -33,7 +34,7 @@ import msgpack
 
 from rlserve.errors import WireError, from_wire, to_wire
 from rlserve.sampling_params import SamplingParams
-from rlserve.sequence import ScheduledRequest, SchedulerOutput, Sequence
+from rlserve.sequence import PLACEHOLDER, ScheduledRequest, SchedulerOutput, Sequence
 
 _HEADER = struct.Struct("!Q")
 
@@ -140,12 +141,18 @@ class StepEncoder:
                     req.request_id,
                     req.num_computed_tokens,
                     item.num_new_tokens,
+                    sent,
                     req.token_ids[sent:],
                     list(table),
                     req.state_slot,
                 ]
             )
-            self.known[req.request_id] = (req, req.num_tokens, req.lora_slot)
+            # A token the step in flight is still sampling goes as a PLACEHOLDER (the worker
+            # reads it from that step, as rank 0 does) and again, known, in the next message.
+            known = req.num_tokens
+            while known > sent and req.token_ids[known - 1] == PLACEHOLDER:
+                known -= 1
+            self.known[req.request_id] = (req, known, req.lora_slot)
         return {
             "op": "step",
             "new": new,
@@ -168,8 +175,9 @@ class StepDecoder:
             req = _request_from_wire(w)
             self.requests[req.request_id] = req
         out, tables = SchedulerOutput(), []
-        for rid, num_computed, num_new, tokens, table, state_slot in msg["items"]:
+        for rid, num_computed, num_new, start, tokens, table, state_slot in msg["items"]:
             req = self.requests[rid]
+            del req.token_ids[start:]  # a PLACEHOLDER sent last time, now known
             req.token_ids.extend(tokens)
             req.num_computed_tokens = num_computed
             req.state_slot = state_slot  # a hybrid model's: it may change when preempted

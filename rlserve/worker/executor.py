@@ -4,11 +4,12 @@ Rank 0, the driver, lives in this process: one rank means no process hop. The en
 reads what it needs of rank 0 through this class (`info`, `expected_weights`,
 `abort_transfer`, `lora`), never the driver itself. Ranks 1..N-1 are worker processes
 (worker_proc.py; the executor's handle on each: worker_handle.py), each on a socket
-carrying msgpack messages (messages.py):
+carrying msgpack messages (channel.py):
 
-- a step per engine step: the scheduler output as plain lists, and no reply. The step's
-  collectives keep the ranks in lockstep; every rank gets the full logits and samples,
-  and rank 0's tokens are the ones the engine uses (the others are discarded).
+- a step per engine step: the scheduler output as plain lists, and no reply. Every rank
+  runs it through the same Worker.launch/collect as rank 0; the step's collectives keep
+  the ranks in lockstep, and rank 0 samples and broadcasts the tokens to the others
+  (model_runner.py), so overlapped scheduling reads the same tokens on every rank.
 - calls (`collective_rpc`, one typed message per call: calls.py), answered in order;
   results come back in rank order.
 
@@ -291,25 +292,25 @@ class Executor:
         sample: bool = True,
     ) -> StepHandle:
         """Queue a step on every rank; nothing here waits for the device. `prev`, the step
-        still in flight, supplies the tokens it is sampling (overlapped scheduling).
-        `sample=False`: rank 0 samples later, in `sample` (the other ranks sample at once;
-        only rank 0's tokens are used)."""
+        still in flight, supplies the tokens it is sampling (overlapped scheduling; each
+        worker keeps its own in-flight step). `sample=False`: rank 0 samples later, in
+        `sample`; the other ranks take rank 0's tokens whenever it samples."""
         self.check_health()
         with self._step_failures():
             if self.workers:
                 # With worker processes the engine passes lists (EngineCore._tables).
                 self._send_all(self._steps.encode(sched, block_tables))  # type: ignore[arg-type]
-            return self.driver.runner.launch(sched, block_tables, prev, sample=sample)
+            return self.driver.launch(sched, block_tables, prev, sample=sample)
 
     def sample(self, handle: StepHandle, token_bitmask: torch.Tensor | np.ndarray | None) -> None:
         """Queue the sampling of a step launched with sample=False, under a grammar mask."""
         with self._step_failures():
-            self.driver.runner.sample(handle, token_bitmask)
+            self.driver.sample(handle, token_bitmask)
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """A launched step's results on the host: the one wait of a step."""
         with self._step_failures():
-            return self.driver.runner.collect(handle)
+            return self.driver.collect(handle)
 
     @contextlib.contextmanager
     def _step_failures(self) -> Iterator[None]:

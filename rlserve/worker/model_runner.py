@@ -6,6 +6,11 @@ sample, collect the tokens.
              the rows that need logits, the sampler (sampler.py) unless a grammar mask
              must wait for the previous step's tokens (`sample`)
     collect  the one wait of a step: its tokens and logprobs on the host (logprobs.py)
+
+Every tensor-parallel rank runs these three, in this order. Rank 0 alone samples (it holds
+the grammar masks and the engine reads its tokens) and broadcasts the tokens over the TP
+group; the other ranks take them from there, so every rank's next step reads the same
+tokens, also where that step was launched before this one's tokens reached the host.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
+from rlserve.distributed import TPGroup
 from rlserve.model.base import CausalLM
 from rlserve.model.gated_deltanet import (
     StateBatch,
@@ -69,8 +75,10 @@ class ModelRunner:
         lora: LoRAModel | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         batch_invariant: bool = False,
+        tp: TPGroup | None = None,
     ) -> None:
         self.model = model
+        self.tp = tp or TPGroup()
         self.lora = lora  # when adapters are enabled
         self.device = device
         self.dtype = dtype
@@ -222,8 +230,10 @@ class ModelRunner:
             prompt, prompt_start = {}, {}
         sampled = pending = None
         if batch.sampling is not None:
-            if sample:
-                sampled = S.sample(rows_logits, batch.sampling, self.kernels.sample)
+            if self.tp.rank > 0:
+                sampled = self._tokens_from_rank0(rows_logits.shape[0])
+            elif sample:
+                sampled = self._share(S.sample(rows_logits, batch.sampling, self.kernels.sample))
             else:
                 pending = (rows_logits, batch.sampling)
         handle = StepHandle(
@@ -287,8 +297,22 @@ class ModelRunner:
         handle.pending = None
         if token_bitmask is not None:
             batch = self.sampling.with_bitmask(batch, token_bitmask)
-        handle.sampled = S.sample(logits, batch, self.kernels.sample)
+        handle.sampled = self._share(S.sample(logits, batch, self.kernels.sample))
         self._copy_out(handle)
+
+    def _share(self, out: S.SamplerOutput) -> S.SamplerOutput:
+        """Rank 0's tokens to the other ranks (queued on the stream, no wait on the host)."""
+        if self.tp.world_size > 1:
+            assert out.token_ids.dtype == torch.int64  # what the other ranks receive into
+            self.tp.broadcast(out.token_ids, src=0)
+        return out
+
+    def _tokens_from_rank0(self, rows: int) -> S.SamplerOutput:
+        """The tokens rank 0 sampled for this step's `rows` (it broadcasts them once sampled,
+        before its next launch; the wait is the device's, or gloo's on the CPU)."""
+        token_ids = torch.empty(rows, dtype=torch.int64, device=self.device)
+        self.tp.broadcast(token_ids, src=0)
+        return S.SamplerOutput(token_ids, None, None, None, None)
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Bring a launched step's results to the host: the one sync of a step."""

@@ -25,6 +25,7 @@ from rlserve.worker.memory_profile import (
     profile_memory,
 )
 from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from rlserve.worker.step_inputs import StepHandle
 from rlserve.worker.weight_receiver import WeightReceiver
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ class Worker:
             lora=self.lora,
             kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype),
             batch_invariant=config.batch_invariant,
+            tp=self.tp,
         )
         if config.enable_return_routed_experts and self.rank == 0:
             # Rank 0 alone: every rank routes alike (the router is replicated), one copy is returned.
@@ -182,10 +184,27 @@ class Worker:
         if weights_back and self.runner.kv_cache is not None and getattr(self, "_graph_args", None) is not None:
             self.runner.capture_cuda_graphs(*self._graph_args)
 
-    # -- execution ---------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput, block_tables: np.ndarray | list[list[int]]) -> ModelRunnerOutput:
-        """block_tables: the KV manager's int32 array (one rank) or lists (a step message)."""
-        return self.runner.execute(sched, block_tables)
+    # -- the step: every rank's entry point ------------------------------------------------
+    # Rank 0 is driven by the engine through the executor, the others by their step messages
+    # (worker_proc.py); both call these, in this order, with the same `prev`.
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        block_tables: np.ndarray | list[list[int]],
+        prev: StepHandle | None = None,
+        sample: bool = True,
+    ) -> StepHandle:
+        """Queue a step. block_tables: the KV manager's int32 array (one rank) or lists (a step
+        message). `prev`: the step still in flight, whose tokens this one may read."""
+        return self.runner.launch(sched, block_tables, prev, sample=sample)
+
+    def sample(self, handle: StepHandle, token_bitmask: torch.Tensor | np.ndarray | None) -> None:
+        """Queue a step's sampling under a grammar mask (rank 0; a no-op where it already sampled)."""
+        self.runner.sample(handle, token_bitmask)
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        """A step's results on the host: the one wait of a step."""
+        return self.runner.collect(handle)
 
     # -- weights -----------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

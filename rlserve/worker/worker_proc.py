@@ -3,10 +3,13 @@
     python -m rlserve.worker.worker_proc --fd N      (N: its end of a socket to the executor)
 
 It joins the TP group, builds its Worker, then serves the executor's messages (see
-messages.py) until told to stop or the executor goes away. Steps, and the calls that touch
+channel.py) until told to stop or the executor goes away. Steps, and the calls that touch
 the model or its cache, run in arrival order on the main thread, so they fall between two
-steps exactly as on rank 0. The calls that only wait on the trainer (calls.py: `background`)
-run on a helper thread, so steps go on while bytes arrive, as they do on rank 0.
+steps exactly as on rank 0. A step runs as on rank 0 (Worker.launch, then collect): the
+step before it stays in flight until the next one is queued, so the worker never waits
+for its device between two steps, and a call first finishes the step in flight. The
+calls that only wait on the trainer (calls.py: `background`) run on a helper thread, so
+steps go on while bytes arrive, as they do on rank 0.
 A step that fails is fatal: the worker reports it and exits, which fails the other ranks'
 collectives instead of leaving them waiting.
 """
@@ -33,6 +36,7 @@ from rlserve.worker.calls import AnyRankCall, AnyTensorCall, RankCall
 from rlserve.worker.channel import Channel, ChannelClosed, StepDecoder, error_reply
 
 if TYPE_CHECKING:
+    from rlserve.worker.step_inputs import StepHandle
     from rlserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -71,6 +75,7 @@ class WorkerLoop:
         self.calls = msgspec.msgpack.Decoder(AnyRankCall)
         self.tensor_calls = msgspec.msgpack.Decoder(AnyTensorCall)
         self.background: threading.Thread | None = None
+        self.inflight: StepHandle | None = None  # the last step queued, not yet collected
 
     def run(self) -> int:
         while True:
@@ -81,11 +86,15 @@ class WorkerLoop:
             op = msg["op"]
             if op == "step":
                 try:
-                    sched, tables = self.steps.decode(msg)
-                    self.worker.execute_model(sched, tables)
+                    self._step(msg)
                 except Exception:
                     return self._fatal("a step failed")
-            elif op == "call":
+                continue
+            try:
+                self._finish_step()
+            except Exception:
+                return self._fatal("a step failed")
+            if op == "call":
                 self._call(self.calls.decode(msg["call"]))
             elif op == "load":
                 try:
@@ -100,6 +109,19 @@ class WorkerLoop:
                 return 0
             else:
                 return self._fatal(f"unknown message {op!r}")
+
+    def _step(self, msg: dict[str, Any]) -> None:
+        """Queue this step (reading the tokens of the one in flight where it must), then
+        wait for the one before it, as rank 0 does with overlapped scheduling."""
+        sched, tables = self.steps.decode(msg)
+        handle = self.worker.launch(sched, tables, self.inflight)
+        self._finish_step()
+        self.inflight = handle
+
+    def _finish_step(self) -> None:
+        if self.inflight is not None:
+            handle, self.inflight = self.inflight, None
+            self.worker.collect(handle)
 
     def _fatal(self, what: str) -> int:
         error = f"{what}:\n{traceback.format_exc()}"

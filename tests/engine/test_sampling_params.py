@@ -5,7 +5,7 @@ What the engine samples from is checked against the definitions applied by hand
 transformers on the same weights: the processed logprobs of every sampled token and its
 top alternatives, greedy choices, seeded frequencies. Then: validation names the field,
 seeded sampling stays reproducible, overlapped scheduling and preemption change nothing,
-and tensor-parallel ranks get the same parameters.
+and tensor-parallel ranks take rank 0's tokens.
 """
 
 from __future__ import annotations
@@ -226,14 +226,32 @@ def test_overlapped_scheduling_and_preemption_give_the_same_outputs(model_path, 
     assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in plain]
 
 
-def test_tensor_parallel_ranks_apply_the_same_processors(model_path, raw):
-    """Rank 1 gets the parameters in a msgpack step message (logit_bias keys as strings)."""
-    o, all_cases = cases(raw)
-    params = [all_cases["everything"], all_cases["logit_bias"], all_cases["allowed_token_ids"]]
-    expected = [r.outputs[0].token_ids for r in raw.generate(PROMPTS[:3], params)]
-    llm = LLM(model_path, device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2)
+def test_tensor_parallel_ranks_read_rank0_tokens(model_path, raw):
+    """Rank 0 samples (processors, grammar masks, seeds) and broadcasts its tokens; rank 1
+    reads them, also where its next step was queued before they reached the host
+    (overlapped scheduling) and where a preempted request comes back (its tokens, some
+    first sent while still being sampled, recomputed on rank 1). TP=2 gives TP=1's greedy
+    tokens, overlapped or not, and the same seeded samples overlapped as not."""
+    _, all_cases = cases(raw)
+    greedy = [all_cases["everything"], all_cases["logit_bias"], all_cases["allowed_token_ids"],
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)]
+    seeded = [dataclasses.replace(all_cases["random"], max_tokens=30), SamplingParams(n=2, temperature=1.0, seed=7,
+                                                                                    max_tokens=20)]
+    expected = [r.outputs[0].token_ids for r in raw.generate(PROMPTS[:4], greedy)]
+    # Six blocks of 16 tokens for six sequences of up to 50: preemption on every run.
+    llm = LLM(model_path, device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2,
+              num_kv_blocks=6)
     try:
-        assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS[:3], params)] == expected
+        runs = []
+        for overlapped in (False, True):
+            llm.engine.async_scheduling = overlapped
+            before = llm.engine.stats().preemptions_total
+            outs = llm.generate(PROMPTS[:4] + PROMPTS[3:5], greedy + seeded)
+            assert llm.engine.stats().preemptions_total > before
+            runs.append([[o.token_ids for o in r.outputs] for r in outs])
+        for tokens in runs:
+            assert [t[0] for t in tokens[:4]] == expected
+        assert runs[1] == runs[0]
     finally:
         llm.shutdown()
 
