@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from rlserve.ops import batch_invariant as bi
 from rlserve.ops import fused_ref
+from rlserve.ops.self_check import passes
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +65,12 @@ def _silu_matches(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.equal(triton_fused.silu_and_mul(x, exact=True), F.silu(x[:, :1536]) * x[:, 1536:])
 
 
-def _check(name: str, check, device: torch.device, dtype: torch.dtype) -> bool:
-    try:
-        ok = check(device, dtype)
-        reason = "its bits differ from torch's arithmetic"
-    except Exception as e:  # an old or broken Triton
-        ok, reason = False, f"{type(e).__name__}: {e}"
-    if not ok:
-        logger.warning("batch-invariant mode: the one-launch %s failed its check on this card (%s); "
-                       "it runs as torch ops instead (same bits, more launches)", name, reason)
-    return ok
+def _check(name: str, matches, device: torch.device, dtype: torch.dtype) -> bool:
+    return passes(
+        f"{name} (batch-invariant mode, one launch)",
+        lambda: None if matches(device, dtype) else "its bits differ from torch's arithmetic",
+        "it runs as torch ops instead (same bits, more launches)",
+    )
 
 
 def fusions(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:

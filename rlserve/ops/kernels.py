@@ -22,6 +22,7 @@ from rlserve import envs
 from rlserve.ops import attention as attention_ref
 from rlserve.ops import fused_ref
 from rlserve.ops import moe as moe_ref
+from rlserve.ops.self_check import passes
 
 logger = logging.getLogger(__name__)
 
@@ -172,23 +173,20 @@ def _triton() -> Kernels:
 
 
 def _check_sampler(kernels: Kernels, device: torch.device) -> Kernels:
-    """Run the sampling kernel once on a known case. If it fails, say so loudly and
-    sample with torch (every other kernel is checked against its reference by the tests;
-    this one is the most sensitive to the Triton version's random-number primitives)."""
+    """Run the sampling kernel once on a known case (it is the most sensitive to the Triton
+    version's random-number primitives); torch's sampler where it fails."""
     sample = kernels.sample
     if sample is None:
         return kernels
-    try:
+
+    def check() -> str | None:
         logits = torch.full((2, 300), -30.0, device=device)
         logits[:, 257] = 30.0
         drawn = sample(logits, torch.ones(2, device=device), torch.tensor([1, 2], device=device)).tolist()
-        reason = None if drawn == [257, 257] else f"drew {drawn} where only token 257 is possible"
-    except Exception as e:  # an old or broken Triton
-        reason = f"{type(e).__name__}: {e}"
-    if reason is None:
+        return None if drawn == [257, 257] else f"drew {drawn} where only token 257 is possible"
+
+    if passes("triton_sampling.gumbel_sample", check, "sampling falls back to the torch sampler"):
         return kernels
-    logger.warning("kernel triton_sampling.gumbel_sample failed its self-check (%s); "
-                   "sampling falls back to the torch sampler", reason)
     return dataclasses.replace(kernels, sample=None)
 
 
@@ -200,18 +198,17 @@ def check_router(kernels: Kernels, device: torch.device, experts: int, top_k: in
     if kernels.route is moe_ref.route:
         return kernels
     gen = torch.Generator(device=device).manual_seed(0)
-    try:
+
+    def check() -> str | None:
         for rows in (1, 97):
             logits = torch.randn(rows, experts, device=device, generator=gen)
             got, want = kernels.route(logits, top_k, True), moe_ref.route(logits, top_k, True)
-            same = torch.equal(got.ids, want.ids) and torch.allclose(got.weights, want.weights, rtol=1e-5, atol=1e-6)
-            if not same:
-                raise AssertionError(f"{rows} rows of {experts} experts, top-{top_k}: other experts or weights "
-                                     "than torch's")
+            if not (torch.equal(got.ids, want.ids) and torch.allclose(got.weights, want.weights, rtol=1e-5, atol=1e-6)):
+                return f"{rows} rows of {experts} experts, top-{top_k}: other experts or weights than torch's"
+        return None
+
+    if passes("triton_router.route", check, "MoE models route with torch"):
         return kernels
-    except Exception as e:  # an old or broken Triton, or a wrong route
-        reason = f"{type(e).__name__}: {e}"
-    logger.warning("kernel triton_router.route failed its self-check (%s); MoE models route with torch", reason)
     return dataclasses.replace(kernels, route=moe_ref.route)
 
 
