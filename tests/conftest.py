@@ -3,10 +3,17 @@ process for the session. What tests import (servers, oracles, checkpoints) is te
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
-import pytest
-import torch
+# Read by torch at import and inherited by every process the tests start: servers,
+# tensor-parallel workers and data-parallel replicas run beside the test process, and on a
+# small machine each spinning a thread per core makes all of them slower. A caller's value stands.
+if (os.cpu_count() or 1) <= 4:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from helpers.reasoning import THINK_TEMPLATE, VLLM_FLAGS
 from helpers.servers import API_KEY, MAX_MODEL_LEN, RunningServer, start_server, stop_server, wait_for_stopped
