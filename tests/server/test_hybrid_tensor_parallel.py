@@ -1,7 +1,8 @@
 """Hybrid models split over two ranks on CPU (gloo): Qwen3.5 and Qwen3-Next at
 tensor_parallel_size 2 give the tokens of one rank and of transformers, with each rank
 holding half of the linear-attention heads (their projections, conv channels and states)
-and half of the attention heads; a prefix-cache hit's state copies reach both ranks."""
+and half of the attention heads; a prefix-cache hit's state copies reach both ranks. The
+two ranks run with overlapped scheduling (rank 1 reads rank 0's tokens on the device)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def generate(path: str, tp: int, ids: list[list[int]]):
     """Greedy tokens and logprobs of `ids` batched, then of the last prompt again (a
     prefix-cache hit); what the driver rank's first linear-attention layer holds."""
     llm = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=512,
-              max_num_batched_tokens=64, tensor_parallel_size=tp)
+              max_num_batched_tokens=64, tensor_parallel_size=tp, async_scheduling=tp > 1)
     try:
         assert llm.engine.world_size == tp
         layer = llm.engine.executor.local_runner.model.model.layers[0].linear_attn
