@@ -113,14 +113,10 @@ class EngineCore(EnginePause, EngineSleep, EngineLoRA):
             self.kv.routes = RouteStore(self.kv.capacity_tokens, *info.routes_shape, experts)
         self.state = EngineState()  # paused, asleep, without weights: what stops the steps
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.state, self.lora)
-        # Overlapped scheduling needs a device that runs ahead of the host. Every rank can
-        # (rank 0 broadcasts its tokens); by default it stays on one rank until measured on
-        # several GPUs.
-        self.async_scheduling = (
-            config.async_scheduling
-            if config.async_scheduling is not None
-            else self.device.type == "cuda" and self.world_size == 1
-        )
+        # Overlapped scheduling needs a device that runs ahead of the host; at TP > 1 it is
+        # correct (rank 0 broadcasts its tokens) but off by default until measured there.
+        default_overlap = self.device.type == "cuda" and self.world_size == 1
+        self.async_scheduling = default_overlap if config.async_scheduling is None else config.async_scheduling
         self.inflight: _InFlight | None = None
         self.weight_version = 0
         self.weight_labels: dict[int, str] = {}  # number -> the label it was served under (the latest few)
