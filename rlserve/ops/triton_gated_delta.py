@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-_EPS = 1e-6  # the L2 norm's, as ops/gated_delta.l2norm
+# The L2 norm's, as ops/gated_delta.l2norm (a jit function reads only constexpr globals).
+_EPS = tl.constexpr(1e-6)
 
 
 @triton.jit
