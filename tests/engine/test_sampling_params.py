@@ -234,11 +234,11 @@ def test_tensor_parallel_ranks_read_rank0_tokens(model_path, raw):
     tokens, overlapped or not, and the same seeded samples overlapped as not."""
     _, all_cases = cases(raw)
     greedy = [all_cases["everything"], all_cases["logit_bias"], all_cases["allowed_token_ids"],
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)]
-    seeded = [dataclasses.replace(all_cases["random"], max_tokens=30), SamplingParams(n=2, temperature=1.0, seed=7,
-                                                                                    max_tokens=20)]
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)]
+    seeded = [dataclasses.replace(all_cases["random"], max_tokens=16), SamplingParams(n=2, temperature=1.0, seed=7,
+                                                                                    max_tokens=16)]
     expected = [r.outputs[0].token_ids for r in raw.generate(PROMPTS[:4], greedy)]
-    # Six blocks of 16 tokens for six sequences of up to 50: preemption on every run.
+    # Six blocks of 16 tokens for seven sequences of up to 35: preemption on every run.
     llm = LLM(model_path, device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=2,
               num_kv_blocks=6)
     try:
