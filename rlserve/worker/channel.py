@@ -18,8 +18,8 @@ request they have seen, so a step sends each request's tokens once: new requests
 their prompt and sampling parameters, then per scheduled request only the tokens appended
 since the last step it was in (and the one it was still sampling then, now known); the
 ids of requests that finished meanwhile (SchedulerOutput.finished_ids) let workers drop
-their mirrors. A mirror is a
-rlserve.sequence.Sequence: what the model runner reads of a request.
+their mirrors. A mirror is a rlserve.sequence.Sequence: what the model runner reads of a
+request.
 """
 
 from __future__ import annotations
