@@ -7,7 +7,7 @@ reads what it needs of rank 0 through this class (`info`, `expected_weights`,
 carrying msgpack messages (channel.py):
 
 - a step per engine step: the scheduler output as plain lists, and no reply. Every rank
-  runs it through the same Worker.launch/collect as rank 0; the step's collectives keep
+  runs it through the same ModelRunner.launch/collect as rank 0; the step's collectives keep
   the ranks in lockstep, and rank 0 samples and broadcasts the tokens to the others
   (model_runner.py), so overlapped scheduling reads the same tokens on every rank.
 - calls (`collective_rpc`, one typed message per call: calls.py), answered in order;
@@ -300,17 +300,17 @@ class Executor:
             if self.workers:
                 # With worker processes the engine passes lists (EngineCore._tables).
                 self._send_all(self._steps.encode(sched, block_tables))  # type: ignore[arg-type]
-            return self.driver.launch(sched, block_tables, prev, sample=sample)
+            return self.driver.runner.launch(sched, block_tables, prev, sample=sample)
 
     def sample(self, handle: StepHandle, token_bitmask: torch.Tensor | np.ndarray | None) -> None:
         """Queue the sampling of a step launched with sample=False, under a grammar mask."""
         with self._step_failures():
-            self.driver.sample(handle, token_bitmask)
+            self.driver.runner.sample(handle, token_bitmask)
 
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """A launched step's results on the host: the one wait of a step."""
         with self._step_failures():
-            return self.driver.collect(handle)
+            return self.driver.runner.collect(handle)
 
     @contextlib.contextmanager
     def _step_failures(self) -> Iterator[None]:

@@ -9,14 +9,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
-import numpy as np
 import torch
 
 from rlserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from rlserve.distributed import TPGroup, tp_device, tp_group_scope
 from rlserve.model.loader import build_model
 from rlserve.model.peft import LoRAConfig, pair_tensors
-from rlserve.sequence import SchedulerOutput
 from rlserve.worker.memory_profile import (
     KVSizing,
     WorstSteps,
@@ -24,8 +22,7 @@ from rlserve.worker.memory_profile import (
     kv_cache_budget,
     profile_memory,
 )
-from rlserve.worker.model_runner import ModelRunner, ModelRunnerOutput
-from rlserve.worker.step_inputs import StepHandle
+from rlserve.worker.model_runner import ModelRunner
 from rlserve.worker.weight_receiver import WeightReceiver
 
 if TYPE_CHECKING:
@@ -183,28 +180,6 @@ class Worker:
         weights_back = all(p.numel() or not self._param_shapes[n].numel() for n, p in self.model.named_parameters())
         if weights_back and self.runner.kv_cache is not None and getattr(self, "_graph_args", None) is not None:
             self.runner.capture_cuda_graphs(*self._graph_args)
-
-    # -- the step: every rank's entry point ------------------------------------------------
-    # Rank 0 is driven by the engine through the executor, the others by their step messages
-    # (worker_proc.py); both call these, in this order, with the same `prev`.
-    def launch(
-        self,
-        sched: SchedulerOutput,
-        block_tables: np.ndarray | list[list[int]],
-        prev: StepHandle | None = None,
-        sample: bool = True,
-    ) -> StepHandle:
-        """Queue a step. block_tables: the KV manager's int32 array (one rank) or lists (a step
-        message). `prev`: the step still in flight, whose tokens this one may read."""
-        return self.runner.launch(sched, block_tables, prev, sample=sample)
-
-    def sample(self, handle: StepHandle, token_bitmask: torch.Tensor | np.ndarray | None) -> None:
-        """Queue a step's sampling under a grammar mask (rank 0; a no-op where it already sampled)."""
-        self.runner.sample(handle, token_bitmask)
-
-    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
-        """A step's results on the host: the one wait of a step."""
-        return self.runner.collect(handle)
 
     # -- weights -----------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -5,7 +5,7 @@
 It joins the TP group, builds its Worker, then serves the executor's messages (see
 channel.py) until told to stop or the executor goes away. Steps, and the calls that touch
 the model or its cache, run in arrival order on the main thread, so they fall between two
-steps exactly as on rank 0. A step runs as on rank 0 (Worker.launch, then collect): the
+steps exactly as on rank 0. A step runs as on rank 0 (its runner's launch, then collect): the
 step before it stays in flight until the next one is queued, so the worker never waits
 for its device between two steps, and a call first finishes the step in flight. The
 calls that only wait on the trainer (calls.py: `background`) run on a helper thread, so
@@ -114,14 +114,14 @@ class WorkerLoop:
         """Queue this step (reading the tokens of the one in flight where it must), then
         wait for the one before it, as rank 0 does with overlapped scheduling."""
         sched, tables = self.steps.decode(msg)
-        handle = self.worker.launch(sched, tables, self.inflight)
+        handle = self.worker.runner.launch(sched, tables, self.inflight)
         self._finish_step()
         self.inflight = handle
 
     def _finish_step(self) -> None:
         if self.inflight is not None:
             handle, self.inflight = self.inflight, None
-            self.worker.collect(handle)
+            self.worker.runner.collect(handle)
 
     def _fatal(self, what: str) -> int:
         error = f"{what}:\n{traceback.format_exc()}"
